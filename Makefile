@@ -1,0 +1,43 @@
+# Baton: the README's commands. `make test` and `make demo` work on a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTO_OUT := baton/proto
+PROTOS := $(wildcard protos/*.proto)
+GENERATED := $(patsubst protos/%.proto,$(PROTO_OUT)/%_pb2.py,$(PROTOS))
+
+.PHONY: test demo bench lint proto clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+$(PROTO_OUT)/%_pb2.py: protos/%.proto $(STAMP)
+	mkdir -p $(PROTO_OUT)
+	touch $(PROTO_OUT)/__init__.py
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=$(PROTO_OUT) \
+		--grpc_python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) $<
+	# protoc writes absolute imports; the generated modules live in a package
+	sed -i 's/^import \(.*_pb2\) as/from baton.proto import \1 as/' $(PROTO_OUT)/*_grpc.py
+
+proto: $(GENERATED)
+
+lint: $(STAMP) proto
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+
+test: lint
+	$(BIN)/pytest
+
+demo: $(STAMP) proto
+	$(BIN)/python -m bench.demo
+
+bench: $(STAMP) proto
+	$(BIN)/baton bench all
+
+clean:
+	rm -rf $(PROTO_OUT) .pytest_cache

@@ -1,0 +1,52 @@
+"""The ``baton`` command: one entry point, a subcommand per service or tool.
+
+Each subcommand owns its flags; this module only dispatches, so ``baton sim --help`` shows
+exactly the simulator's flags.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["main"]
+
+
+def _sim(argv: Sequence[str]) -> int:
+    from sim.cli import main as sim_main
+
+    return sim_main(argv)
+
+
+def _bench(argv: Sequence[str]) -> int:
+    from bench.cli import main as bench_main
+
+    return bench_main(argv)
+
+
+COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
+    "sim": (_sim, "run the vLLM-compatible engine simulator"),
+    "bench": (_bench, "run a benchmark and save its JSON"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: baton COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<10} {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    command = COMMANDS.get(args[0])
+    if command is None:
+        print(f"baton: unknown command '{args[0]}'\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return command[0](args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

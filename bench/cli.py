@@ -1,0 +1,40 @@
+"""``baton bench NAME``: run a benchmark, print its table and save its JSON.
+
+Each benchmark is a module in ``bench/`` with ``run(args) -> dict``; results go to
+``bench/results/<name>.json`` unless ``--out`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+BENCHMARKS = {"sim": "bench.sim_capacity"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="baton bench", description=__doc__.splitlines()[0])
+    parser.add_argument("name", choices=[*BENCHMARKS, "all"])
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench/results"),
+        help="directory for the JSON results (default: bench/results)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a shorter run, for smoke tests")
+    args = parser.parse_args(argv)
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        module = importlib.import_module(BENCHMARKS[name])
+        result = module.run(quick=args.quick)
+        path = args.out / f"{name}.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"saved {path}", file=sys.stderr)
+    return 0

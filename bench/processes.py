@@ -1,0 +1,103 @@
+"""Starting, watching and stopping local processes for benchmarks and tests (loopback only)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+__all__ = ["eventually", "free_port", "free_port_block", "stop_process", "wait_healthy"]
+
+# Ports handed out in this process: blocks chosen one after another must not overlap even though
+# each check closes its sockets before the server binds them.
+_HANDED_OUT: set[int] = set()
+_RANDOM = random.Random(os.getpid())
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_block(count: int = 1) -> int:
+    """The first of ``count`` consecutive free loopback ports, none handed out before.
+
+    Ports come from below the kernel's ephemeral range, so the client side of earlier
+    connections (thousands in TIME_WAIT after a test run) never collides with a server port.
+    """
+    top = _ephemeral_start() - count
+    for _ in range(1000):
+        base = _RANDOM.randrange(10_000, top)
+        block = range(base, base + count)
+        if _HANDED_OUT.intersection(block):
+            continue
+        sockets = []
+        try:
+            for port in block:
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+        _HANDED_OUT.update(block)
+        return base
+    raise RuntimeError(f"no block of {count} free ports below {top + count}")
+
+
+def free_port() -> int:
+    return free_port_block(1)
+
+
+def eventually(
+    check: Callable[[], object], timeout: float = 20.0, interval: float = 0.05
+) -> object:
+    """Poll ``check`` until it returns a truthy value or raise with its last error."""
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as exc:
+            last = exc
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s (last error: {last!r})")
+
+
+def wait_healthy(
+    url: str, process: subprocess.Popen[bytes], log_path: Path | None = None, timeout: float = 30
+) -> None:
+    """Wait for ``url``/health to answer 200; fail at once if the process exits."""
+
+    def healthy() -> bool:
+        if process.poll() is not None:
+            output = log_path.read_text() if log_path is not None else ""
+            raise RuntimeError(f"process exited with {process.returncode}:\n{output}")
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+
+    eventually(healthy, timeout=timeout)
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -1,0 +1,23 @@
+"""Process CPU accounting from /proc and core pinning, for side-by-side benchmark runs."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["cpu_seconds", "pin"]
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` and its reaped children, in seconds."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    # fields[11:15] are utime, stime, cutime, cstime (proc(5), counted after the command name)
+    return sum(int(value) for value in fields[11:15]) / _TICKS
+
+
+def pin(pid: int, core: int) -> None:
+    """Pin ``pid`` to ``core`` when the machine has it (a no-op on one core)."""
+    if core < os.cpu_count():
+        os.sched_setaffinity(pid, {core})

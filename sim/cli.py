@@ -1,0 +1,231 @@
+"""``baton sim``: argument parsing with vLLM's flag names, and the process around the engines.
+
+vLLM flags that shape the simulation are parsed with vLLM's names and meaning; any other flag a
+real ``vllm serve`` line carries is accepted with a warning, because the controller renders one
+command line for both. Errors name the flag and the fix and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+
+from pydantic import BaseModel, ValidationError
+
+from sim.cluster import load_cluster
+from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
+from sim.profile import ProfileError, load_profile
+from sim.runner import SimProcess, start_cluster, start_single
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
+log = logging.getLogger("baton.sim")
+
+
+class CliError(ValueError):
+    """A flag value is invalid; the message names the flag and the fix."""
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, *extra: str, **kwargs: object) -> None:
+    # vLLM accepts both --data-parallel-size and --data_parallel_size.
+    underscored = "--" + name[2:].replace("-", "_")
+    names = [name, *extra] + ([underscored] if underscored != name else [])
+    parser.add_argument(*names, **kwargs)  # type: ignore[arg-type]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="baton sim",
+        description="A vLLM-compatible engine simulator: vLLM's flags and wire protocol, "
+        "timed by a performance model calibrated to the DeepSeek-V4.1-Flash study.",
+    )
+    parser.add_argument(
+        "model", nargs="?", default=DEFAULT_MODEL, help="model name (no weights are loaded)"
+    )
+    _flag(parser, "--host", default="127.0.0.1")
+    _flag(parser, "--port", type=int, default=8000)
+    _flag(parser, "--served-model-name", nargs="+", default=None)
+    _flag(parser, "--data-parallel-size", "-dp", type=int, default=1)
+    _flag(parser, "--data-parallel-size-local", "-dpl", type=int, default=None)
+    _flag(parser, "--data-parallel-start-rank", "-dpr", type=int, default=0)
+    _flag(parser, "--data-parallel-rank", "-dpn", type=int, default=None)
+    _flag(parser, "--data-parallel-address", "-dpa", default=None)
+    _flag(parser, "--data-parallel-rpc-port", "-dpp", type=int, default=29550)
+    _flag(parser, "--data-parallel-hybrid-lb", "-dph", action="store_true")
+    _flag(parser, "--enable-expert-parallel", "-ep", action="store_true")
+    _flag(parser, "--kv-transfer-config", default=None, help="JSON, vLLM's KVTransferConfig")
+    _flag(parser, "--enable-eplb", action="store_true")
+    _flag(parser, "--eplb-config", default=None, help="JSON, vLLM's EPLBConfig")
+    _flag(parser, "--max-num-seqs", type=int, default=256)
+    _flag(parser, "--max-num-batched-tokens", type=int, default=None)
+    _flag(parser, "--max-model-len", type=int, default=1_048_576)
+    _flag(parser, "--block-size", type=int, default=16)
+    _flag(
+        parser,
+        "--speculative-config",
+        default=None,
+        help='JSON, e.g. {"method":"mtp","num_speculative_tokens":3}',
+    )
+    sim = parser.add_argument_group("simulator-only flags")
+    _flag(
+        sim,
+        "--profile",
+        default=None,
+        help="performance-model constants: a YAML file or a shipped profile name "
+        "(deepseek-v4.1-flash-gb300, the default; instant)",
+    )
+    _flag(
+        sim,
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per simulated second (>1 stretches time for big clusters)",
+    )
+    _flag(sim, "--seed", type=int, default=0)
+    _flag(sim, "--eplb-agent-port", type=int, default=None)
+    _flag(sim, "--enable-fault-injection", action="store_true")
+    _flag(sim, "--cluster", default=None, help="YAML: many engines in this one process")
+    _flag(sim, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _json_flag(flag: str, text: str | None, model: type[BaseModel]) -> BaseModel:
+    if text is None:
+        return model()
+    try:
+        return model.model_validate(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{flag}: not valid JSON ({exc}); pass a JSON object, e.g. '{{}}'") from exc
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors()
+        )
+        raise CliError(f"{flag}: {problems}") from exc
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Check the flags as vLLM does and build the engine configuration."""
+    dp = args.data_parallel_size
+    if dp < 1:
+        raise CliError("--data-parallel-size: must be at least 1")
+    local = args.data_parallel_size_local
+    start = args.data_parallel_start_rank
+    if args.data_parallel_rank is not None:  # external LB: this server is exactly one rank
+        local, start = 1, args.data_parallel_rank
+    if local is None:
+        local = dp - start
+    if local < 1 or start < 0 or start + local > dp:
+        raise CliError(
+            f"--data-parallel-start-rank {start} with --data-parallel-size-local {local} "
+            f"does not fit in --data-parallel-size {dp}; ranks must be within [0, {dp})"
+        )
+    try:
+        profile = load_profile(args.profile)
+    except ProfileError as exc:
+        raise CliError(f"--profile: {exc}") from exc
+    if args.time_scale <= 0:
+        raise CliError("--time-scale: must be positive (1 = real time, 10 = ten times slower)")
+    kv = _json_flag("--kv-transfer-config", args.kv_transfer_config, KVTransferConfig)
+    eplb = _json_flag("--eplb-config", args.eplb_config, EplbConfig)
+    spec = _json_flag("--speculative-config", args.speculative_config, SpeculativeConfig)
+    return EngineConfig(
+        model=args.model,
+        served_model_names=tuple(args.served_model_name or [args.model]),
+        profile=profile,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens
+        or profile.prefill.max_num_batched_tokens,
+        block_size=args.block_size,
+        data_parallel_size=dp,
+        data_parallel_size_local=local,
+        data_parallel_start_rank=start,
+        hybrid_lb=args.data_parallel_hybrid_lb,
+        enable_expert_parallel=args.enable_expert_parallel,
+        kv_transfer=kv,  # type: ignore[arg-type]
+        enable_eplb=args.enable_eplb,
+        eplb=eplb,  # type: ignore[arg-type]
+        speculative=spec,  # type: ignore[arg-type]
+        side_channel_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", args.host),
+        side_channel_port=int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")),
+        eplb_agent_port=args.eplb_agent_port,
+        time_scale=args.time_scale,
+        seed=args.seed,
+        enable_fault_injection=args.enable_fault_injection,
+    )
+
+
+async def _serve_until_signal(start: Callable[[], Awaitable[SimProcess]]) -> None:
+    process = await start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await process.stop()
+
+
+def split_unknown_flags(
+    parser: argparse.ArgumentParser, argv: Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """Separate vLLM flags the simulator does not model (with their values) from the rest.
+
+    A flag the parser does not know takes the next word as its value unless that word is a flag
+    itself, as ``vllm serve`` lines are written (``--all2all-backend deepep_low_latency``).
+    """
+    known = set(parser._option_string_actions)
+    kept: list[str] = []
+    unknown: list[str] = []
+    words = list(argv)
+    index = 0
+    while index < len(words):
+        word = words[index]
+        name = word.split("=", 1)[0]
+        if word.startswith("--") and name not in known:
+            unknown.append(word)
+            if "=" not in word and index + 1 < len(words) and not words[index + 1].startswith("-"):
+                unknown.append(words[index + 1])
+                index += 1
+        else:
+            kept.append(word)
+        index += 1
+    return kept, unknown
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    kept, unknown = split_unknown_flags(parser, sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(kept)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if unknown:
+        log.warning("ignoring vLLM flags the simulator does not model: %s", " ".join(unknown))
+    try:
+        if args.cluster:
+            spec = load_cluster(args.cluster)
+            start = functools.partial(start_cluster, spec)
+        else:
+            config = config_from_args(args)
+            start = functools.partial(start_single, config, args.host, args.port)
+    except (CliError, ValueError) as exc:
+        print(f"baton sim: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        uvloop.run(_serve_until_signal(start))
+    except OSError as exc:
+        print(f"baton sim: error: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    return 0

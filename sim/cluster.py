@@ -1,0 +1,145 @@
+"""Cluster files: many simulated engines in one process (``baton sim --cluster FILE``).
+
+A 2-core machine cannot run 50 simulator processes, but one event loop can host a whole rack:
+a DEP32 decode group (8 hybrid-LB API servers of 4 local ranks, or one server for all 32) and
+18-20 DEP2 prefill instances, each on its own port with its own NIXL side channel.
+
+.. code-block:: yaml
+
+    model: deepseek-ai/DeepSeek-V4.1-Flash
+    served_model_name: deepseek-v4.1-flash
+    host: 127.0.0.1
+    time_scale: 1.0
+    decode_groups:
+      - {name: cell-0, data_parallel_size: 32, api_servers: 8, port: 8200,
+         side_channel_port: 5700, eplb_agent_port: 50100}
+    prefill:
+      - {name: cell-0-prefill, instances: 18, data_parallel_size: 2, port: 8100,
+         side_channel_port: 5600}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
+from sim.profile import load_profile
+
+__all__ = ["ClusterSpec", "DecodeGroupSpec", "PrefillSpec", "engine_configs", "load_cluster"]
+
+_NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DecodeGroupSpec(_Spec):
+    name: str
+    data_parallel_size: int = Field(default=32, ge=1)
+    api_servers: int = Field(default=8, ge=1)
+    port: int = Field(ge=1, le=65535)
+    side_channel_port: int = Field(ge=1, le=65535)
+    eplb_agent_port: int | None = Field(default=None, ge=1, le=65535)
+    max_num_seqs: int = Field(default=256, ge=1)
+    enable_eplb: bool = True
+    eplb: EplbConfig = Field(default_factory=EplbConfig)
+    speculative: SpeculativeConfig = Field(
+        default_factory=lambda: SpeculativeConfig(method="mtp", num_speculative_tokens=3)
+    )
+
+    @model_validator(mode="after")
+    def _servers_divide_ranks(self) -> DecodeGroupSpec:
+        if self.data_parallel_size % self.api_servers:
+            raise ValueError(
+                f"api_servers ({self.api_servers}) must divide data_parallel_size "
+                f"({self.data_parallel_size}): each serves the same number of ranks"
+            )
+        return self
+
+
+class PrefillSpec(_Spec):
+    name: str
+    instances: int = Field(ge=1)
+    data_parallel_size: int = Field(default=2, ge=1)
+    port: int = Field(ge=1, le=65535)
+    side_channel_port: int = Field(ge=1, le=65535)
+    max_num_seqs: int = Field(default=256, ge=1)
+
+
+class ClusterSpec(_Spec):
+    model: str = "deepseek-ai/DeepSeek-V4.1-Flash"
+    served_model_name: str = "deepseek-v4.1-flash"
+    host: str = "127.0.0.1"
+    time_scale: float = Field(default=1.0, gt=0)
+    seed: int = 0
+    profile: str | None = None
+    max_model_len: int = Field(default=1_048_576, ge=16)
+    enable_fault_injection: bool = False
+    decode_groups: list[DecodeGroupSpec] = Field(default_factory=list)
+    prefill: list[PrefillSpec] = Field(default_factory=list)
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the cluster file ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML ({exc})") from exc
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors()
+        )
+        raise ValueError(f"{path}: {problems}; see `baton sim --help` and sim/cluster.py") from exc
+
+
+def engine_configs(spec: ClusterSpec) -> Iterator[tuple[EngineConfig, list[int], int]]:
+    """Each DP group's configuration, its API server ports and ranks per server."""
+    profile = load_profile(spec.profile)
+    common = {
+        "model": spec.model,
+        "served_model_names": (spec.served_model_name,),
+        "profile": profile,
+        "max_model_len": spec.max_model_len,
+        "side_channel_host": spec.host,
+        "time_scale": spec.time_scale,
+        "enable_fault_injection": spec.enable_fault_injection,
+    }
+    for index, group in enumerate(spec.decode_groups):
+        per_server = group.data_parallel_size // group.api_servers
+        config = EngineConfig(
+            **common,  # type: ignore[arg-type]
+            max_num_seqs=group.max_num_seqs,
+            data_parallel_size=group.data_parallel_size,
+            data_parallel_size_local=group.data_parallel_size,
+            hybrid_lb=group.api_servers > 1,
+            enable_expert_parallel=True,
+            kv_transfer=KVTransferConfig(**_NIXL, engine_id=f"{group.name}-decode"),
+            enable_eplb=group.enable_eplb,
+            eplb=group.eplb,
+            speculative=group.speculative,
+            side_channel_port=group.side_channel_port,
+            eplb_agent_port=group.eplb_agent_port,
+            seed=spec.seed * 7919 + index,
+        )
+        yield config, [group.port + i for i in range(group.api_servers)], per_server
+    for prefill in spec.prefill:
+        for i in range(prefill.instances):
+            config = EngineConfig(
+                **common,  # type: ignore[arg-type]
+                max_num_seqs=prefill.max_num_seqs,
+                data_parallel_size=prefill.data_parallel_size,
+                data_parallel_size_local=prefill.data_parallel_size,
+                enable_expert_parallel=True,
+                kv_transfer=KVTransferConfig(**_NIXL, engine_id=f"{prefill.name}-{i}"),
+                side_channel_port=prefill.side_channel_port + i * prefill.data_parallel_size,
+                seed=spec.seed * 7919 + 1000 + i,
+            )
+            yield config, [prefill.port + i], prefill.data_parallel_size

@@ -1,0 +1,104 @@
+"""Engine configuration: what ``baton sim`` takes from vLLM's flags, validated once.
+
+The JSON flags (``--kv-transfer-config``, ``--eplb-config``, ``--speculative-config``) are
+untrusted input parsed with pydantic, with vLLM's field names and defaults.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sim.profile import Profile
+
+__all__ = ["EngineConfig", "EplbConfig", "KVTransferConfig", "SpeculativeConfig"]
+
+
+class KVTransferConfig(BaseModel):
+    """vLLM's ``KVTransferConfig`` fields the simulator honours (NixlConnector, pull mode)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    kv_connector: str | None = None
+    engine_id: str = Field(default_factory=lambda: str(uuid.uuid4()))
+    kv_role: str | None = None
+    kv_load_failure_policy: str = Field(default="fail", pattern="^(fail|recompute)$")
+    kv_connector_extra_config: dict[str, object] = Field(default_factory=dict)
+
+    @property
+    def nixl(self) -> bool:
+        return self.kv_connector in ("NixlConnector", "NixlPullConnector")
+
+    @property
+    def lease_duration_s(self) -> float:
+        return float(self.kv_connector_extra_config.get("kv_lease_duration", 30))  # type: ignore[arg-type]
+
+
+class EplbConfig(BaseModel):
+    """vLLM's ``EPLBConfig`` (0.33 names and defaults)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    window_size: int = Field(default=1000, gt=0)
+    step_interval: int = Field(default=3000, gt=0)
+    num_redundant_experts: int = Field(default=0, ge=0)
+    log_balancedness: bool = False
+    log_balancedness_interval: int = Field(default=1, gt=0)
+
+
+class SpeculativeConfig(BaseModel):
+    """The part of vLLM's speculative config that changes step shape: draft tokens per step."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    method: str | None = None
+    num_speculative_tokens: int = Field(default=0, ge=0, le=16)
+    acceptance_rate: float | None = Field(default=None, ge=0, le=1)  # simulator-only knob
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """One API server's view of its engines (local DP ranks of a DP group)."""
+
+    model: str
+    served_model_names: tuple[str, ...]
+    profile: Profile
+    max_model_len: int = 1_048_576
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    data_parallel_size: int = 1
+    data_parallel_size_local: int = 1
+    data_parallel_start_rank: int = 0
+    hybrid_lb: bool = False
+    enable_expert_parallel: bool = False
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    enable_eplb: bool = False
+    eplb: EplbConfig = field(default_factory=EplbConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    side_channel_host: str = "localhost"
+    side_channel_port: int = 5600
+    eplb_agent_port: int | None = None
+    time_scale: float = 1.0
+    seed: int = 0
+    enable_fault_injection: bool = False
+
+    @property
+    def local_ranks(self) -> range:
+        return range(
+            self.data_parallel_start_rank,
+            self.data_parallel_start_rank + self.data_parallel_size_local,
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        if self.speculative.acceptance_rate is not None:
+            return self.speculative.acceptance_rate
+        return self.profile.decode.acceptance_rate
+
+    @property
+    def kv_capacity_blocks(self) -> int:
+        tokens = self.profile.kv_cache_bytes_per_gpu / self.profile.kv_bytes_per_token
+        return max(1, int(tokens // self.block_size))

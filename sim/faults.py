@@ -1,0 +1,72 @@
+"""Fault injection for tests and failure drills (only with ``--enable-fault-injection``).
+
+``POST /sim/faults`` with one of:
+
+- ``{"action": "kill", "rank": r}``: rank r dies; a wide-EP group cannot lose a rank, so the
+  whole group fails its requests and ``/health`` answers 503 (vLLM's EngineDeadError).
+- ``{"action": "stall", "rank": r, "seconds": s}``: rank r stops for s simulated seconds; the
+  lockstep group stalls with it, and its KV pulls wait.
+- ``{"action": "fail_requests", "count": n, "status": code}``: the next n generation requests
+  get ``code`` with vLLM's error body.
+- ``{"action": "drop_kv"}``: every KV block held for a remote decode is lost; pulls fail.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, Field, ValidationError
+
+from sim.engine import DPGroup
+from sim.nixl import NixlSide
+from sim.protocol import error_body, validation_message
+
+__all__ = ["FaultInjector"]
+
+
+class _Fault(BaseModel):
+    action: Literal["kill", "stall", "fail_requests", "drop_kv"]
+    rank: int | None = None
+    seconds: Annotated[float, Field(gt=0)] = 1.0
+    count: Annotated[int, Field(ge=1)] = 1
+    status: Annotated[int, Field(ge=400, le=599)] = 500
+
+
+class FaultInjector:
+    def __init__(self, group: DPGroup, nixl: NixlSide, local_ranks: range) -> None:
+        self.group = group
+        self.nixl = nixl
+        self.local_ranks = local_ranks
+        self._failures: list[int] = []
+
+    def take_failure(self) -> int | None:
+        """The status to fail the next request with, if a failure is queued."""
+        return self._failures.pop(0) if self._failures else None
+
+    async def handle(self, http: web.Request) -> web.Response:
+        try:
+            fault = _Fault.model_validate_json(await http.read())
+        except ValidationError as exc:
+            message, param = validation_message(exc)
+            return web.Response(
+                status=400, body=error_body(400, message, param), content_type="application/json"
+            )
+        rank = fault.rank if fault.rank is not None else self.local_ranks.start
+        if rank not in self.group.ranks:
+            return web.Response(
+                status=400,
+                content_type="application/json",
+                body=error_body(
+                    400, f"rank {rank} is not in this DP group ({sorted(self.group.ranks)})", "rank"
+                ),
+            )
+        if fault.action == "kill":
+            self.group.kill()
+        elif fault.action == "stall":
+            self.group.ranks[rank].stalled_until = self.group.clock.now() + fault.seconds
+        elif fault.action == "fail_requests":
+            self._failures.extend([fault.status] * fault.count)
+        else:
+            self.nixl.drop_all()
+        return web.json_response({"applied": fault.model_dump()})

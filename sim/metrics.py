@@ -1,0 +1,185 @@
+"""``/metrics`` for one simulated API server, with vLLM 0.33's metric names and labels.
+
+Every series carries ``model_name`` and ``engine`` (the DP rank, as a string); an API server
+exposes the ranks it manages. Values are read from the engine at scrape time, so serving a
+token costs no metrics call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from sim.engine import DPGroup, DPRank
+from sim.nixl import NixlSide
+from sim.stats import Buckets
+
+__all__ = ["EngineCollector", "engine_registry"]
+
+_LABELS = ["model_name", "engine"]
+RankValue = Callable[[DPRank], float]
+RankBuckets = Callable[[DPRank], Buckets]
+
+
+class EngineCollector(Collector):
+    def __init__(self, model_name: str, group: DPGroup, ranks: range, nixl: NixlSide) -> None:
+        self.model_name = model_name
+        self.group = group
+        self.ranks = ranks
+        self.nixl = nixl
+
+    def collect(self) -> Iterator[Metric]:
+        ranks = [(str(r), self.group.ranks[r]) for r in self.ranks]
+        name = self.model_name
+
+        def gauge(metric: str, doc: str, value_of: RankValue) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(metric, doc, labels=_LABELS)
+            for engine, rank in ranks:
+                family.add_metric([name, engine], value_of(rank))
+            return family
+
+        def counter(metric: str, doc: str, value_of: RankValue) -> CounterMetricFamily:
+            family = CounterMetricFamily(metric, doc, labels=_LABELS)
+            for engine, rank in ranks:
+                family.add_metric([name, engine], value_of(rank))
+            return family
+
+        def histogram(metric: str, doc: str, buckets_of: RankBuckets) -> HistogramMetricFamily:
+            family = HistogramMetricFamily(metric, doc, labels=_LABELS)
+            for engine, rank in ranks:
+                buckets: Buckets = buckets_of(rank)
+                family.add_metric([name, engine], buckets.cumulative(), buckets.total)
+            return family
+
+        yield gauge(
+            "vllm:num_requests_running",
+            "Requests in model execution batches.",
+            lambda r: len(r.running),
+        )
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Requests waiting to be processed.",
+            lambda r: len(r.waiting) + len(r.loading),
+        )
+        by_reason = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason",
+            "Waiting requests by reason.",
+            labels=[*_LABELS, "reason"],
+        )
+        for engine, rank in ranks:
+            by_reason.add_metric([name, engine, "capacity"], len(rank.waiting))
+            by_reason.add_metric([name, engine, "deferred"], len(rank.loading))
+        yield by_reason
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            lambda r: r.cache.usage,
+        )
+        yield counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", lambda r: r.prompt_tokens
+        )
+        yield counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            lambda r: r.generation_tokens,
+        )
+        by_source = CounterMetricFamily(
+            "vllm:prompt_tokens_by_source", "Prompt tokens by source.", labels=[*_LABELS, "source"]
+        )
+        for engine, rank in ranks:
+            for source, value in rank.prompt_tokens_by_source.items():
+                by_source.add_metric([name, engine, source], value)
+        yield by_source
+        yield counter(
+            "vllm:prompt_tokens_cached",
+            "Prompt tokens served from a cache.",
+            lambda r: (
+                r.prompt_tokens_by_source["local_cache_hit"]
+                + r.prompt_tokens_by_source["external_kv_transfer"]
+            ),
+        )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in tokens.",
+            lambda r: r.cache.queries,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", lambda r: r.cache.hits
+        )
+        yield counter(
+            "vllm:num_preemptions", "Cumulative number of preemptions.", lambda r: r.preemptions
+        )
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Successfully processed requests.",
+            labels=[*_LABELS, "finished_reason"],
+        )
+        for engine, rank in ranks:
+            for reason, value in rank.success.items():
+                success.add_metric([name, engine, reason], value)
+        yield success
+        yield histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token in seconds.", lambda r: r.ttft
+        )
+        yield histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", lambda r: r.itl
+        )
+        yield histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", lambda r: r.e2e
+        )
+        yield histogram(
+            "vllm:request_queue_time_seconds",
+            "Time spent waiting in queue.",
+            lambda r: r.queue_time,
+        )
+        yield from self._nixl(ranks)
+
+    def _nixl(self, ranks: list[tuple[str, DPRank]]) -> Iterator[Metric]:
+        name = self.model_name
+        stats = [(engine, self.nixl.stats[int(engine)]) for engine, _ in ranks]
+        for metric, doc, field in (
+            ("vllm:nixl_num_failed_transfers", "Failed NIXL KV transfers.", "failed_transfers"),
+            (
+                "vllm:nixl_num_failed_notifications",
+                "Failed NIXL notifications.",
+                "failed_notifications",
+            ),
+            (
+                "vllm:nixl_num_kv_expired_reqs",
+                "Requests whose held KV expired unread.",
+                "expired_requests",
+            ),
+            (
+                "vllm:nixl_num_notifications_after_expiry",
+                "Notifications after KV expiry.",
+                "notifications_after_expiry",
+            ),
+        ):
+            family = CounterMetricFamily(metric, doc, labels=_LABELS)
+            for engine, stat in stats:
+                family.add_metric([name, engine], getattr(stat, field))
+            yield family
+        for metric, doc, field in (
+            ("vllm:nixl_xfer_time_seconds", "NIXL KV transfer time.", "xfer_time"),
+            ("vllm:nixl_bytes_transferred", "Bytes per NIXL KV transfer.", "bytes_transferred"),
+            ("vllm:nixl_num_descriptors", "Descriptors per NIXL KV transfer.", "descriptors"),
+        ):
+            family = HistogramMetricFamily(metric, doc, labels=_LABELS)
+            for engine, stat in stats:
+                buckets: Buckets = getattr(stat, field)
+                family.add_metric([name, engine], buckets.cumulative(), buckets.total)
+            yield family
+
+
+def engine_registry(collector: EngineCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry

@@ -1,0 +1,125 @@
+"""The simulator's performance model: how long one engine step of a DP group takes.
+
+Pure: profile constants and batch shapes in, simulated seconds out. The engine loop calls it
+once per step; the calibration tests call it with the study's shapes (CONTEXT.md).
+
+A step of a DP group (wide-EP lockstep: every rank runs every layer together):
+
+    step = max over ranks of rank_time + MoE time + draft time          (decode tokens present)
+    rank_time = rest_fixed + rest_per_token * q + attention * sum(context * query tokens)
+                + prefill_overhead + sum over chunks n * (per_token + per_token_context * (c + n/2))
+    MoE = moe_fixed + moe_per_token * (mean routed tokens per rank / balance) * reference_balance
+
+``q`` is the rank's decode query tokens (1 + draft tokens per request); an idle rank still pays
+``rest_fixed`` (vLLM runs a dummy batch so the collectives line up), so uneven requests per rank
+cost throughput. MoE is set by the most loaded expert rank: mean / balance is that rank's load,
+and the figure was measured at ``reference_balance``. The draft (DSpark MTP) forward runs once per
+draft token over every request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sim.profile import Profile
+
+__all__ = [
+    "PrefillChunk",
+    "RankBatch",
+    "StepTime",
+    "expected_tokens_per_step",
+    "prefill_chunk_seconds",
+    "step_seconds",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """``new_tokens`` prompt tokens computed on top of ``context_tokens`` already in KV."""
+
+    new_tokens: int
+    context_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankBatch:
+    """What one DP rank runs in one step."""
+
+    decode_requests: int = 0
+    decode_query_tokens: int = 0
+    decode_context_query_product: float = 0.0  # sum over requests of context x query tokens
+    prefill_chunks: tuple[PrefillChunk, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    total_s: float
+    moe_s: float
+    rest_s: float
+    draft_s: float
+    prefill_s: float
+
+
+def prefill_chunk_seconds(profile: Profile, chunk: PrefillChunk) -> float:
+    """Compute time of one prefill chunk on one rank (attention grows with the context)."""
+    p = profile.prefill
+    n = chunk.new_tokens
+    return n * (p.per_token_s + p.per_token_context_s * (chunk.context_tokens + n / 2))
+
+
+def _rank_seconds(profile: Profile, batch: RankBatch, decoding: bool) -> tuple[float, float]:
+    d = profile.decode
+    rest = 0.0
+    if decoding:
+        rest = (
+            d.rest_fixed_s
+            + d.rest_per_token_s * batch.decode_query_tokens
+            + d.attention_per_context_token_s * batch.decode_context_query_product
+        )
+    prefill = 0.0
+    if batch.prefill_chunks:
+        prefill = profile.prefill.step_overhead_s + sum(
+            prefill_chunk_seconds(profile, chunk) for chunk in batch.prefill_chunks
+        )
+    return rest, prefill
+
+
+def step_seconds(
+    profile: Profile,
+    ranks: Sequence[RankBatch],
+    *,
+    num_speculative_tokens: int = 0,
+    target_balance: float = 1.0,
+    draft_balance: float = 1.0,
+) -> StepTime:
+    """Simulated duration of one lockstep step of a DP group running ``ranks``."""
+    d = profile.decode
+    decoding = any(batch.decode_requests for batch in ranks)
+    slowest = 0.0
+    slowest_rest = 0.0
+    slowest_prefill = 0.0
+    for batch in ranks:
+        rest, prefill = _rank_seconds(profile, batch, decoding)
+        if rest + prefill > slowest:
+            slowest, slowest_rest, slowest_prefill = rest + prefill, rest, prefill
+    if not decoding:
+        return StepTime(slowest, 0.0, 0.0, 0.0, slowest_prefill)
+    num_ranks = len(ranks)
+    mean_tokens = sum(batch.decode_query_tokens for batch in ranks) / num_ranks
+    moe = d.moe_fixed_s + d.moe_per_token_s * mean_tokens * d.reference_balance / max(
+        target_balance, 1e-6
+    )
+    draft = 0.0
+    if num_speculative_tokens:
+        mean_requests = sum(batch.decode_requests for batch in ranks) / num_ranks
+        draft = num_speculative_tokens * (
+            d.draft_fixed_s
+            + d.draft_per_token_s * mean_requests * d.reference_balance / max(draft_balance, 1e-6)
+        )
+    return StepTime(slowest + moe + draft, moe, slowest_rest, draft, slowest_prefill)
+
+
+def expected_tokens_per_step(num_speculative_tokens: int, acceptance_rate: float) -> float:
+    """Mean tokens a request emits per step with MTP: 1 + sum over positions of a^i."""
+    return 1.0 + sum(acceptance_rate**i for i in range(1, num_speculative_tokens + 1))

@@ -1,0 +1,108 @@
+"""The performance profile: the constants of the simulator's performance model.
+
+Loaded from YAML (``--profile FILE``); the default profile for DeepSeek-V4.1-Flash on GB300 ships
+with the package. Profiles are untrusted input, so they are validated with pydantic and a bad
+file is reported with the file, the field and the fix.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
+
+__all__ = [
+    "DEFAULT_PROFILE",
+    "DecodeProfile",
+    "NVLinkProfile",
+    "PrefillProfile",
+    "Profile",
+    "ProfileError",
+    "load_profile",
+    "shipped_profiles",
+]
+
+DEFAULT_PROFILE = "deepseek-v4.1-flash-gb300.yaml"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PrefillProfile(_Strict):
+    step_overhead_s: float = Field(ge=0)
+    per_token_s: PositiveFloat
+    per_token_context_s: float = Field(ge=0)
+    max_num_batched_tokens: PositiveInt = 8192
+
+
+class DecodeProfile(_Strict):
+    moe_fixed_s: float = Field(ge=0)
+    moe_per_token_s: PositiveFloat
+    rest_fixed_s: float = Field(ge=0)
+    rest_per_token_s: float = Field(ge=0)
+    attention_per_context_token_s: float = Field(ge=0)
+    reference_balance: float = Field(gt=0, le=1)
+    draft_fixed_s: float = Field(ge=0)
+    draft_per_token_s: float = Field(ge=0)
+    acceptance_rate: float = Field(ge=0, le=1)
+    expert_bytes: PositiveFloat
+
+
+class NVLinkProfile(_Strict):
+    bandwidth_bytes_per_s: PositiveFloat
+    latency_s: float = Field(ge=0)
+
+
+class Profile(_Strict):
+    model: str
+    hardware: str
+    kv_bytes_per_token: PositiveInt
+    kv_cache_bytes_per_gpu: PositiveFloat
+    mean_output_tokens: PositiveInt
+    prefill: PrefillProfile
+    decode: DecodeProfile
+    nvlink: NVLinkProfile
+
+
+class ProfileError(ValueError):
+    """A profile file is missing, not YAML, or has a field out of range."""
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the profiles that ship with the simulator (``--profile NAME``)."""
+    files = resources.files("sim.profiles").iterdir()
+    return sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml"))
+
+
+def load_profile(path: str | Path | None = None) -> Profile:
+    """Read a profile from ``path``, a shipped profile's name, or the default profile."""
+    name = DEFAULT_PROFILE.removesuffix(".yaml") if path is None else str(path)
+    if not Path(name).exists() and name in shipped_profiles():
+        text = resources.files("sim.profiles").joinpath(f"{name}.yaml").read_text()
+        source = f"<shipped profile {name}>"
+    else:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ProfileError(
+                f"{source}: cannot read the profile ({exc.strerror}); give a YAML file or one "
+                f"of the shipped profiles: {', '.join(shipped_profiles())}"
+            ) from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{source}: not valid YAML ({exc})") from exc
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"field '{'.'.join(str(p) for p in err['loc'])}': {err['msg']}" for err in exc.errors()
+        )
+        raise ProfileError(
+            f"{source}: {problems}. Fix the field, or start from the default profile "
+            f"sim/profiles/{DEFAULT_PROFILE}"
+        ) from exc

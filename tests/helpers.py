@@ -1,0 +1,51 @@
+"""Helpers for tests that run real processes on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.processes import eventually, free_port, free_port_block, stop_process, wait_healthy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class SimHandle:
+    url: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+def scrape(url: str, sample_name: str, **labels: str) -> float:
+    """Sum of the samples named ``sample_name`` whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == sample_name and all(
+                sample.labels.get(k) == v for k, v in labels.items()
+            ):
+                total += sample.value
+    return total
+
+
+__all__ = [
+    "ROOT",
+    "SimHandle",
+    "eventually",
+    "free_port",
+    "free_port_block",
+    "scrape",
+    "stop_process",
+    "wait_healthy",
+]

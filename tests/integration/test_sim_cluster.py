@@ -1,0 +1,125 @@
+"""``baton sim --cluster``: a whole rack's engines in one process on separate ports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.helpers import ROOT, eventually, free_port_block, scrape, stop_process
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[dict[str, int]]:
+    ports = {
+        "decode": free_port_block(8),
+        "prefill": free_port_block(3),
+        "decode_nixl": free_port_block(32),
+        "prefill_nixl": free_port_block(6),
+    }
+    spec = {
+        "served_model_name": "dsv4",
+        "decode_groups": [
+            {
+                "name": "cell-0",
+                "data_parallel_size": 32,
+                "api_servers": 8,
+                "port": ports["decode"],
+                "side_channel_port": ports["decode_nixl"],
+            }
+        ],
+        "prefill": [
+            {
+                "name": "cell-0-prefill",
+                "instances": 3,
+                "port": ports["prefill"],
+                "side_channel_port": ports["prefill_nixl"],
+            }
+        ],
+    }
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    log = (tmp_path / "cluster.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "baton.cli", "sim", "--cluster", str(path)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        for port in [
+            *range(ports["decode"], ports["decode"] + 8),
+            *range(ports["prefill"], ports["prefill"] + 3),
+        ]:
+            eventually(
+                lambda p=port: (
+                    process.poll() is None
+                    and httpx.get(f"http://127.0.0.1:{p}/health").status_code == 200
+                ),
+                timeout=60,
+            )
+        assert process.poll() is None, (tmp_path / "cluster.log").read_text()
+        yield ports
+    finally:
+        stop_process(process)
+    assert process.returncode == 0, (tmp_path / "cluster.log").read_text()
+
+
+def test_every_hybrid_lb_server_exposes_its_four_global_ranks(cluster) -> None:
+    text = httpx.get(f"http://127.0.0.1:{cluster['decode'] + 3}/metrics").text
+    engines = {
+        line.split('engine="')[1].split('"')[0]
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running")
+    }
+    assert engines == {"12", "13", "14", "15"}
+
+
+def test_pd_handoff_between_cluster_engines_lands_on_the_named_rank(cluster) -> None:
+    prefill_url = f"http://127.0.0.1:{cluster['prefill'] + 1}"
+    decode_url = f"http://127.0.0.1:{cluster['decode'] + 3}"
+    prompt = "cluster handoff " * 100
+    first = httpx.post(
+        f"{prefill_url}/v1/completions",
+        timeout=30,
+        json={"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )
+    params = first.json()["kv_transfer_params"]
+    assert params["remote_port"] == cluster["prefill_nixl"] + 2 + params[
+        "remote_engine_id"
+    ].endswith("_dp1")
+    second = httpx.post(
+        f"{decode_url}/v1/completions",
+        timeout=30,
+        headers={"X-data-parallel-rank": "2"},
+        json={"prompt": prompt, "max_tokens": 5, "ignore_eos": True, "kv_transfer_params": params},
+    )
+    assert second.status_code == 200, second.text
+    assert scrape(decode_url, "vllm:request_success_total", engine="14") == 1
+    assert scrape(prefill_url, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_decode_group_steps_in_lockstep_across_its_api_servers(cluster) -> None:
+    """A busy rank behind one server slows a request on another server of the same group."""
+    import concurrent.futures
+
+    def timed(port: int, rank: int) -> float:
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            headers={"X-data-parallel-rank": str(rank)},
+            json={"prompt": "x", "max_tokens": 64, "ignore_eos": True},
+        )
+        return response.elapsed.total_seconds()
+
+    alone = timed(cluster["decode"], 0)
+    with concurrent.futures.ThreadPoolExecutor(65) as pool:
+        crowd = [pool.submit(timed, cluster["decode"] + 7, 3) for _ in range(64)]
+        beside = pool.submit(timed, cluster["decode"], 0).result()
+        [future.result() for future in crowd]
+    assert beside > alone * 1.3

@@ -1,0 +1,143 @@
+"""The simulator's EPLB agent over real gRPC: load streaming and two-phase switches."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+
+from baton.proto import eplb_agent_pb2 as pb
+from baton.proto import eplb_agent_pb2_grpc as pb_grpc
+from controller.eplb.algorithm import rebalance
+from sim.agent import decode_placement, encode_placement
+from tests.helpers import eventually, free_port
+
+
+@pytest.fixture
+def agent(start_sim):
+    port = free_port()
+    sim = start_sim(
+        "--data-parallel-size",
+        "32",
+        "--enable-expert-parallel",
+        "--enable-eplb",
+        "--eplb-config",
+        '{"num_redundant_experts": 32}',
+        "--eplb-agent-port",
+        str(port),
+        "--speculative-config",
+        '{"method": "mtp", "num_speculative_tokens": 3}',
+    )
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield sim, pb_grpc.EplbAgentStub(channel)
+    channel.close()
+
+
+def keep_decoding(url: str, requests: int = 64) -> None:
+    """Keep ``requests`` long decodes running (one per rank, round robin) in the background."""
+
+    def run(rank: int) -> None:
+        httpx.post(
+            f"{url}/v1/completions",
+            headers={"X-data-parallel-rank": str(rank % 32)},
+            json={"prompt": "load", "max_tokens": 2000, "ignore_eos": True},
+            timeout=120,
+        )
+
+    for index in range(requests):
+        threading.Thread(target=run, args=(index,), daemon=True).start()
+
+
+def test_describe_names_ranks_and_both_models(agent) -> None:
+    _, stub = agent
+    info = stub.Describe(pb.DescribeRequest())
+    assert list(info.dp_ranks) == list(range(32))
+    models = {
+        m.name: (m.layers, m.logical_experts, m.physical_experts, m.top_k) for m in info.models
+    }
+    assert models == {"target": (43, 384, 416, 6), "draft": (1, 128, 160, 3)}
+
+
+def test_load_stream_reports_each_ranks_own_slots_per_step(agent) -> None:
+    sim, stub = agent
+    keep_decoding(sim.url)
+    stream = stub.StreamLoad(pb.StreamLoadRequest(dp_ranks=[0, 31], steps_per_report=10))
+    seen: dict[tuple[int, str], list[pb.LoadReport]] = {}
+    for report in stream:
+        seen.setdefault((report.dp_rank, report.model), []).append(report)
+        if all(len(seen.get((r, m), [])) >= 2 for r in (0, 31) for m in ("target", "draft")):
+            break
+    stream.cancel()
+    first, second = seen[(0, "target")][:2]
+    assert (first.layers, first.slots, first.num_steps) == (43, 13, 10)
+    assert second.first_step == first.first_step + first.num_steps
+    counts = np.frombuffer(first.counts, dtype="<u4").reshape(10, 43, 13)
+    assert counts.sum() > 0
+    draft = seen[(31, "draft")][0]
+    assert np.frombuffer(draft.counts, dtype="<u4").reshape(draft.num_steps, 1, 5).sum() > 0
+
+
+def current(stub) -> dict[str, pb.Placement]:
+    return {p.model: p for p in stub.GetPlacement(pb.GetPlacementRequest()).placements}
+
+
+def test_malformed_placement_is_rejected_before_anything_is_staged(agent) -> None:
+    _, stub = agent
+    before = current(stub)["target"]
+    phy2log = decode_placement(before, 32, 384).phy2log.copy()
+    phy2log[0, :] = 0  # experts 1..383 lose every replica in layer 0
+    broken = pb.Placement(
+        model="target", layers=43, physical_experts=416, phy2log=phy2log.astype("<i4").tobytes()
+    )
+    reply = stub.Prepare(pb.PrepareRequest(switch_id="s1", apply_at_step=0, placements=[broken]))
+    assert not reply.ok and "has no replica in layer 0" in reply.error
+    wrong_shape = pb.Placement(
+        model="target",
+        layers=43,
+        physical_experts=384,
+        phy2log=np.zeros((43, 384), "<i4").tobytes(),
+    )
+    reply = stub.Prepare(pb.PrepareRequest(switch_id="s2", placements=[wrong_shape]))
+    assert not reply.ok and "shape" in reply.error
+    # Nothing was staged: a commit finds no switch, and the placement is unchanged.
+    assert not stub.Commit(pb.CommitRequest(switch_id="s1")).ok
+    assert current(stub)["target"].version == before.version
+
+
+def test_prepare_then_commit_switches_at_the_agreed_step(agent) -> None:
+    sim, stub = agent
+    keep_decoding(sim.url)
+    load = np.random.default_rng(0).integers(1, 1000, size=(43, 384))
+    new = rebalance(load, 32, 32)
+    step = stub.Describe(pb.DescribeRequest()).current_step
+    prepared = stub.Prepare(
+        pb.PrepareRequest(
+            switch_id="s3", apply_at_step=step + 20, placements=[encode_placement("target", new)]
+        )
+    )
+    assert prepared.ok and prepared.experts_to_copy > 0 and prepared.staging_seconds > 0
+    committed = stub.Commit(pb.CommitRequest(switch_id="s3"))
+    assert committed.ok and committed.apply_at_step >= step + 20
+
+    def switched() -> bool:
+        return current(stub)["target"].version == 1
+
+    eventually(switched, timeout=30)
+    assert decode_placement(current(stub)["target"], 32, 384) == new
+    assert current(stub)["draft"].version == 0  # the draft was not part of this switch
+
+
+def test_abort_drops_the_staged_placement(agent) -> None:
+    _, stub = agent
+    new = rebalance(np.ones((43, 384)), 32, 32)
+    assert stub.Prepare(
+        pb.PrepareRequest(
+            switch_id="s4", apply_at_step=10**9, placements=[encode_placement("target", new)]
+        )
+    ).ok
+    assert stub.Abort(pb.AbortRequest(switch_id="s4", reason="test")).ok
+    assert not stub.Commit(pb.CommitRequest(switch_id="s4")).ok
+    assert current(stub)["target"].version == 0

@@ -1,0 +1,177 @@
+"""Bad input gets vLLM's status and error body from the simulator, and nothing is lost."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.helpers import scrape
+
+
+@pytest.fixture
+def sim(start_sim):
+    return start_sim(
+        "--served-model-name",
+        "dsv4",
+        "--max-model-len",
+        "4096",
+        "--data-parallel-size",
+        "4",
+        "--enable-fault-injection",
+    )
+
+
+def post(url: str, path: str, **kwargs: object) -> httpx.Response:
+    return httpx.post(f"{url}{path}", timeout=10, **kwargs)  # type: ignore[arg-type]
+
+
+def assert_vllm_error(response: httpx.Response, status: int) -> dict[str, object]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, "malformed JSON"),
+        (b'{"prompt": 7}', 400, "prompt"),
+        (b'{"prompt": "x", "max_tokens": "many"}', 400, "max_tokens"),
+        (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+        (b'{"prompt": "x", "n": 0}', 400, "n"),
+        (b'{"prompt": "x", "n": 2}', 400, "n=2 is not supported"),
+        (b'{"model": "gpt-4", "prompt": "x"}', 404, "gpt-4"),
+        (b'{"prompt": ["a", "b"]}', 400, "batched prompts"),
+        (b'{"prompt": "x", "max_tokens": 5000}', 400, "maximum context length"),
+        (b'{"messages": []}', 400, "messages"),
+    ],
+    ids=[
+        "malformed-json",
+        "prompt-type",
+        "max-tokens-type",
+        "max-tokens-zero",
+        "n-zero",
+        "n-two",
+        "unknown-model",
+        "batch-prompt",
+        "over-context",
+        "empty-chat",
+    ],
+)
+def test_bad_request_gets_vllm_error_body(sim, body: bytes, status: int, needle: str) -> None:
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    error = assert_vllm_error(
+        post(sim.url, path, content=body, headers={"Content-Type": "application/json"}), status
+    )
+    assert needle in str(error["message"])
+
+
+def test_prompt_longer_than_max_model_len_is_rejected(sim) -> None:
+    error = assert_vllm_error(
+        post(sim.url, "/v1/completions", json={"prompt": "abcd" * 5000, "max_tokens": 1}), 400
+    )
+    assert "5000 input tokens" in str(error["message"])
+
+
+def test_dp_rank_header_targets_that_rank(sim) -> None:
+    response = post(
+        sim.url,
+        "/v1/completions",
+        json={"prompt": "x", "max_tokens": 2},
+        headers={"X-data-parallel-rank": "3"},
+    )
+    assert response.status_code == 200
+    assert scrape(sim.url, "vllm:request_success_total", engine="3") == 1
+    assert scrape(sim.url, "vllm:request_success_total", engine="0") == 0
+
+
+def test_dp_rank_out_of_range_is_a_400(sim) -> None:
+    error = assert_vllm_error(
+        post(
+            sim.url, "/v1/completions", json={"prompt": "x"}, headers={"X-data-parallel-rank": "4"}
+        ),
+        400,
+    )
+    assert error["message"] == "data_parallel_rank 4 is out of range [0, 4)."
+
+
+def test_dp_rank_header_that_is_not_an_integer_is_ignored(sim) -> None:
+    response = post(
+        sim.url,
+        "/v1/completions",
+        json={"prompt": "x", "max_tokens": 1},
+        headers={"X-data-parallel-rank": "two"},
+    )
+    assert response.status_code == 200
+
+
+def test_hybrid_lb_header_is_a_local_rank_index(start_sim) -> None:
+    sim = start_sim(
+        "--data-parallel-size",
+        "8",
+        "--data-parallel-size-local",
+        "4",
+        "--data-parallel-start-rank",
+        "4",
+        "--data-parallel-hybrid-lb",
+    )
+    response = post(
+        sim.url,
+        "/v1/completions",
+        json={"prompt": "x", "max_tokens": 1},
+        headers={"X-data-parallel-rank": "1"},
+    )
+    assert response.status_code == 200
+    assert scrape(sim.url, "vllm:request_success_total", engine="5") == 1
+    assert_vllm_error(
+        post(
+            sim.url, "/v1/completions", json={"prompt": "x"}, headers={"X-data-parallel-rank": "4"}
+        ),
+        400,
+    )
+
+
+def test_without_header_requests_spread_over_ranks_least_loaded_first(sim) -> None:
+    import concurrent.futures
+
+    body = {"prompt": "spread", "max_tokens": 200, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: post(sim.url, "/v1/completions", json=body), range(8)))
+    per_rank = [scrape(sim.url, "vllm:request_success_total", engine=str(r)) for r in range(4)]
+    assert per_rank == [2, 2, 2, 2]
+
+
+def test_injected_failures_answer_with_the_requested_status(sim) -> None:
+    post(sim.url, "/sim/faults", json={"action": "fail_requests", "count": 2, "status": 503})
+    assert_vllm_error(post(sim.url, "/v1/completions", json={"prompt": "x"}), 503)
+    assert_vllm_error(post(sim.url, "/v1/completions", json={"prompt": "x"}), 503)
+    assert (
+        post(sim.url, "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    )
+
+
+def test_killed_rank_takes_the_group_down_and_health_says_503(sim) -> None:
+    assert httpx.get(f"{sim.url}/health").status_code == 200
+    post(sim.url, "/sim/faults", json={"action": "kill", "rank": 2})
+    assert httpx.get(f"{sim.url}/health").status_code == 503
+    assert_vllm_error(post(sim.url, "/v1/completions", json={"prompt": "x"}), 500)
+
+
+def test_fault_endpoint_is_absent_without_the_flag(start_sim) -> None:
+    sim = start_sim()
+    assert post(sim.url, "/sim/faults", json={"action": "kill"}).status_code in (404, 405)
+
+
+def test_unknown_vllm_flags_are_accepted_with_a_warning(start_sim) -> None:
+    sim = start_sim(
+        "--all2all-backend",
+        "deepep_low_latency",
+        "--async-scheduling",
+        "--compilation_config",
+        '{"cudagraph_mode":"FULL_DECODE_ONLY"}',
+    )
+    assert "ignoring vLLM flags the simulator does not model" in sim.log()
+    models = httpx.get(f"{sim.url}/v1/models").json()["data"]
+    assert models[0]["id"] == "deepseek-ai/DeepSeek-V4.1-Flash"

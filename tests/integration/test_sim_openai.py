@@ -1,0 +1,131 @@
+"""The official ``openai`` client against a real ``baton sim`` process."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+MODEL = "dsv4-flash"
+
+
+@pytest.fixture
+def client(start_sim) -> openai.OpenAI:
+    sim = start_sim("--served-model-name", MODEL, "--seed", "7")
+    return openai.OpenAI(base_url=f"{sim.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_completion_returns_text_usage_and_vllm_id(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Plan the rack layout."}],
+        max_tokens=12,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": "abc123"},
+    )
+    assert response.id == "chatcmpl-abc123"
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 12
+    assert len(response.choices[0].message.content) == 12 * 4  # one 4-byte word per token
+    assert response.usage.prompt_tokens == response.usage.total_tokens - 12
+
+
+def test_completion_streams_chunks_then_usage(client: openai.OpenAI) -> None:
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="The baton passes from prefill to decode",
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert len(text) == 20 * 4
+    assert chunks[-1].usage.completion_tokens == 20
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+
+
+def test_chat_stream_starts_with_assistant_role(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks)
+
+
+def test_same_seed_and_prompt_give_same_text(client: openai.OpenAI) -> None:
+    def ask(seed: int) -> str:
+        response = client.completions.create(
+            model=MODEL,
+            prompt="determinism",
+            max_tokens=16,
+            seed=seed,
+            extra_body={"ignore_eos": True},
+        )
+        return response.choices[0].text
+
+    assert ask(42) == ask(42)
+    assert ask(42) != ask(43)
+
+
+def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI) -> None:
+    prompt = "shared system prompt " * 200  # 1,000 tokens, many full 16-token blocks
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    second = client.completions.create(
+        model=MODEL, prompt=prompt + "and a new question", max_tokens=1
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == (first.usage.prompt_tokens // 16) * 16
+
+
+def test_multi_turn_chat_hits_the_cache_for_the_whole_history(client: openai.OpenAI) -> None:
+    messages = [
+        {"role": "system", "content": "You are a careful rack planner. " * 30},
+        {"role": "user", "content": "Where does decode go?"},
+    ]
+    first = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, extra_body={"ignore_eos": True}
+    )
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And prefill?"},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    prompt_and_reply = first.usage.prompt_tokens + first.usage.completion_tokens
+    # Everything up to the last full block of turn one's prompt plus reply is reused.
+    assert second.usage.prompt_tokens_details.cached_tokens == (prompt_and_reply // 16) * 16
+
+
+def test_stop_string_ends_generation_without_the_stop_text(client: openai.OpenAI) -> None:
+    full = (
+        client.completions.create(
+            model=MODEL, prompt="stops", max_tokens=30, seed=1, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    stop = full[41:47]  # somewhere inside the 11th-12th word
+    cut = client.completions.create(
+        model=MODEL,
+        prompt="stops",
+        max_tokens=30,
+        seed=1,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full[: full.index(stop)]
+
+
+def test_min_tokens_holds_off_eos(client: openai.OpenAI) -> None:
+    response = client.completions.create(
+        model=MODEL, prompt="short", max_tokens=500, seed=5, extra_body={"min_tokens": 300}
+    )
+    assert response.usage.completion_tokens >= 300

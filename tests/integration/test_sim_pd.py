@@ -1,0 +1,164 @@
+"""The P/D handoff by hand, as a proxy drives vLLM with NixlConnector (pull mode)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from tests.helpers import eventually, scrape
+
+PROMPT = "a long shared context about NVL72 trays and cells " * 40
+
+
+def prefill_body(**extra: object) -> dict[str, object]:
+    return {
+        "prompt": PROMPT,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+        **extra,
+    }
+
+
+def run_prefill(prefill_url: str, request_id: str = "req-1") -> dict[str, object]:
+    response = httpx.post(
+        f"{prefill_url}/v1/completions",
+        json=prefill_body(),
+        headers={"X-Request-Id": request_id},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_prefill_returns_one_token_and_vllm_kv_transfer_params(start_pd) -> None:
+    prefill, _ = start_pd()
+    body = run_prefill(prefill.url)
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 1
+    params = body["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_engine_id"].endswith("_dp0")
+    assert params["remote_request_id"].startswith("req-1-")
+    assert params["remote_num_tokens"] == body["usage"]["prompt_tokens"]
+    assert params["transfer_mode"] == "pull"
+    assert len(params["remote_block_ids"]) == 1 and params["remote_block_ids"][0]
+    assert scrape(prefill.url, "vllm:kv_cache_usage_perc") > 0  # held under the lease
+
+
+def test_decode_pulls_blocks_streams_and_prefill_frees_them(start_pd) -> None:
+    prefill, decode = start_pd()
+    params = run_prefill(prefill.url)["kv_transfer_params"]
+    decode_body = {
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        "kv_transfer_params": params,
+    }
+    with httpx.stream(
+        "POST",
+        f"{decode.url}/v1/completions",
+        json=decode_body,
+        headers={"X-Request-Id": "req-1"},
+        timeout=30,
+    ) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    usage = json.loads(lines[-2][6:])["usage"]
+    assert usage["completion_tokens"] == 8
+    # vLLM's decode engine computed no prompt token: it reports them all as cached.
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
+    assert scrape(prefill.url, "vllm:kv_cache_usage_perc") == 0
+    assert (
+        scrape(decode.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        == usage["prompt_tokens"]
+    )
+    assert scrape(decode.url, "vllm:nixl_bytes_transferred_count") == 1
+
+
+def test_second_pull_of_the_same_blocks_fails_as_vllm_fails(start_pd) -> None:
+    prefill, decode = start_pd()
+    params = run_prefill(prefill.url)["kv_transfer_params"]
+    body = {"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params}
+    first = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=30)
+    second = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=30)
+    assert first.status_code == 200
+    assert second.status_code == 500
+    error = second.json()["error"]
+    assert error["type"] == "InternalServerError" and error["code"] == 500
+    assert scrape(decode.url, "vllm:nixl_num_failed_transfers_total") == 1
+    assert (
+        scrape(decode.url, "vllm:kv_cache_usage_perc") == 0
+    )  # the failed request freed its blocks
+
+
+def test_recompute_policy_prefills_locally_when_the_pull_fails(start_pd) -> None:
+    prefill, decode = start_pd(
+        decode_kv='{"kv_connector":"NixlConnector","kv_load_failure_policy":"recompute"}'
+    )
+    params = run_prefill(prefill.url)["kv_transfer_params"]
+    httpx.post(f"{prefill.url}/sim/faults", json={"action": "drop_kv"}, timeout=5)
+    response = httpx.post(
+        f"{decode.url}/v1/completions",
+        timeout=30,
+        json={"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params},
+    )
+    assert response.status_code == 200
+    assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert scrape(decode.url, "vllm:prompt_tokens_by_source_total", source="local_compute") > 0
+
+
+def test_unpulled_lease_expires_frees_blocks_and_counts(start_pd) -> None:
+    prefill, _ = start_pd(
+        prefill_kv='{"kv_connector":"NixlConnector","kv_connector_extra_config":{"kv_lease_duration":30}}',
+        flags=("--time-scale", "0.02"),
+    )  # 30 simulated seconds pass in 0.6 s
+    run_prefill(prefill.url)
+    assert scrape(prefill.url, "vllm:kv_cache_usage_perc") > 0
+    eventually(lambda: scrape(prefill.url, "vllm:nixl_num_kv_expired_reqs_total") == 1, timeout=10)
+    assert scrape(prefill.url, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_decode_heartbeats_keep_the_lease_while_the_pull_waits(start_pd) -> None:
+    prefill, decode = start_pd(flags=("--time-scale", "0.02"))
+    params = run_prefill(prefill.url)["kv_transfer_params"]
+    # Stall decode for 60 simulated seconds, twice the lease: only heartbeats keep the KV.
+    httpx.post(f"{decode.url}/sim/faults", json={"action": "stall", "seconds": 60}, timeout=5)
+    response = httpx.post(
+        f"{decode.url}/v1/completions",
+        timeout=30,
+        json={"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": params},
+    )
+    assert response.status_code == 200, response.text
+    assert scrape(prefill.url, "vllm:nixl_num_kv_expired_reqs_total") == 0
+
+
+def test_client_disconnect_on_decode_aborts_and_frees_kv(start_pd) -> None:
+    prefill, decode = start_pd()
+    params = run_prefill(prefill.url)["kv_transfer_params"]
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 100_000,
+        "stream": True,
+        "ignore_eos": True,
+        "kv_transfer_params": params,
+    }
+    with httpx.stream("POST", f"{decode.url}/v1/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # first token arrived; hang up
+    eventually(
+        lambda: scrape(decode.url, "vllm:request_success_total", finished_reason="abort") == 1
+    )
+    assert scrape(decode.url, "vllm:num_requests_running") == 0
+    assert scrape(decode.url, "vllm:kv_cache_usage_perc") == 0

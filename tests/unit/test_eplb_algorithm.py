@@ -1,0 +1,216 @@
+"""Properties of the EPLB placement algorithm (controller.eplb.algorithm)."""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from controller.eplb.algorithm import (
+    Placement,
+    balance,
+    balance_per_step,
+    moves,
+    moves_per_rank,
+    rank_load,
+    rebalance,
+)
+
+PROPERTY = settings(max_examples=50, deadline=None)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A small EP layout and a load to rebalance."""
+
+    load: np.ndarray
+    num_ranks: int
+    num_redundant: int
+    num_nodes: int
+    num_groups: int
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    num_ranks = draw(st.integers(1, 6))
+    num_experts = num_ranks * draw(st.integers(1, 4))
+    layers = draw(st.integers(1, 3))
+    num_nodes = draw(st.sampled_from([n for n in range(1, num_ranks + 1) if num_ranks % n == 0]))
+    num_groups = draw(
+        st.sampled_from([g for g in range(1, num_experts + 1) if num_experts % g == 0])
+    )
+    # Small integers give many ties; large ones heavy skew. Both are what rebalance must handle.
+    high = draw(st.sampled_from([2, 1000]))
+    load = draw(arrays(np.int64, (layers, num_experts), elements=st.integers(0, high)))
+    return Case(load, num_ranks, num_ranks * draw(st.integers(0, 2)), num_nodes, num_groups)
+
+
+def rebalanced(case: Case, previous: Placement | None = None) -> Placement:
+    return rebalance(
+        case.load, case.num_ranks, case.num_redundant, case.num_nodes, case.num_groups, previous
+    )
+
+
+@PROPERTY
+@given(cases())
+def test_rebalance_keeps_at_least_one_replica_of_every_logical_expert(case: Case) -> None:
+    placement = rebalanced(case)
+    experts = case.load.shape[1]
+    for row in placement.phy2log:
+        assert set(row.tolist()) == set(range(experts))
+    assert (placement.replica_counts >= 1).all()
+
+
+@PROPERTY
+@given(cases())
+def test_rebalance_fills_every_rank_with_exactly_its_slots(case: Case) -> None:
+    placement = rebalanced(case)
+    layers, experts = case.load.shape
+    physical = experts + case.num_redundant
+    assert placement.phy2log.shape == (layers, physical)
+    assert placement.slots_per_rank * case.num_ranks == physical
+    assert (placement.replica_counts.sum(axis=1) == physical).all()
+    # log2phy names every physical slot exactly once.
+    for held in placement.log2phy:
+        assert sorted(held[held >= 0].tolist()) == list(range(physical))
+
+
+@PROPERTY
+@given(cases())
+def test_rebalance_never_balances_worse_than_the_contiguous_placement(case: Case) -> None:
+    layers, experts = case.load.shape
+    contiguous = Placement.contiguous(layers, experts, case.num_ranks)
+    assert balance(case.load, rebalanced(case)) >= balance(case.load, contiguous) - 1e-12
+
+
+@PROPERTY
+@given(cases())
+def test_rebalance_is_deterministic(case: Case) -> None:
+    first = rebalanced(case)
+    assert rebalanced(case) == first
+    assert np.array_equal(rebalanced(case).phy2log, first.phy2log)
+
+
+@PROPERTY
+@given(cases())
+def test_from_phy2log_rebuilds_the_same_placement(case: Case) -> None:
+    placement = rebalanced(case)
+    rebuilt = Placement.from_phy2log(placement.phy2log, case.num_ranks, case.load.shape[1])
+    assert rebuilt == placement
+    assert np.array_equal(rebuilt.log2phy, placement.log2phy)
+    assert np.array_equal(rebuilt.replica_counts, placement.replica_counts)
+    for layer, table in enumerate(placement.log2phy):
+        for expert, slots in enumerate(table):
+            held = slots[slots >= 0]
+            assert len(held) == placement.replica_counts[layer, expert]
+            assert (placement.phy2log[layer, held] == expert).all()
+
+
+@PROPERTY
+@given(cases(), st.data())
+def test_slot_preservation_keeps_unmoved_experts_in_their_old_slots(
+    case: Case, data: st.DataObject
+) -> None:
+    previous = rebalanced(case)
+    new_load = data.draw(arrays(np.int64, case.load.shape, elements=st.integers(0, 1000)))
+    later = Case(new_load, case.num_ranks, case.num_redundant, case.num_nodes, case.num_groups)
+    fresh = rebalanced(later)
+    preserved = rebalanced(later, previous=previous)
+    shape = (case.load.shape[0], case.num_ranks, previous.slots_per_rank)
+    old_slots, fresh_slots, new_slots = (
+        p.phy2log.reshape(shape) for p in (previous, fresh, preserved)
+    )
+    # Only slots inside a rank are reordered: same experts per rank, same balance.
+    assert np.array_equal(np.sort(new_slots, axis=-1), np.sort(fresh_slots, axis=-1))
+    assert balance(new_load, preserved) == pytest.approx(balance(new_load, fresh))
+    for layer in range(shape[0]):
+        for rank in range(shape[1]):
+            old, new = old_slots[layer, rank], new_slots[layer, rank]
+            for expert in set(old.tolist()) & set(new.tolist()):
+                kept = min((old == expert).sum(), (new == expert).sum())
+                assert ((old == expert) & (new == expert)).sum() == kept
+
+
+def test_deepseek_readme_example_gives_a_valid_hierarchical_placement() -> None:
+    # deepseek-ai/EPLB README: 2 layers x 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs.
+    load = np.array(
+        [
+            [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+            [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+        ]
+    )
+    placement = rebalance(load, num_ranks=8, num_redundant=4, num_nodes=2, num_groups=4)
+    assert placement.phy2log.shape == (2, 16)
+    assert placement.slots_per_rank == 2
+    assert (placement.replica_counts >= 1).all()
+    assert placement.replica_counts.sum(axis=1).tolist() == [16, 16]
+    # Each node (4 ranks = 8 slots) holds whole groups of 3 experts and no other node's groups.
+    for row in placement.phy2log:
+        node_groups = [set((row[n * 8 : (n + 1) * 8] // 3).tolist()) for n in range(2)]
+        assert len(node_groups[0]) == len(node_groups[1]) == 2
+        assert not node_groups[0] & node_groups[1]
+        for n, groups in enumerate(node_groups):
+            node_experts = set(row[n * 8 : (n + 1) * 8].tolist())
+            assert node_experts == {3 * g + i for g in groups for i in range(3)}
+    # Same algorithm, same ties: the README's published first layer.
+    assert placement.phy2log[0].tolist() == [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1]
+
+
+def test_contiguous_placement_puts_expert_e_on_rank_e_over_experts_per_rank() -> None:
+    placement = Placement.contiguous(layers=2, logical_experts=8, num_ranks=4)
+    assert placement.slots_per_rank == 2
+    assert placement.phy2log.tolist() == [list(range(8))] * 2
+    assert (placement.replica_counts == 1).all()
+    assert placement.log2phy.shape == (2, 8, 1)
+
+
+def test_rank_load_splits_an_expert_evenly_over_its_replicas() -> None:
+    # Two ranks of two slots; expert 0 has a replica on each rank.
+    placement = Placement.from_phy2log(np.array([[0, 1, 0, 2]]), num_ranks=2)
+    load = np.array([[10.0, 3.0, 5.0]])
+    assert rank_load(load, placement).tolist() == [[8.0, 10.0]]
+    assert balance(load, placement) == pytest.approx(9.0 / 10.0)
+
+
+def test_balance_is_one_for_uniform_and_for_empty_load() -> None:
+    placement = Placement.contiguous(layers=3, logical_experts=8, num_ranks=4)
+    assert balance(np.ones((3, 8)), placement) == 1.0
+    assert balance(np.zeros((3, 8)), placement) == 1.0
+
+
+def test_balance_sums_over_layers_before_dividing() -> None:
+    placement = Placement.contiguous(layers=2, logical_experts=2, num_ranks=2)
+    load = np.array([[1.0, 0.0], [5.0, 5.0]])
+    # Layer ratios 0.5 and 1.0; vLLM's figure is (0.5 + 5) / (1 + 5).
+    assert balance(load, placement) == pytest.approx(5.5 / 6.0)
+    steps = np.stack([load, np.ones((2, 2))])
+    assert balance_per_step(steps, placement) == pytest.approx([5.5 / 6.0, 1.0])
+
+
+def test_placement_rejects_a_logical_expert_without_replica() -> None:
+    with pytest.raises(ValueError, match="at least one replica"):
+        Placement(np.array([[0, 0, 1, 1]]), num_ranks=2, num_logical_experts=3)
+
+
+def test_moves_count_each_expert_new_on_a_rank_once() -> None:
+    previous = Placement.from_phy2log(np.array([[0, 1, 2, 3, 3, 3]]), num_ranks=2)
+    # Rank 0 gains expert 3; rank 1 gains expert 0, twice, which is one copy over the network.
+    new = Placement.from_phy2log(np.array([[2, 3, 1, 0, 0, 3]]), num_ranks=2)
+    assert moves_per_rank(previous, new).tolist() == [[1, 1]]
+    assert moves(previous, new) == 2
+    assert moves(new, new) == 0
+
+
+def test_rebalance_handles_the_target_model_at_dep32_well_within_a_second() -> None:
+    rng = np.random.default_rng(0)
+    load = rng.lognormal(0.0, 1.5, size=(43, 384))
+    start = time.perf_counter()
+    placement = rebalance(load, num_ranks=32, num_redundant=32)
+    rebalance(load * rng.lognormal(0.0, 0.3, size=load.shape), 32, 32, previous=placement)
+    elapsed = time.perf_counter() - start
+    assert placement.phy2log.shape == (43, 416)
+    assert balance(load, placement) > 0.95
+    assert elapsed < 0.5

@@ -1,0 +1,70 @@
+"""One rank's KV blocks: chained prefix hashes, sharing, LRU eviction, capacity."""
+
+from __future__ import annotations
+
+from sim.kvcache import PrefixCache, block_hashes
+
+
+def tokens(n: int, fill: bytes = b"a") -> bytes:
+    return fill * (4 * n)
+
+
+def test_only_full_blocks_are_hashed_and_hashes_chain() -> None:
+    assert len(block_hashes(tokens(47), 16)) == 2
+    first = block_hashes(tokens(32, b"a"), 16)
+    second = block_hashes(tokens(16, b"b") + tokens(16, b"a"), 16)
+    assert first[1] != second[1]  # same block content, different parent
+
+
+def test_cached_prefix_is_shared_and_counted_as_hits() -> None:
+    cache = PrefixCache(capacity_blocks=100, block_size=16)
+    data = tokens(40)
+    first = cache.allocate(block_hashes(data, 16), 40)
+    cache.register(first, block_hashes(data, 16), 40)
+    second = cache.allocate(block_hashes(data, 16), 40)
+    assert second.cached_tokens == 32
+    assert second.block_ids[:2] == first.block_ids[:2]
+    assert cache.used_blocks == 3 + 1  # two shared blocks, a partial block each
+    assert (cache.queries, cache.hits) == (80, 32)
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
+    cache = PrefixCache(capacity_blocks=100, block_size=16)
+    data = tokens(32)
+    allocation = cache.allocate(block_hashes(data, 16), 32)
+    cache.register(allocation, block_hashes(data, 16), 32)
+    again = cache.allocate(block_hashes(data, 16), 32)
+    assert again.cached_tokens == 16
+
+
+def test_freed_blocks_stay_cached_until_evicted_least_recently_used_first() -> None:
+    cache = PrefixCache(capacity_blocks=4, block_size=16)
+    old, new = tokens(32, b"o"), tokens(32, b"n")
+    for data in (old, new):
+        allocation = cache.allocate(block_hashes(data, 16), 32)
+        cache.register(allocation, block_hashes(data, 16), 32)
+        cache.free(allocation)
+    assert cache.usage == 0
+    third = tokens(32, b"t")
+    cache.allocate(block_hashes(third, 16), 32)  # needs two blocks: evicts "old"
+    assert cache.cached_prefix_blocks(block_hashes(old, 16)) == 0
+    assert cache.cached_prefix_blocks(block_hashes(new, 16)) == 2
+
+
+def test_allocation_fails_cleanly_when_referenced_blocks_fill_the_rank() -> None:
+    cache = PrefixCache(capacity_blocks=3, block_size=16)
+    held = cache.allocate([], 48)
+    assert held is not None and cache.usage == 1.0
+    assert cache.allocate([], 16) is None
+    assert cache.grow(held, 64) is False
+    cache.free(held)
+    assert cache.allocate([], 16) is not None
+
+
+def test_block_ids_are_never_reused() -> None:
+    cache = PrefixCache(capacity_blocks=2, block_size=16)
+    first = cache.allocate([], 32)
+    ids = list(first.block_ids)
+    cache.free(first)
+    second = cache.allocate([], 32)
+    assert not set(ids) & set(second.block_ids)
