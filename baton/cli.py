@@ -18,6 +18,12 @@ def _sim(argv: Sequence[str]) -> int:
     return sim_main(argv)
 
 
+def _gateway(argv: Sequence[str]) -> int:
+    from router.cli import main as gateway_main
+
+    return gateway_main(argv)
+
+
 def _bench(argv: Sequence[str]) -> int:
     from bench.cli import main as bench_main
 
@@ -26,6 +32,7 @@ def _bench(argv: Sequence[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "sim": (_sim, "run the vLLM-compatible engine simulator"),
+    "gateway": (_gateway, "run the OpenAI-compatible P/D gateway"),
     "bench": (_bench, "run a benchmark and save its JSON"),
 }
 

@@ -8,7 +8,8 @@
   lockstep group stalls with it, and its KV pulls wait.
 - ``{"action": "fail_requests", "count": n, "status": code}``: the next n generation requests
   get ``code`` with vLLM's error body.
-- ``{"action": "drop_kv"}``: every KV block held for a remote decode is lost; pulls fail.
+- ``{"action": "drop_kv", "count": n}``: every KV block held for a remote decode now is lost,
+  and so are the next n handoffs' blocks when their decode side comes to pull them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class _Fault(BaseModel):
     action: Literal["kill", "stall", "fail_requests", "drop_kv"]
     rank: int | None = None
     seconds: Annotated[float, Field(gt=0)] = 1.0
-    count: Annotated[int, Field(ge=1)] = 1
+    count: Annotated[int, Field(ge=0)] | None = None  # fail_requests: 1; drop_kv: 0
     status: Annotated[int, Field(ge=400, le=599)] = 500
 
 
@@ -66,7 +67,8 @@ class FaultInjector:
         elif fault.action == "stall":
             self.group.ranks[rank].stalled_until = self.group.clock.now() + fault.seconds
         elif fault.action == "fail_requests":
-            self._failures.extend([fault.status] * fault.count)
+            self._failures.extend([fault.status] * (1 if fault.count is None else fault.count))
         else:
             self.nixl.drop_all()
+            self.nixl.lose_next_reads = fault.count or 0
         return web.json_response({"applied": fault.model_dump()})

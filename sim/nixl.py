@@ -63,7 +63,7 @@ class NixlSide:
         self.group = group
         self.local_ranks = local_ranks
         self.stats = {rank: NixlStats() for rank in local_ranks}
-        self.drop_kv = False  # fault injection: reads find nothing
+        self.lose_next_reads = 0  # fault injection: the next reads find their KV lost
         self._leases: dict[str, _Lease] = {}
         self._expired: set[str] = set()
         self._runners: list[web.AppRunner] = []
@@ -175,7 +175,14 @@ class NixlSide:
     async def _handle_read(self, http: web.Request) -> web.Response:
         body = await http.json()
         request_id = str(body.get("request_id"))
-        lease = None if self.drop_kv else self._leases.get(request_id)
+        lease = self._leases.get(request_id)
+        if lease is not None and self.lose_next_reads:
+            self.lose_next_reads -= 1
+            self._leases.pop(request_id)
+            if lease.timer is not None:
+                lease.timer.cancel()
+            self._release(lease.request)
+            lease = None
         expected_engine = (
             None
             if lease is None

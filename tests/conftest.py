@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, SimHandle, free_port, free_port_block, stop_process, wait_healthy
+from tests.helpers import (
+    NIXL,
+    ROOT,
+    SimHandle,
+    free_port,
+    free_port_block,
+    stop_process,
+    wait_healthy,
+)
 
 
 @pytest.fixture
@@ -39,9 +47,6 @@ def start_sim(tmp_path: Path) -> Iterator[Callable[..., SimHandle]]:
         stop_process(handle.process)
 
 
-NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
-
-
 @pytest.fixture
 def start_pd(start_sim) -> Callable[..., tuple[SimHandle, SimHandle]]:
     """A prefill and a decode simulator wired for NIXL, each with its own side channel."""
@@ -66,3 +71,39 @@ def start_pd(start_sim) -> Callable[..., tuple[SimHandle, SimHandle]]:
         return prefill, decode
 
     return start
+
+
+@pytest.fixture
+def start_gateway(tmp_path: Path) -> Iterator[Callable[..., SimHandle]]:
+    """Start ``baton gateway`` with flags on a free port; stopped after the test."""
+    handles: list[SimHandle] = []
+
+    def start(*flags: str, env: dict[str, str] | None = None) -> SimHandle:
+        port = free_port()
+        log_path = tmp_path / f"gateway-{port}.log"
+        command = [
+            sys.executable,
+            "-m",
+            "baton.cli",
+            "gateway",
+            "--port",
+            str(port),
+            "--health-interval",
+            "0.5",
+            *flags,
+        ]
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=log_path.open("wb"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+        handle = SimHandle(f"http://127.0.0.1:{port}", port, process, log_path)
+        handles.append(handle)
+        wait_healthy(handle.url, process, log_path)
+        return handle
+
+    yield start
+    for handle in handles:
+        stop_process(handle.process)

@@ -11,6 +11,7 @@ import httpx
 from bench.processes import eventually, free_port, free_port_block, stop_process, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
+NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
 
 
 @dataclass
@@ -22,6 +23,19 @@ class SimHandle:
 
     def log(self) -> str:
         return self.log_path.read_text()
+
+
+def scrape_by(url: str, sample_name: str, label: str) -> dict[str, float]:
+    """One scrape: the samples named ``sample_name`` keyed by the value of ``label``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return {
+        sample.labels.get(label, ""): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == sample_name
+    }
 
 
 def scrape(url: str, sample_name: str, **labels: str) -> float:
@@ -40,12 +54,14 @@ def scrape(url: str, sample_name: str, **labels: str) -> float:
 
 
 __all__ = [
+    "NIXL",
     "ROOT",
     "SimHandle",
     "eventually",
     "free_port",
     "free_port_block",
     "scrape",
+    "scrape_by",
     "stop_process",
     "wait_healthy",
 ]

@@ -1,0 +1,296 @@
+"""The gateway's HTTP API: OpenAI-compatible, validated, authenticated; routing is handoff.py's.
+
+``create_app`` builds a FastAPI app whose lifespan creates the aiohttp session (keep-alive pools
+to every engine), the pool and the handoff, and passes them to the handlers; nothing lives in a
+global. Requests are parsed with orjson and validated with pydantic; fields the gateway does not
+know (vLLM extensions) pass through untouched, and the decode leg gets the client's exact bytes.
+Every error is an OpenAI error body with its status; FastAPI's 422 is answered as 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.discovery import watch_pool_file
+from router.errors import (
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    PayloadTooLarge,
+    Unauthorized,
+    error_body,
+)
+from router.handoff import Handoff, JsonReply, Timeouts
+from router.metrics import GatewayMetrics
+from router.policy import RoutingPolicy
+from router.pool import Pool, PoolSpec
+from router.protocol import ChatCompletionRequest, CompletionRequest
+
+__all__ = ["GatewayConfig", "create_app"]
+
+log = logging.getLogger("baton.gateway")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    pool: PoolSpec
+    api_keys: tuple[str, ...] = ()
+    policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    max_body_bytes: int = 32 * 1024 * 1024
+    health_interval_s: float = 2.0
+    load_sync_interval_s: float = 2.0
+    pool_file: Path | None = None  # reloaded when it changes
+
+
+def _error(exc: GatewayError) -> Response:
+    return Response(exc.body(), status_code=exc.status, media_type="application/json")
+
+
+class _Services:
+    """What the lifespan builds and the handlers use."""
+
+    pool: Pool
+    handoff: Handoff
+
+
+def create_app(
+    config: GatewayConfig, metrics: GatewayMetrics | None = None, pool: Pool | None = None
+) -> FastAPI:
+    metrics = metrics or GatewayMetrics()
+    services = _Services()
+    services.pool = pool or Pool(
+        config.pool,
+        health_interval_s=config.health_interval_s,
+        load_sync_interval_s=config.load_sync_interval_s,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.timeouts.connect_s)
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=timeout, auto_decompress=False
+        ) as session:
+            services.handoff = Handoff(
+                services.pool, session, config.policy, metrics, config.timeouts
+            )
+            await services.pool.start(session)
+            watcher = None
+            if config.pool_file is not None:
+                watcher = asyncio.get_running_loop().create_task(
+                    watch_pool_file(config.pool_file, services.pool)
+                )
+            try:
+                yield
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
+                await services.pool.stop()
+
+    app = FastAPI(
+        title="Baton gateway",
+        version="0.1.0",
+        lifespan=lifespan,
+        summary="OpenAI-compatible API with P/D routing over vLLM engines",
+    )
+    keys = tuple(key.encode() for key in config.api_keys)
+
+    def authenticate(request: Request) -> None:
+        if not keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+        # compare against every key (no early exit) in constant time per key
+        matched = False
+        for key in keys:
+            matched |= hmac.compare_digest(presented, key)
+        if not matched:
+            raise Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>'")
+
+    async def read_body(request: Request, model: type[BaseModel]) -> tuple[dict[str, Any], bytes]:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+            raise PayloadTooLarge(f"request body exceeds {config.max_body_bytes} bytes")
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > config.max_body_bytes:
+                raise PayloadTooLarge(f"request body exceeds {config.max_body_bytes} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise InvalidRequest("the body must be a JSON object")
+        try:
+            model.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "body"
+            raise InvalidRequest(f"{where}: {first['msg']}", param=where) from exc
+        if "kv_transfer_params" in body:
+            raise InvalidRequest(
+                "kv_transfer_params is set by the gateway, not by clients",
+                param="kv_transfer_params",
+            )
+        served = services.pool.models
+        if body["model"] not in served:
+            raise ModelNotFound(
+                f"model '{body['model']}' is not served; served: "
+                f"{', '.join(served) or 'none (no healthy engine)'}",
+                param="model",
+            )
+        return body, raw
+
+    async def generate(request: Request, route: str, model: type[BaseModel]) -> Response:
+        authenticate(request)
+        body, raw = await read_body(request, model)
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        requests = metrics.requests
+        try:
+            reply = await services.handoff.serve(route, body, raw, request.headers, request_id)
+        except GatewayError:
+            requests.labels(route, "error").inc()
+            raise
+        if isinstance(reply, JsonReply):
+            requests.labels(route, "ok" if reply.status == 200 else "engine_error").inc()
+            return Response(
+                reply.body,
+                status_code=reply.status,
+                media_type="application/json",
+                headers={"X-Request-Id": reply.request_id},
+            )
+        requests.labels(route, "ok").inc()
+        return StreamingResponse(
+            reply.chunks,
+            media_type="text/event-stream",
+            headers={"X-Request-Id": reply.request_id, "Cache-Control": "no-cache"},
+        )
+
+    @app.post(
+        "/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest), responses=_ERRORS
+    )
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "/v1/chat/completions", ChatCompletionRequest)
+
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest), responses=_ERRORS)
+    async def completions(request: Request) -> Response:
+        return await generate(request, "/v1/completions", CompletionRequest)
+
+    @app.get("/v1/models", responses=_ERRORS)
+    async def models(request: Request) -> Response:
+        authenticate(request)
+        data = [
+            {"id": name, "object": "model", "owned_by": "baton"} for name in services.pool.models
+        ]
+        return Response(
+            orjson.dumps({"object": "list", "data": data}), media_type="application/json"
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/ready", responses={503: {"description": "no healthy prefill or decode target"}})
+    async def ready() -> Response:
+        if services.pool.ready():
+            return Response(b'{"status":"ready"}', media_type="application/json")
+        return _error(
+            _NotReady(
+                "not ready: needs at least one healthy prefill and one healthy "
+                "decode target; check the pool and the engines' /health"
+            )
+        )
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        for name, count in services.pool.in_flight().items():
+            role = "prefill" if name in services.pool.prefill else "decode"
+            metrics.in_flight.labels(role, name).set(count)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(_: Request, exc: GatewayError) -> Response:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return _error(InvalidRequest(str(exc.errors()[0].get("msg", exc))))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return Response(
+            error_body(str(exc.detail), kind),
+            status_code=exc.status_code,
+            media_type="application/json",
+        )
+
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        # Request bodies are validated by hand (orjson + pydantic); their nested models are
+        # registered here so the document's references resolve.
+        if app.openapi_schema is None:
+            schema = default_openapi()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    components.update(operation.pop("x-baton-definitions", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.state.pool = services.pool  # for tests and the Ray Serve wrapper
+    return app
+
+
+class _NotReady(GatewayError):
+    status = 503
+    kind = "service_unavailable"
+    code = "not_ready"
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"description": description, "content": {"application/json": {}}}
+    for status, description in (
+        (400, "invalid request"),
+        (401, "missing or invalid API key"),
+        (404, "unknown model"),
+        (413, "body too large"),
+        (502, "every engine attempt failed"),
+        (503, "no healthy target"),
+    )
+}
+
+
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    definitions = schema.pop("$defs", {})
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "x-baton-definitions": definitions,
+    }

@@ -1,0 +1,143 @@
+"""``baton gateway``: the OpenAI-compatible gateway on uvicorn (uvloop, httptools).
+
+Targets come from ``--prefill``/``--decode`` flags (one cell, "default") or a ``--pool`` file.
+API keys come from ``--api-key`` (repeatable), ``BATON_API_KEYS`` (comma-separated) and
+``--api-key-file`` (one per line); they are never logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from router.app import GatewayConfig, create_app
+from router.handoff import Timeouts
+from router.policy import PrefillPolicy, RoutingPolicy
+from router.pool import CellSpec, PoolSpec, load_pool_file, parse_decode_flag
+
+__all__ = ["config_from_args", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baton gateway", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a prefill engine (repeat for more)",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL[@RANKS]",
+        help="a decode API server; @0-3 or @0,1,2,3 names its DP ranks "
+        "(local indices under hybrid LB), routed by X-data-parallel-rank",
+    )
+    parser.add_argument("--pool", type=Path, help="YAML pool file (cells); reloaded on change")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY")
+    parser.add_argument("--api-key-file", type=Path, metavar="FILE")
+    parser.add_argument(
+        "--policy",
+        default=PrefillPolicy.AFFINITY.value,
+        choices=[p.value for p in PrefillPolicy],
+        help="prefill choice",
+    )
+    parser.add_argument(
+        "--pd-threshold-tokens",
+        type=int,
+        default=256,
+        help="prompts estimated below this many tokens skip prefill",
+    )
+    parser.add_argument(
+        "--imbalance-tokens",
+        type=int,
+        default=8192,
+        help="outstanding-token gap at which affinity spills to the 2nd choice",
+    )
+    parser.add_argument("--prefill-timeout", type=float, default=300.0, metavar="SECONDS")
+    parser.add_argument("--first-token-timeout", type=float, default=300.0, metavar="SECONDS")
+    parser.add_argument("--idle-timeout", type=float, default=120.0, metavar="SECONDS")
+    parser.add_argument("--health-interval", type=float, default=2.0, metavar="SECONDS")
+    parser.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    return parser
+
+
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    keys = list(args.api_key)
+    keys += [k.strip() for k in os.environ.get("BATON_API_KEYS", "").split(",") if k.strip()]
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(
+                f"--api-key-file {args.api_key_file}: cannot read it ({exc.strerror})"
+            ) from exc
+        keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    return tuple(keys)
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    if args.pool is not None:
+        if args.prefill or args.decode:
+            raise ValueError("--pool: give either a pool file or --prefill/--decode, not both")
+        pool = load_pool_file(args.pool)
+    elif args.decode:
+        decode = tuple(parse_decode_flag(value) for value in args.decode)
+        pool = PoolSpec(
+            cells=(CellSpec(name="default", prefill=tuple(args.prefill), decode=decode),)
+        )
+    else:
+        raise ValueError("--decode: at least one decode engine is required (or --pool FILE)")
+    return GatewayConfig(
+        pool=pool,
+        api_keys=_api_keys(args),
+        policy=RoutingPolicy(
+            prefill=PrefillPolicy(args.policy),
+            imbalance_tokens=args.imbalance_tokens,
+            pd_threshold_tokens=args.pd_threshold_tokens,
+        ),
+        timeouts=Timeouts(
+            prefill_s=args.prefill_timeout,
+            first_token_s=args.first_token_timeout,
+            idle_s=args.idle_timeout,
+        ),
+        max_body_bytes=args.max_body_bytes,
+        health_interval_s=args.health_interval,
+        load_sync_interval_s=args.health_interval,
+        pool_file=args.pool,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"baton gateway: error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    uvicorn.run(
+        create_app(config),
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+    )
+    return 0

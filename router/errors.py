@@ -1,0 +1,162 @@
+"""The gateway's errors: what the client sees, and what an upstream failure means for a request.
+
+::
+
+    GatewayError                      rendered to the client as an OpenAI error body
+    ├── InvalidRequest        400     the body or a parameter is wrong
+    ├── Unauthorized          401     missing or wrong API key
+    ├── ModelNotFound         404     the model is not served by the pool
+    ├── PayloadTooLarge       413     the body exceeds the gateway's limit
+    ├── NoHealthyTarget       503     no healthy prefill or decode target in any cell
+    └── UpstreamFailed        502/504 the engines failed and every fallback was spent
+
+    UpstreamError                     raised by calls to engines; handoff.py decides what follows
+    ├── UpstreamStatus                the engine answered with a non-2xx status (body kept)
+    ├── UpstreamTimeout               a phase's timeout passed
+    └── UpstreamUnavailable           connection refused, reset, or the stream broke
+
+:func:`upstream_errors` is the one place that maps aiohttp's exceptions onto this tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import aiohttp
+import orjson
+
+__all__ = [
+    "GatewayError",
+    "InvalidRequest",
+    "ModelNotFound",
+    "NoHealthyTarget",
+    "PayloadTooLarge",
+    "Unauthorized",
+    "UpstreamError",
+    "UpstreamFailed",
+    "UpstreamStatus",
+    "UpstreamTimeout",
+    "UpstreamUnavailable",
+    "error_body",
+    "upstream_errors",
+]
+
+
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> bytes:
+    """An OpenAI error body."""
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+class GatewayError(Exception):
+    """An error the client sees, with its HTTP status and OpenAI error fields."""
+
+    status = 500
+    kind = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.kind, self.code, self.param)
+
+
+class InvalidRequest(GatewayError):
+    """The request body or a parameter is invalid."""
+
+    status = 400
+    kind = "invalid_request_error"
+
+
+class Unauthorized(GatewayError):
+    """The API key is missing or not one of the configured keys."""
+
+    status = 401
+    kind = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(GatewayError):
+    """The requested model is not served by any engine in the pool."""
+
+    status = 404
+    kind = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLarge(GatewayError):
+    """The request body is larger than the gateway accepts."""
+
+    status = 413
+    kind = "invalid_request_error"
+    code = "request_too_large"
+
+
+class NoHealthyTarget(GatewayError):
+    """No healthy prefill or decode target could take the request."""
+
+    status = 503
+    kind = "service_unavailable"
+    code = "no_healthy_target"
+
+
+class UpstreamFailed(GatewayError):
+    """Every target and fallback failed before the first byte reached the client."""
+
+    status = 502
+    kind = "server_error"
+    code = "upstream_failed"
+
+
+class UpstreamError(Exception):
+    """A call to an engine failed; ``phase`` names the leg (prefill or decode)."""
+
+    reason = "error"
+
+    def __init__(self, phase: str, detail: str) -> None:
+        super().__init__(f"{phase}: {detail}")
+        self.phase = phase
+        self.detail = detail
+
+
+class UpstreamStatus(UpstreamError):
+    """The engine answered with a non-2xx status; ``body`` is its error body, verbatim."""
+
+    reason = "status"
+
+    def __init__(self, phase: str, status: int, body: bytes) -> None:
+        super().__init__(phase, f"HTTP {status}")
+        self.status = status
+        self.body = body
+
+    @property
+    def client_error(self) -> bool:
+        return 400 <= self.status < 500
+
+
+class UpstreamTimeout(UpstreamError):
+    """The phase's timeout passed before the engine answered."""
+
+    reason = "timeout"
+
+
+class UpstreamUnavailable(UpstreamError):
+    """The connection was refused or reset, or the stream broke."""
+
+    reason = "connection"
+
+
+@contextmanager
+def upstream_errors(phase: str) -> Iterator[None]:
+    """Translate aiohttp's and asyncio's exceptions for one upstream call."""
+    try:
+        yield
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamTimeout(phase, str(exc) or "timed out") from exc
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+        raise UpstreamUnavailable(phase, str(exc) or type(exc).__name__) from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamUnavailable(phase, f"{type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,169 @@
+"""The gateway's Prometheus metrics (prefix ``baton_gateway_``, units in the names).
+
+No per-request or per-session labels. Per-target gauges are labelled by target and role only
+(a cell has a few dozen targets). Handlers bind label children once per request, never per chunk.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["GatewayMetrics"]
+
+# Agentic TTFT reaches minutes (long prefills queued behind others); ITL sits below 10 ms.
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+)
+ITL_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
+E2E_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
+    1280.0,
+)
+PHASE_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports, in its own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "baton_gateway_requests",
+            "Requests by route and outcome.",
+            ["route", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "baton_gateway_time_to_first_token_seconds",
+            "Time from request arrival to the first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "baton_gateway_inter_token_latency_seconds",
+            "Mean time between tokens of one request after the first.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "baton_gateway_e2e_request_latency_seconds",
+            "Time from request arrival to its last byte.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.phase = Histogram(
+            "baton_gateway_phase_seconds",
+            "Time per phase: prefill (call), handoff (prefill done to first "
+            "decode byte), decode (first to last decode byte).",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "baton_gateway_retries", "Retries on another target.", ["phase", "reason"], registry=r
+        )
+        self.fallbacks = Counter(
+            "baton_gateway_fallbacks",
+            "Requests served by decode alone after a prefill failure.",
+            ["reason"],
+            registry=r,
+        )
+        self.aborts = Counter(
+            "baton_gateway_aborts",
+            "Requests ended early, by phase and reason.",
+            ["phase", "reason"],
+            registry=r,
+        )
+        self.routes = Counter(
+            "baton_gateway_routing_decisions",
+            "P/D routing paths taken: pd (prefill then decode) or decode_only.",
+            ["path"],
+            registry=r,
+        )
+        self.affinity = Counter(
+            "baton_gateway_affinity",
+            "Prefill choices that followed the affinity key (hit) or spilled "
+            "over to the second choice (miss), by key source.",
+            ["source", "result"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "baton_gateway_prompt_tokens",
+            "Prompt tokens by whether prefill found them cached.",
+            ["kind"],
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "baton_gateway_output_tokens", "Generated tokens returned.", registry=r
+        )
+        self.in_flight = Gauge(
+            "baton_gateway_in_flight_requests",
+            "Requests this gateway has in flight per target.",
+            ["role", "target"],
+            registry=r,
+        )
+        self.cached_tokens = self.prompt_tokens.labels("cached")
+        self.uncached_tokens = self.prompt_tokens.labels("uncached")

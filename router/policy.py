@@ -1,0 +1,227 @@
+"""Routing choices, decided purely from a pool snapshot and the request's routing facts.
+
+No I/O, no clock, no randomness: several gateway replicas given the same snapshot make the same
+choice, so routing state never has to be shared between them.
+
+**Prefill** (one DEP2 instance):
+
+1. Affinity key. A session header (:data:`SESSION_HEADERS`, the agent harnesses' names), else the
+   ``user`` field, else the conversation: a hash chain over message boundaries up to and including
+   the first user message. Every turn of a conversation resends that prefix, so every turn (and
+   nothing else) shares the key, while conversations that only share a system prompt do not.
+   A completion prompt is keyed on its first :data:`PROMPT_KEY_BYTES` bytes.
+2. Rendezvous hashing of the key over healthy instances ranks them; the top two are the
+   candidates (power of two choices).
+3. Load bound. The first candidate wins unless its outstanding uncached prompt tokens exceed the
+   second's by more than ``imbalance_tokens``; a hot session then spills over instead of queueing.
+
+**Decode** (one DP rank of the cell's decode group): the fewest in-flight requests among the
+cell's healthy ranks (CONTEXT.md: request count is enough, step time barely depends on context);
+ties are broken by rendezvous hashing of the request id, so replicas spread rather than herd.
+
+**P/D decider**: a prompt whose estimated uncached tokens are below ``pd_threshold_tokens`` skips
+prefill and goes to decode alone.
+
+**Cells**: the prefill choice fixes the cell, and decode stays in it; only cells with a healthy
+decode rank are considered for prefill.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import orjson
+
+__all__ = [
+    "PROMPT_KEY_BYTES",
+    "SESSION_HEADERS",
+    "AffinityKey",
+    "AffinitySource",
+    "DecodeRankView",
+    "PoolSnapshot",
+    "PrefillPolicy",
+    "PrefillView",
+    "RoutingPolicy",
+    "affinity_key",
+    "choose_decode_rank",
+    "choose_prefill",
+    "estimate_prompt_tokens",
+    "needs_prefill",
+]
+
+# Session headers sent by agent harnesses and routers (reference/routers.md), in priority order.
+SESSION_HEADERS = (
+    "x-session-id",
+    "x-dynamo-session-id",
+    "x-claude-code-session-id",
+    "session-id",
+    "thread-id",
+    "x-smg-routing-key",
+    "x-correlation-id",
+)
+PROMPT_KEY_BYTES = 4096
+BYTES_PER_TOKEN = 4  # an estimate without the model's tokenizer (and the simulator's exact rule)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillView:
+    name: str  # stable identity: the instance's URL
+    cell: str
+    healthy: bool
+    outstanding_tokens: int  # uncached prompt tokens this gateway has in flight there
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRankView:
+    name: str  # stable identity: "<url>#<rank>"
+    url: str
+    cell: str
+    dp_rank: int  # what X-data-parallel-rank carries (a local index under hybrid LB)
+    healthy: bool
+    in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    prefill: tuple[PrefillView, ...]
+    decode: tuple[DecodeRankView, ...]
+
+
+class AffinitySource(StrEnum):
+    SESSION = "session"
+    USER = "user"
+    CONVERSATION = "conversation"
+    PROMPT = "prompt"
+    REQUEST = "request"
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityKey:
+    source: AffinitySource
+    digest: bytes
+
+
+class PrefillPolicy(StrEnum):
+    AFFINITY = "affinity"  # session / conversation affinity, bounded by load (the default)
+    LEAST_LOADED = "least_loaded"  # fewest outstanding uncached tokens; a baseline
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPolicy:
+    prefill: PrefillPolicy = PrefillPolicy.AFFINITY
+    imbalance_tokens: int = 8192  # one prefill step of spill-over allowance
+    pd_threshold_tokens: int = 256  # vllm-router's default for skipping P/D
+
+
+def _digest(*parts: bytes) -> bytes:
+    hasher = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        hasher.update(part)
+    return hasher.digest()
+
+
+def affinity_key(
+    headers: Mapping[str, str], body: Mapping[str, object], request_id: str
+) -> AffinityKey:
+    """The key that keeps a session's or conversation's prefills on one instance."""
+    for name in SESSION_HEADERS:
+        value = headers.get(name)
+        if value:
+            return AffinityKey(AffinitySource.SESSION, _digest(b"s", value.encode()))
+    user = body.get("user")
+    if isinstance(user, str) and user:
+        return AffinityKey(AffinitySource.USER, _digest(b"u", user.encode()))
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        chain = b""
+        for message in messages:
+            chain = _digest(chain, orjson.dumps(message, option=orjson.OPT_SORT_KEYS))
+            if isinstance(message, Mapping) and message.get("role") == "user":
+                break
+        return AffinityKey(AffinitySource.CONVERSATION, chain)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return AffinityKey(AffinitySource.PROMPT, _digest(prompt[:PROMPT_KEY_BYTES].encode()))
+    if isinstance(prompt, list) and prompt:
+        head = orjson.dumps(prompt[: PROMPT_KEY_BYTES // BYTES_PER_TOKEN])
+        return AffinityKey(AffinitySource.PROMPT, _digest(head))
+    return AffinityKey(AffinitySource.REQUEST, _digest(b"r", request_id.encode()))
+
+
+def estimate_prompt_tokens(body: Mapping[str, object]) -> int:
+    """Prompt tokens estimated from text length (4 bytes a token) or counted from token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if all(isinstance(item, int) for item in prompt):
+            return len(prompt)
+        return sum(estimate_prompt_tokens({"prompt": item}) for item in prompt)
+    if isinstance(prompt, str):
+        return len(prompt.encode()) // BYTES_PER_TOKEN + 1
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return len(orjson.dumps(messages)) // BYTES_PER_TOKEN + 1
+    return 0
+
+
+def needs_prefill(uncached_tokens: int, policy: RoutingPolicy) -> bool:
+    """The P/D decider: short uncached prompts are prefilled by the decode rank itself."""
+    return uncached_tokens >= policy.pd_threshold_tokens
+
+
+def _score(key: bytes, name: str) -> bytes:
+    return _digest(key, name.encode())
+
+
+def _ranked(key: bytes, names: Iterable[str]) -> list[str]:
+    return sorted(names, key=lambda name: _score(key, name), reverse=True)
+
+
+def choose_prefill(
+    snapshot: PoolSnapshot,
+    key: AffinityKey,
+    policy: RoutingPolicy,
+    exclude: Sequence[str] = (),
+) -> PrefillView | None:
+    """The prefill instance for ``key``, or None when no cell can take the request."""
+    serving_cells = {rank.cell for rank in snapshot.decode if rank.healthy}
+    candidates = {
+        view.name: view
+        for view in snapshot.prefill
+        if view.healthy and view.cell in serving_cells and view.name not in exclude
+    }
+    if not candidates:
+        return None
+    ranked = _ranked(key.digest, candidates)
+    if policy.prefill is PrefillPolicy.LEAST_LOADED:
+        return min((candidates[name] for name in ranked), key=lambda v: v.outstanding_tokens)
+    first = candidates[ranked[0]]
+    if len(ranked) == 1:
+        return first
+    second = candidates[ranked[1]]
+    if first.outstanding_tokens > second.outstanding_tokens + policy.imbalance_tokens:
+        return second
+    return first
+
+
+def choose_decode_rank(
+    snapshot: PoolSnapshot,
+    request_key: bytes,
+    cell: str | None = None,
+    exclude: Sequence[str] = (),
+) -> DecodeRankView | None:
+    """The least-loaded healthy decode rank (in ``cell`` when given), or None."""
+    ranks = [
+        rank
+        for rank in snapshot.decode
+        if rank.healthy and (cell is None or rank.cell == cell) and rank.name not in exclude
+    ]
+    if not ranks:
+        return None
+    fewest = min(rank.in_flight for rank in ranks)
+    tied = [rank for rank in ranks if rank.in_flight == fewest]
+    if len(tied) == 1:
+        return tied[0]
+    return max(tied, key=lambda rank: _score(request_key, rank.name))

@@ -1,0 +1,351 @@
+"""The gateway's pool: prefill instances and decode ranks by cell, their health and their load.
+
+The pool owns every piece of mutable routing state: which targets are healthy (active checks of
+``/health`` plus passive ejection by a circuit breaker), how many requests and uncached prompt
+tokens this gateway has in flight at each target, and the decode load corrected every few seconds
+from the engines' own ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` (so several
+gateway replicas converge on the same view). It hands out immutable :class:`PoolSnapshot` objects
+for the pure policy to choose over.
+
+Targets come from a :class:`PoolSpec` (flags or a YAML pool file, reloaded when it changes); the
+same ``update`` call will take them from ModelDeployment status once the operator exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from router.policy import DecodeRankView, PoolSnapshot, PrefillView
+
+__all__ = [
+    "Breaker",
+    "CellSpec",
+    "DecodeServerSpec",
+    "Pool",
+    "PoolSpec",
+    "load_pool_file",
+    "parse_decode_flag",
+]
+
+log = logging.getLogger("baton.gateway.pool")
+
+
+class DecodeServerSpec(BaseModel):
+    """One decode API server and the DP ranks it routes by ``X-data-parallel-rank``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str
+    ranks: tuple[int, ...] = ()  # header values (local indices under hybrid LB); () = no header
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"'{url}' is not an http(s) URL")
+        return url.rstrip("/")
+
+
+class CellSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    prefill: tuple[str, ...] = ()
+    decode: tuple[DecodeServerSpec, ...] = Field(min_length=1)
+
+    @field_validator("prefill")
+    @classmethod
+    def _http_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"'{url}' is not an http(s) URL")
+        return tuple(url.rstrip("/") for url in urls)
+
+
+class PoolSpec(BaseModel):
+    """The pool file's shape: ``cells: [{name, prefill: [URL...], decode: [{url, ranks}]}]``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cells: tuple[CellSpec, ...] = Field(min_length=1)
+
+
+def parse_decode_flag(value: str) -> DecodeServerSpec:
+    """``URL``, ``URL@3`` (one rank), ``URL@0-3`` or ``URL@0,1,2,3`` (hybrid-LB local ranks)."""
+    url, _, ranks = value.partition("@")
+    if not ranks:
+        return DecodeServerSpec(url=url)
+    parsed: list[int] = []
+    for part in ranks.split(","):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise ValueError(f"--decode {value}: ranks must look like @3, @0-3 or @0,1,2,3")
+        parsed.extend(range(int(low), int(high) + 1) if dash else [int(low)])
+    return DecodeServerSpec(url=url, ranks=tuple(parsed))
+
+
+def load_pool_file(path: str | Path) -> PoolSpec:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the pool file ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML ({exc})") from exc
+    try:
+        return PoolSpec.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors()
+        )
+        raise ValueError(f"{path}: {problems}; see docs/gateway.md for the pool file") from exc
+
+
+@dataclass(slots=True)
+class Breaker:
+    """Passive ejection: ``threshold`` consecutive failures open the breaker for ``cooldown_s``;
+    after it one trial request is let through, and a success closes it again."""
+
+    threshold: int = 3
+    cooldown_s: float = 5.0
+    failures: int = 0
+    open_until: float = 0.0
+
+    def allows(self, now: float) -> bool:
+        return self.failures < self.threshold or now >= self.open_until
+
+    def success(self) -> None:
+        self.failures = 0
+
+    def failure(self, now: float) -> None:
+        self.failures += 1
+        if self.failures >= self.threshold:
+            self.open_until = now + self.cooldown_s
+
+
+@dataclass(slots=True)
+class _Target:
+    name: str
+    url: str
+    cell: str
+    breaker: Breaker
+    up: bool = True  # the last active health check answered 200
+    in_flight: int = 0
+    outstanding_tokens: int = 0
+    dp_rank: int = -1  # decode only: the X-data-parallel-rank value, -1 for none
+
+    def healthy(self, now: float) -> bool:
+        return self.up and self.breaker.allows(now)
+
+
+@dataclass(slots=True)
+class _Server:
+    """One engine API server: its health and the ranks (targets) behind it."""
+
+    url: str
+    targets: list[_Target] = field(default_factory=list)
+    models: tuple[str, ...] = ()
+
+
+class Pool:
+    def __init__(
+        self,
+        spec: PoolSpec,
+        *,
+        health_interval_s: float = 2.0,
+        load_sync_interval_s: float = 2.0,
+        breaker_threshold: int = 3,
+        breaker_cooldown_s: float = 5.0,
+    ) -> None:
+        self.health_interval_s = health_interval_s
+        self.load_sync_interval_s = load_sync_interval_s
+        self.breaker_threshold = breaker_threshold
+        self.breaker_cooldown_s = breaker_cooldown_s
+        self.prefill: dict[str, _Target] = {}
+        self.decode: dict[str, _Target] = {}
+        self._servers: dict[str, _Server] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.update(spec)
+
+    # ---- targets
+
+    def update(self, spec: PoolSpec) -> None:
+        """Take a new set of targets; targets that stay keep their load and health."""
+        prefill: dict[str, _Target] = {}
+        decode: dict[str, _Target] = {}
+        for cell in spec.cells:
+            for url in cell.prefill:
+                prefill[url] = self.prefill.get(url) or self._target(url, url, cell.name)
+                prefill[url].cell = cell.name
+            for server in cell.decode:
+                for rank in server.ranks or (-1,):
+                    name = f"{server.url}#{rank}" if rank >= 0 else server.url
+                    target = self.decode.get(name) or self._target(name, server.url, cell.name)
+                    target.cell, target.dp_rank = cell.name, rank
+                    decode[name] = target
+        self.prefill, self.decode = prefill, decode
+        servers: dict[str, _Server] = {}
+        for target in [*prefill.values(), *decode.values()]:
+            server = servers.setdefault(
+                target.url, self._servers.get(target.url) or _Server(target.url)
+            )
+            if target not in server.targets:
+                server.targets.append(target)
+        for server in servers.values():
+            server.targets = [t for t in server.targets if t.name in prefill or t.name in decode]
+        self._servers = servers
+
+    def _target(self, name: str, url: str, cell: str) -> _Target:
+        return _Target(name, url, cell, Breaker(self.breaker_threshold, self.breaker_cooldown_s))
+
+    def snapshot(self) -> PoolSnapshot:
+        now = time.monotonic()
+        return PoolSnapshot(
+            prefill=tuple(
+                PrefillView(t.name, t.cell, t.healthy(now), t.outstanding_tokens)
+                for t in self.prefill.values()
+            ),
+            decode=tuple(
+                DecodeRankView(t.name, t.url, t.cell, t.dp_rank, t.healthy(now), t.in_flight)
+                for t in self.decode.values()
+            ),
+        )
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """Model names the healthy engines serve (from their ``/v1/models``)."""
+        names: dict[str, None] = {}
+        for server in self._servers.values():
+            if any(t.up for t in server.targets):
+                names.update(dict.fromkeys(server.models))
+        return tuple(names)
+
+    def ready(self) -> bool:
+        """At least one healthy prefill and one healthy decode target."""
+        now = time.monotonic()
+        return any(t.healthy(now) for t in self.prefill.values()) and any(
+            t.healthy(now) for t in self.decode.values()
+        )
+
+    # ---- load accounting (called by the handoff)
+
+    def begin_prefill(self, name: str, tokens: int) -> None:
+        target = self.prefill[name]
+        target.in_flight += 1
+        target.outstanding_tokens += tokens
+
+    def end_prefill(self, name: str, tokens: int) -> None:
+        target = self.prefill.get(name)
+        if target is not None:
+            target.in_flight -= 1
+            target.outstanding_tokens -= tokens
+
+    def begin_decode(self, name: str) -> None:
+        self.decode[name].in_flight += 1
+
+    def end_decode(self, name: str) -> None:
+        target = self.decode.get(name)
+        if target is not None:
+            target.in_flight = max(0, target.in_flight - 1)
+
+    def succeeded(self, name: str) -> None:
+        target = self.prefill.get(name) or self.decode.get(name)
+        if target is not None:
+            target.breaker.success()
+
+    def failed(self, name: str) -> None:
+        target = self.prefill.get(name) or self.decode.get(name)
+        if target is not None:
+            target.breaker.failure(time.monotonic())
+
+    def in_flight(self) -> dict[str, int]:
+        """In-flight requests per target (prefill and decode), for metrics and leak checks."""
+        return {t.name: t.in_flight for t in [*self.prefill.values(), *self.decode.values()]}
+
+    # ---- background: health and load
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+        await self.check_health()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._every(self.health_interval_s, self.check_health)),
+            loop.create_task(self._every(self.load_sync_interval_s, self.sync_decode_load)),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _every(self, interval: float, action: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await action()
+            except Exception:  # a probe must never stop probing
+                log.exception("pool background task failed")
+
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._probe(server) for server in list(self._servers.values())))
+
+    async def _probe(self, server: _Server) -> None:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.health_interval_s))
+        try:
+            async with self._session.get(f"{server.url}/health", timeout=timeout) as response:
+                up = response.status == 200
+            if up and not server.models:
+                async with self._session.get(f"{server.url}/v1/models", timeout=timeout) as resp:
+                    data = await resp.json()
+                    server.models = tuple(m["id"] for m in data.get("data", []))
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+            up = False
+        for target in server.targets:
+            if up and not target.up:
+                log.info("target %s is healthy again; readmitted", target.name)
+                target.breaker.success()
+            elif not up and target.up:
+                log.warning("target %s failed its health check; ejected", target.name)
+            target.up = up
+
+    async def sync_decode_load(self) -> None:
+        """Correct the decode in-flight view from what the engines themselves report."""
+        urls = {t.url for t in self.decode.values() if t.dp_rank >= 0 and t.up}
+        await asyncio.gather(*(self._sync_server(url) for url in urls))
+
+    async def _sync_server(self, url: str) -> None:
+        assert self._session is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=max(1.0, self.load_sync_interval_s))
+            async with self._session.get(f"{url}/metrics", timeout=timeout) as response:
+                text = await response.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return
+        load = _engine_load(text)
+        # Engines label global DP ranks; the header takes local indices: the n-th smallest label.
+        ranks = sorted(load, key=int)
+        server = self._servers.get(url)
+        for target in server.targets if server is not None else ():
+            if target.name in self.decode and 0 <= target.dp_rank < len(ranks):
+                target.in_flight = load[ranks[target.dp_rank]]
+
+
+def _engine_load(text: str) -> dict[str, int]:
+    load: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            for sample in family.samples:
+                engine = sample.labels.get("engine", "0")
+                load[engine] = load.get(engine, 0) + int(sample.value)
+    return load

@@ -1,0 +1,447 @@
+"""``baton gateway`` in front of real ``baton sim`` engines, driven by the openai client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import NIXL, SimHandle, eventually, free_port_block, scrape, scrape_by
+
+MODEL = "dsv4"
+LONG = "The cell keeps prefill and decode in one NVLink domain. " * 40  # ~560 tokens
+
+
+@dataclass
+class Stack:
+    gateway: SimHandle
+    prefill: list[SimHandle]
+    decode: SimHandle
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.gateway.url}/v1", api_key="k", max_retries=0, **kwargs
+        )  # type: ignore[arg-type]
+
+    def fault(self, engine: SimHandle, **fault: object) -> None:
+        assert httpx.post(f"{engine.url}/sim/faults", json=fault).status_code == 200
+
+    def gateway_metric(self, name: str, **labels: str) -> float:
+        return scrape(self.gateway.url, name, **labels)
+
+    def assert_nothing_leaked(self) -> None:
+        eventually(lambda: self.gateway_metric("baton_gateway_in_flight_requests") == 0)
+        for engine in self.prefill:
+            eventually(lambda e=engine: scrape(e.url, "vllm:kv_cache_usage_perc") == 0)
+        eventually(lambda: scrape(self.decode.url, "vllm:num_requests_running") == 0)
+
+
+def start_engine(start_sim, *flags: str) -> SimHandle:
+    return start_sim(
+        "--served-model-name",
+        MODEL,
+        "--kv-transfer-config",
+        NIXL,
+        "--enable-fault-injection",
+        *flags,
+        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_block(4))},
+    )
+
+
+@pytest.fixture
+def stack(start_sim, start_gateway) -> Stack:
+    prefill = [start_engine(start_sim) for _ in range(2)]
+    decode = start_engine(start_sim, "--data-parallel-size", "4")
+    gateway = start_gateway(
+        "--api-key",
+        "k",
+        *(f"--prefill={p.url}" for p in prefill),
+        f"--decode={decode.url}@0-3",
+        "--prefill-timeout",
+        "2",
+        "--first-token-timeout",
+        "5",
+    )
+    return Stack(gateway, prefill, decode)
+
+
+def cached_prefix(prompt_tokens: int) -> int:
+    """Whole 16-token blocks a repeated prompt finds cached (its last token is always computed)."""
+    return ((prompt_tokens - 1) // 16) * 16
+
+
+def chat(stack: Stack, content: str = LONG, **kwargs: object):
+    return stack.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], **kwargs
+    )  # type: ignore
+
+
+# ---- the API
+
+
+def test_chat_goes_through_prefill_then_decode(stack: Stack) -> None:
+    response = chat(stack, max_tokens=8, extra_body={"ignore_eos": True})
+    assert response.usage.completion_tokens == 8
+    prefilled = sum(scrape(p.url, "vllm:prompt_tokens_total") for p in stack.prefill)
+    assert prefilled == response.usage.prompt_tokens
+    assert (
+        scrape(
+            stack.decode.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
+        == response.usage.prompt_tokens
+    )
+    assert stack.gateway_metric("baton_gateway_routing_decisions_total", path="pd") == 1
+    stack.assert_nothing_leaked()
+
+
+def test_streamed_completion_with_usage_reports_prefill_cached_tokens(stack: Stack) -> None:
+    client = stack.client()
+    for turn in range(2):
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=LONG,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = list(stream)
+        usage = chunks[-1].usage
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert len(text) == 6 * 4
+        # decode alone would report every prompt token cached; the gateway reports prefill's
+        expected = 0 if turn == 0 else cached_prefix(usage.prompt_tokens)
+        assert usage.prompt_tokens_details.cached_tokens == expected
+    stack.assert_nothing_leaked()
+
+
+def test_non_streamed_usage_reports_prefill_cached_tokens(stack: Stack) -> None:
+    first = chat(stack, max_tokens=2)
+    second = chat(stack, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == cached_prefix(
+        first.usage.prompt_tokens
+    )
+
+
+def test_short_prompt_skips_prefill(stack: Stack) -> None:
+    response = chat(stack, content="hi", max_tokens=3)
+    assert response.usage.completion_tokens >= 1
+    assert sum(scrape(p.url, "vllm:prompt_tokens_total") for p in stack.prefill) == 0
+    assert stack.gateway_metric("baton_gateway_routing_decisions_total", path="decode_only") == 1
+
+
+def test_unknown_fields_pass_through_to_the_engines(stack: Stack) -> None:
+    response = chat(
+        stack,
+        max_tokens=50,
+        extra_body={"min_tokens": 50, "ignore_eos": False, "chat_template_kwargs": {"x": 1}},
+        seed=9,
+    )
+    assert response.usage.completion_tokens == 50
+
+
+def test_models_come_from_the_engines(stack: Stack) -> None:
+    assert [m.id for m in stack.client().models.list()] == [MODEL]
+
+
+def test_ready_needs_a_healthy_prefill_and_decode(start_sim, start_gateway) -> None:
+    decode = start_engine(start_sim)
+    gateway = start_gateway(f"--decode={decode.url}", "--prefill=http://127.0.0.1:9")
+    assert httpx.get(f"{gateway.url}/ready").status_code == 503
+    assert httpx.get(f"{gateway.url}/health").status_code == 200
+
+
+# ---- routing
+
+
+def test_conversation_turns_stick_to_one_prefill_instance(stack: Stack) -> None:
+    client = stack.client()
+    for session in range(4):
+        messages = [
+            {"role": "system", "content": LONG},
+            {"role": "user", "content": f"session {session} opens"},
+        ]
+        for turn in range(3):
+            reply = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=8, extra_body={"ignore_eos": True}
+            )
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": f"turn {turn} " + LONG[:400]},
+            ]
+    hits = sum(scrape(p.url, "vllm:prefix_cache_hits_total") for p in stack.prefill)
+    queries = sum(scrape(p.url, "vllm:prefix_cache_queries_total") for p in stack.prefill)
+    # every later turn finds its whole history cached on the instance that served the first
+    assert hits / queries > 0.55
+    assert (
+        stack.gateway_metric("baton_gateway_affinity_total", source="conversation", result="hit")
+        == 12
+    )
+
+
+def test_session_header_pins_prefill(stack: Stack) -> None:
+    client = stack.client()
+    for i in range(6):
+        client.completions.create(
+            model=MODEL,
+            prompt=f"{i} " + LONG,
+            max_tokens=1,
+            extra_headers={"X-Session-ID": "agent-7"},
+        )
+    served = [scrape(p.url, "vllm:request_success_total") for p in stack.prefill]
+    assert sorted(served) == [0, 6]
+
+
+def test_decode_ranks_stay_balanced_under_steady_load(stack: Stack) -> None:
+    client = stack.client()
+    stop = threading.Event()
+
+    def stream(i: int) -> None:
+        while not stop.is_set():
+            for _ in client.completions.create(
+                model=MODEL,
+                prompt=f"{i} {LONG}",
+                stream=True,
+                max_tokens=300,
+                extra_body={"ignore_eos": True},
+            ):
+                pass
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(stream, i) for i in range(16)]
+        samples = []
+        for _ in range(20):
+            eventually(lambda: scrape(stack.decode.url, "vllm:num_requests_running") >= 14)
+            # the gateway's view of in-flight requests per decode rank, in one scrape
+            in_flight = scrape_by(stack.gateway.url, "baton_gateway_in_flight_requests", "target")
+            ranks = [v for name, v in in_flight.items() if name.startswith(stack.decode.url)]
+            assert len(ranks) == 4
+            samples.append(max(ranks) - min(ranks))
+        stop.set()
+        for future in futures:
+            future.result()
+    assert max(samples) <= 1, samples
+
+
+# ---- fault paths: afterwards nothing is left in flight and no prefill KV is held
+
+
+def test_prefill_5xx_falls_back_to_decode_only(stack: Stack) -> None:
+    for engine in stack.prefill:
+        stack.fault(engine, action="fail_requests", count=1, status=503)
+    response = chat(stack, max_tokens=4)
+    assert response.usage.completion_tokens >= 1
+    assert stack.gateway_metric("baton_gateway_fallbacks_total", reason="status") == 1
+    assert (
+        scrape(stack.decode.url, "vllm:prompt_tokens_by_source_total", source="local_compute") > 0
+    )
+    stack.assert_nothing_leaked()
+
+
+def test_prefill_4xx_goes_back_to_the_client(stack: Stack) -> None:
+    for engine in stack.prefill:
+        stack.fault(engine, action="fail_requests", count=1, status=400)
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(stack, max_tokens=4)
+    assert caught.value.status_code == 400
+    assert caught.value.body["message"] == "injected failure (baton sim fault injection)"
+    assert scrape(stack.decode.url, "vllm:request_success_total") == 0
+    stack.assert_nothing_leaked()
+
+
+def test_prefill_timeout_falls_back_to_decode_only(stack: Stack) -> None:
+    for engine in stack.prefill:
+        stack.fault(engine, action="stall", seconds=30)
+    response = chat(stack, max_tokens=4)
+    assert response.usage.completion_tokens >= 1
+    assert stack.gateway_metric("baton_gateway_fallbacks_total", reason="timeout") == 1
+
+
+def test_decode_failure_before_first_token_retries_another_rank(stack: Stack) -> None:
+    stack.fault(stack.decode, action="fail_requests", count=1, status=500)
+    stream = chat(stack, max_tokens=5, stream=True, extra_body={"ignore_eos": True})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert len(text) == 5 * 4
+    assert stack.gateway_metric("baton_gateway_retries_total", phase="decode") == 1
+    stack.assert_nothing_leaked()
+
+
+def test_lost_kv_retries_then_decodes_alone(stack: Stack) -> None:
+    for engine in stack.prefill:
+        stack.fault(engine, action="drop_kv", count=2)
+    stream = chat(stack, max_tokens=5, stream=True, extra_body={"ignore_eos": True})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert len(text) == 5 * 4
+    assert stack.gateway_metric("baton_gateway_retries_total", phase="decode") == 2
+    assert stack.gateway_metric("baton_gateway_fallbacks_total", reason="decode_retry") == 1
+    stack.assert_nothing_leaked()
+
+
+def stream_until_failure(stack: Stack, fail: Callable[[], object]) -> list[str]:
+    """Stream a long completion, call ``fail`` after five events, return every data payload."""
+    body = {
+        "model": MODEL,
+        "prompt": LONG,
+        "max_tokens": 100_000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    events: list[str] = []
+    with httpx.stream(
+        "POST",
+        f"{stack.gateway.url}/v1/completions",
+        json=body,
+        timeout=30,
+        headers={"Authorization": "Bearer k"},
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 5:
+                    fail()
+    return events
+
+
+def assert_whole_tokens_then_error(events: list[str]) -> dict[str, object]:
+    assert events[-1] == "[DONE]"
+    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-2] if '"choices"' in e]
+    assert texts and all(len(t) % 4 == 0 for t in texts)  # whole tokens, none repeated
+    return json.loads(events[-2])["error"]
+
+
+def test_engine_failure_mid_stream_is_forwarded_and_the_stream_ends(stack: Stack) -> None:
+    events = stream_until_failure(stack, lambda: stack.fault(stack.decode, action="kill"))
+    assert assert_whole_tokens_then_error(events)["code"] == 500
+    assert stack.gateway_metric("baton_gateway_in_flight_requests") == 0
+
+
+def test_broken_decode_connection_mid_stream_ends_with_an_sse_error_event(stack: Stack) -> None:
+    events = stream_until_failure(stack, stack.decode.process.kill)
+    error = assert_whole_tokens_then_error(events)
+    assert error["type"] == "server_error" and error["code"] == "upstream_failed"
+    assert stack.gateway_metric("baton_gateway_aborts_total", phase="decode") == 1
+    assert stack.gateway_metric("baton_gateway_in_flight_requests") == 0
+
+
+def test_client_disconnect_aborts_both_legs(stack: Stack) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": LONG,
+        "max_tokens": 100_000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST",
+        f"{stack.gateway.url}/v1/completions",
+        json=body,
+        timeout=30,
+        headers={"Authorization": "Bearer k"},
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break
+    eventually(
+        lambda: scrape(stack.decode.url, "vllm:request_success_total", finished_reason="abort") == 1
+    )
+    assert stack.gateway_metric("baton_gateway_aborts_total", reason="client_disconnect") == 1
+    stack.assert_nothing_leaked()
+
+
+# ---- bad input: the right status and an OpenAI error body, never a 5xx
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "needle"),
+    [
+        (b"{nope", {}, 400, "not valid JSON"),
+        (b'{"model": "dsv4", "messages": "hi"}', {}, 400, "messages"),
+        (
+            b'{"model": "dsv4", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}',
+            {},
+            400,
+            "max_tokens",
+        ),
+        (
+            b'{"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]}',
+            {},
+            404,
+            "served: dsv4",
+        ),
+        (
+            b'{"model": "dsv4", "messages": [{"role": "user", "content": "x"}]}',
+            {"Authorization": "Bearer wrong"},
+            401,
+            "API key",
+        ),
+        (
+            b'{"model": "dsv4", "messages": [{"role": "user", "content": "x"}]}',
+            {"Authorization": ""},
+            401,
+            "API key",
+        ),
+        (
+            b'{"model": "dsv4", "messages": [{"role": "user", "content": "x"}], '
+            b'"kv_transfer_params": {}}',
+            {},
+            400,
+            "kv_transfer_params",
+        ),
+    ],
+    ids=[
+        "malformed",
+        "messages-type",
+        "max-tokens-type",
+        "unknown-model",
+        "wrong-key",
+        "missing-key",
+        "client-kv-params",
+    ],
+)
+def test_bad_request_gets_openai_error(
+    stack: Stack, body: bytes, headers: dict[str, str], status: int, needle: str
+) -> None:
+    response = httpx.post(
+        f"{stack.gateway.url}/v1/chat/completions",
+        content=body,
+        headers={"Authorization": "Bearer k", **headers},
+    )
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert needle in error["message"] and error["type"]
+
+
+def test_body_over_the_limit_is_413(start_sim, start_gateway) -> None:
+    decode = start_engine(start_sim)
+    gateway = start_gateway(f"--decode={decode.url}", "--max-body-bytes", "1000")
+    response = httpx.post(
+        f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x" * 2000}
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_api_keys_from_file_and_environment(start_sim, start_gateway, tmp_path) -> None:
+    decode = start_engine(start_sim)
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nfrom-file\n")
+    gateway = start_gateway(
+        f"--decode={decode.url}", "--api-key-file", str(keys), env={"BATON_API_KEYS": "from-env"}
+    )
+    for key, status in (("from-file", 200), ("from-env", 200), ("other", 401)):
+        response = httpx.get(f"{gateway.url}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == status
+    assert "from-file" not in gateway.log() and "from-env" not in gateway.log()
+
+
+def test_unknown_route_is_an_openai_404(stack: Stack) -> None:
+    response = httpx.get(f"{stack.gateway.url}/v1/nothing")
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "invalid_request_error"
