@@ -15,7 +15,7 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-BENCHMARKS = {"sim": "bench.sim_capacity"}
+BENCHMARKS = {"sim": "bench.sim_capacity", "gateway": "bench.gateway"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -54,7 +54,7 @@ from router.policy import (
 from router.pool import Pool
 from router.stream import DecodeStream, FirstToken, StreamState, error_event
 
-__all__ = ["Handoff", "JsonReply", "StreamReply", "Timeouts"]
+__all__ = ["DecodeRelay", "Handoff", "JsonReply", "Timeouts"]
 
 log = logging.getLogger("baton.gateway.handoff")
 
@@ -85,10 +85,79 @@ class JsonReply:
     request_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class StreamReply:
-    chunks: AsyncIterator[bytes]  # the first chunk holds the first token: nothing is retried after
-    request_id: str
+class DecodeRelay:
+    """An open decode stream whose first token has arrived; nothing is retried from here on.
+
+    ``pump`` forwards the engine's bytes as they arrive (whatever is buffered, in one write),
+    looking only for the usage frame; a broken upstream ends the client's stream with an SSE error
+    event and ``[DONE]``. Closing the upstream response on any exit (client disconnect included)
+    makes the engine abort the request and free its KV.
+    """
+
+    __slots__ = (
+        "_first_token",
+        "_handoff",
+        "_head",
+        "_rank",
+        "_response",
+        "_started",
+        "_stream",
+        "request_id",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        handoff: Handoff,
+        rank: DecodeRankView,
+        response: aiohttp.ClientResponse,
+        head: bytes,
+        stream: DecodeStream,
+        first_token: float,
+        started: float,
+    ) -> None:
+        self.request_id = request_id
+        self._handoff = handoff
+        self._rank = rank
+        self._response = response
+        self._head = head
+        self._stream = stream
+        self._first_token = first_token
+        self._started = started
+
+    async def pump(self, write: Callable[[bytes], Awaitable[None]]) -> None:
+        content = self._response.content
+        stream = self._stream
+        ended = "ok"
+        try:
+            await write(stream.feed(self._head))
+            while chunk := await content.readany():
+                out = stream.feed(chunk)
+                if out:
+                    await write(out)
+            tail = stream.finish()
+            if tail:
+                await write(tail)
+            if not stream.done:
+                ended = "truncated"
+                await write(error_event("the decode engine ended the stream early"))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            ended = "upstream"
+            log.warning(
+                "decode on %s failed mid-stream (%s); ending the stream", self._rank.name, exc
+            )
+            self._handoff.pool.failed(self._rank.name)
+            await write(error_event(f"the decode engine failed mid-stream: {type(exc).__name__}"))
+        except asyncio.CancelledError:
+            ended = "client_disconnect"
+            raise
+        finally:
+            if ended == "ok":
+                self._response.release()  # read to the end: the connection goes back to the pool
+            else:
+                self._response.close()  # unread bytes: drop the connection, the engine aborts
+            self._handoff.pool.end_decode(self._rank.name)
+            self._handoff.finish_stream(stream, ended, self._first_token, self._started)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +180,11 @@ class Handoff:
         self.policy = policy
         self.metrics = metrics
         self.timeouts = timeouts
+        # aiohttp's read timeout bounds every wait for bytes, so the relay loop sets no timer
+        # per chunk; before the first token the (usually longer) first-token bound applies.
+        self._stream_timeout = aiohttp.ClientTimeout(
+            sock_connect=timeouts.connect_s, sock_read=max(timeouts.idle_s, timeouts.first_token_s)
+        )
 
     async def serve(
         self,
@@ -119,7 +193,7 @@ class Handoff:
         raw: bytes,
         headers: Mapping[str, str],
         request_id: str,
-    ) -> JsonReply | StreamReply:
+    ) -> JsonReply | DecodeRelay:
         """Run the P/D sequence for one validated request body (``raw`` is its exact bytes)."""
         started = time.perf_counter()
         key = affinity_key(headers, body, request_id)
@@ -129,15 +203,19 @@ class Handoff:
         cell: str | None = None
         prefill = None
         if needs_prefill(prompt_tokens, self.policy):
-            prefill = choose_prefill(snapshot, key, self.policy)
+            choice = choose_prefill(snapshot, key, self.policy)
+            if choice is not None:
+                prefill = choice.view
+                self.metrics.affinity.labels(
+                    key.source.value, "miss" if choice.spilled else "hit"
+                ).inc()
         if prefill is not None:
-            self._count_affinity(key, prefill)
             cell = prefill.cell
             outcome = await self._prefill(prefill, route, body, request_id, prompt_tokens)
             if isinstance(outcome, JsonReply):
                 return outcome  # prefill's 4xx, as the engine wrote it
             prefilled = outcome
-        self.metrics.routes.labels("pd" if prefilled else "decode_only").inc()
+        (self.metrics.pd_routes if prefilled else self.metrics.decode_only_routes).inc()
         prefill_done = time.perf_counter()
         return await self._decode(
             route, body, raw, request_id, key, cell, prefilled, started, prefill_done
@@ -180,7 +258,7 @@ class Handoff:
         finally:
             self.pool.end_prefill(target.name, tokens)
         self.pool.succeeded(target.name)
-        self.metrics.phase.labels("prefill").observe(time.perf_counter() - started)
+        self.metrics.prefill_seconds.observe(time.perf_counter() - started)
         params = reply.get("kv_transfer_params")
         usage = reply.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
@@ -202,17 +280,6 @@ class Handoff:
         self.metrics.fallbacks.labels(reason).inc()
         return None
 
-    def _count_affinity(self, key: AffinityKey, chosen: PrefillView) -> None:
-        preferred = choose_prefill(
-            self.pool.snapshot(),
-            key,
-            RoutingPolicy(
-                imbalance_tokens=1 << 62, pd_threshold_tokens=self.policy.pd_threshold_tokens
-            ),
-        )
-        hit = preferred is not None and preferred.name == chosen.name
-        self.metrics.affinity.labels(key.source.value, "hit" if hit else "miss").inc()
-
     # ---- decode
 
     async def _decode(
@@ -226,7 +293,7 @@ class Handoff:
         prefilled: _Prefilled | None,
         started: float,
         prefill_done: float,
-    ) -> JsonReply | StreamReply:
+    ) -> JsonReply | DecodeRelay:
         stream = bool(body.get("stream"))
         tried: list[str] = []
         last: UpstreamError | None = None
@@ -313,7 +380,7 @@ class Handoff:
         cached: int | None,
         started: float,
         prefill_done: float,
-    ) -> StreamReply:
+    ) -> DecodeRelay:
         """Open the decode stream and read up to its first token; raise if it fails first."""
         self.pool.begin_decode(rank.name)
         response: aiohttp.ClientResponse | None = None
@@ -321,7 +388,10 @@ class Handoff:
             with upstream_errors("decode"):
                 async with asyncio.timeout(self.timeouts.first_token_s):
                     response = await self.session.post(
-                        rank.url + route, data=payload, headers=_headers(request_id, rank.dp_rank)
+                        rank.url + route,
+                        data=payload,
+                        headers=_headers(request_id, rank.dp_rank),
+                        timeout=self._stream_timeout,
                     )
                     if response.status != 200:
                         raise UpstreamStatus("decode", response.status, await response.read())
@@ -340,62 +410,28 @@ class Handoff:
             raise
         first_token = time.perf_counter()
         self.metrics.ttft.observe(first_token - started)
-        self.metrics.phase.labels("handoff").observe(first_token - prefill_done)
+        self.metrics.handoff_seconds.observe(first_token - prefill_done)
         self.pool.succeeded(rank.name)
-        relay = self._relay(
-            rank, response, head.buffered, DecodeStream(cached), first_token, started
+        return DecodeRelay(
+            request_id,
+            self,
+            rank,
+            response,
+            head.buffered,
+            DecodeStream(cached),
+            first_token,
+            started,
         )
-        return StreamReply(relay, request_id)
 
-    async def _relay(
-        self,
-        rank: DecodeRankView,
-        response: aiohttp.ClientResponse,
-        head: bytes,
-        stream: DecodeStream,
-        first_token: float,
-        started: float,
-    ) -> AsyncIterator[bytes]:
-        """Forward the decode stream's bytes as they arrive, whatever is buffered in one go."""
-        content = response.content
-        ended = "ok"
-        try:
-            yield stream.feed(head)
-            while True:
-                async with asyncio.timeout(self.timeouts.idle_s):
-                    chunk = await content.readany()
-                if not chunk:
-                    break
-                out = stream.feed(chunk)
-                if out:
-                    yield out
-            tail = stream.finish()
-            if tail:
-                yield tail
-            if not stream.done:
-                ended = "truncated"
-                yield error_event("the decode engine ended the stream early")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            ended = "upstream"
-            log.warning("decode on %s failed mid-stream (%s); ending the stream", rank.name, exc)
-            self.pool.failed(rank.name)
-            yield error_event(f"the decode engine failed mid-stream: {type(exc).__name__}")
-        except (asyncio.CancelledError, GeneratorExit):
-            ended = "client_disconnect"
-            raise
-        finally:
-            response.close()
-            self.pool.end_decode(rank.name)
-            self._finish_stream(stream, ended, first_token, started)
-
-    def _finish_stream(
+    def finish_stream(
         self, stream: DecodeStream, ended: str, first_token: float, started: float
     ) -> None:
+        """Record a finished relay: how it ended, its timings, its tokens."""
         now = time.perf_counter()
         if ended != "ok":
             self.metrics.aborts.labels("decode", ended).inc()
         self.metrics.e2e.observe(now - started)
-        self.metrics.phase.labels("decode").observe(now - first_token)
+        self.metrics.decode_seconds.observe(now - first_token)
         usage = stream.usage
         if usage is not None:
             tokens = usage.get("completion_tokens")

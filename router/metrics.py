@@ -165,5 +165,11 @@ class GatewayMetrics:
             ["role", "target"],
             registry=r,
         )
+        # children bound once: handlers never look labels up on the hot path
         self.cached_tokens = self.prompt_tokens.labels("cached")
         self.uncached_tokens = self.prompt_tokens.labels("uncached")
+        self.prefill_seconds = self.phase.labels("prefill")
+        self.handoff_seconds = self.phase.labels("handoff")
+        self.decode_seconds = self.phase.labels("decode")
+        self.pd_routes = self.routes.labels("pd")
+        self.decode_only_routes = self.routes.labels("decode_only")

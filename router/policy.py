@@ -42,6 +42,7 @@ __all__ = [
     "AffinitySource",
     "DecodeRankView",
     "PoolSnapshot",
+    "PrefillChoice",
     "PrefillPolicy",
     "PrefillView",
     "RoutingPolicy",
@@ -82,6 +83,12 @@ class DecodeRankView:
     dp_rank: int  # what X-data-parallel-rank carries (a local index under hybrid LB)
     healthy: bool
     in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChoice:
+    view: PrefillView
+    spilled: bool  # the affinity choice was too loaded; the second choice took the request
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +191,7 @@ def choose_prefill(
     key: AffinityKey,
     policy: RoutingPolicy,
     exclude: Sequence[str] = (),
-) -> PrefillView | None:
+) -> PrefillChoice | None:
     """The prefill instance for ``key``, or None when no cell can take the request."""
     serving_cells = {rank.cell for rank in snapshot.decode if rank.healthy}
     candidates = {
@@ -196,14 +203,14 @@ def choose_prefill(
         return None
     ranked = _ranked(key.digest, candidates)
     if policy.prefill is PrefillPolicy.LEAST_LOADED:
-        return min((candidates[name] for name in ranked), key=lambda v: v.outstanding_tokens)
+        view = min((candidates[name] for name in ranked), key=lambda v: v.outstanding_tokens)
+        return PrefillChoice(view, spilled=view.name != ranked[0])
     first = candidates[ranked[0]]
-    if len(ranked) == 1:
-        return first
-    second = candidates[ranked[1]]
-    if first.outstanding_tokens > second.outstanding_tokens + policy.imbalance_tokens:
-        return second
-    return first
+    if len(ranked) > 1:
+        second = candidates[ranked[1]]
+        if first.outstanding_tokens > second.outstanding_tokens + policy.imbalance_tokens:
+            return PrefillChoice(second, spilled=True)
+    return PrefillChoice(first, spilled=False)
 
 
 def choose_decode_rank(

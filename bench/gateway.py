@@ -1,0 +1,313 @@
+"""Gateway overhead, side by side: direct to decode, Baton's gateway, and vllm-router.
+
+One run against the same fast engines (``baton sim`` prefill and decode; the ``instant`` profile
+for "no delay between tokens", a 5 ms decode step otherwise). Each router is pinned to core 1;
+the engines and the load generator share core 0. For each target and scenario:
+
+- router CPU microseconds per streamed chunk: the router process's CPU time (utime + stime of
+  all its threads, from /proc) over the SSE events the clients received;
+- chunks per second received;
+- TTFT p50 / p99 (request sent -> first token event received), and the p50/p99 added over
+  going direct to the decode engine (which skips prefill: the limit).
+
+Scenarios: (a) 32 streams with no delay between tokens; (b) 256 streams with 5 ms between
+tokens. vllm-router runs ``--vllm-pd-disaggregation`` with round-robin policies; Baton runs its
+defaults. Both do the full P/D sequence (prompts are ~1,000 tokens, over Baton's P/D threshold).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from bench.processes import free_port, free_port_block, stop_process, wait_healthy
+from bench.procstat import cpu_seconds, pin
+from sim.profile import load_profile
+
+__all__ = ["run"]
+
+MODEL = "dsv4"
+NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+PROMPT = "the baton passes from prefill to decode " * 100  # ~1,000 tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    streams: int
+    token_delay_s: float
+    requests_per_stream: int
+    max_tokens: int
+
+
+SCENARIOS = (
+    Scenario("a: 32 streams, no delay", 32, 0.0, 6, 256),
+    Scenario("b: 256 streams, 5 ms/token", 256, 0.005, 2, 128),
+)
+
+
+def _profile(directory: Path, token_delay_s: float) -> str:
+    """The instant profile, with a decode step of ``token_delay_s`` when given."""
+    profile = load_profile("instant").model_dump()
+    if token_delay_s:
+        profile["decode"]["rest_fixed_s"] = token_delay_s
+    path = directory / f"profile-{token_delay_s}.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    return str(path)
+
+
+def _spawn(
+    command: list[str], core: int, env: dict[str, str] | None = None, url: str | None = None
+) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
+    pin(process.pid, core)
+    if url is not None:
+        wait_healthy(url, process, timeout=60)
+    return process
+
+
+def _engine(profile: str, role: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "baton.cli",
+        "sim",
+        "--port",
+        str(port),
+        "--profile",
+        profile,
+        "--served-model-name",
+        MODEL,
+        "--kv-transfer-config",
+        NIXL,
+        "--max-num-seqs",
+        "1024",
+        "--log-level",
+        "warning",
+    ]
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_block(2))}
+    url = f"http://127.0.0.1:{port}"
+    return _spawn(command, 0, env, url), url
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, max_tokens: int, ttfts: list[float]
+) -> int:
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    sent = time.perf_counter()
+    events = 0
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status}: {await response.text()}")
+        async for chunk in response.content.iter_any():
+            if not events and b'"text"' in chunk:
+                ttfts.append(time.perf_counter() - sent)
+            events += chunk.count(b"data: {")
+    return events
+
+
+async def _load(url: str, scenario: Scenario) -> tuple[float, int, list[float]]:
+    ttfts: list[float] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def stream() -> int:
+            total = 0
+            for _ in range(scenario.requests_per_stream):
+                total += await _one(session, url, scenario.max_tokens, ttfts)
+            return total
+
+        await _one(session, url, 4, [])  # warm the connection pools
+        started = time.perf_counter()
+        events = await asyncio.gather(*(stream() for _ in range(scenario.streams)))
+        return time.perf_counter() - started, sum(events), ttfts
+
+
+def _measure(
+    target: str, url: str, process: subprocess.Popen[bytes] | None, scenario: Scenario
+) -> dict[str, object]:
+    before = cpu_seconds(process.pid) if process is not None else 0.0
+    elapsed, events, ttfts = asyncio.run(_load(url, scenario))
+    cpu = cpu_seconds(process.pid) - before if process is not None else 0.0
+    ttfts.sort()
+    return {
+        "target": target,
+        "scenario": scenario.name,
+        "chunks": events,
+        "seconds": elapsed,
+        "chunks_per_s": events / elapsed,
+        "router_cpu_us_per_chunk": cpu / events * 1e6 if process is not None else 0.0,
+        "ttft_p50_ms": statistics.median(ttfts) * 1000,
+        "ttft_p99_ms": ttfts[int(0.99 * (len(ttfts) - 1))] * 1000,
+    }
+
+
+def _routers(prefill: str, decode: str) -> dict[str, tuple[subprocess.Popen[bytes], str]]:
+    baton_port, vllm_port = free_port(), free_port()
+    baton = [
+        sys.executable,
+        "-m",
+        "baton.cli",
+        "gateway",
+        "--port",
+        str(baton_port),
+        "--prefill",
+        prefill,
+        "--decode",
+        decode,
+        "--log-level",
+        "warning",
+    ]
+    binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+    vllm = [
+        binary,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(vllm_port),
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        prefill,
+        "--decode",
+        decode,
+        "--policy",
+        "round_robin",
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        "warning",
+    ]
+    baton_url, vllm_url = f"http://127.0.0.1:{baton_port}", f"http://127.0.0.1:{vllm_port}"
+    return {
+        "baton": (_spawn(baton, 1, url=baton_url), baton_url),
+        "vllm-router": (_spawn(vllm, 1, url=vllm_url), vllm_url),
+    }
+
+
+def _scenario(directory: Path, scenario: Scenario, rounds: int) -> list[dict[str, object]]:
+    profile = _profile(directory, scenario.token_delay_s)
+    processes: list[subprocess.Popen[bytes]] = []
+    rows: list[dict[str, object]] = []
+    try:
+        prefill_process, prefill = _engine(profile, "prefill")
+        decode_process, decode = _engine(profile, "decode")
+        processes += [prefill_process, decode_process]
+        routers = _routers(prefill, decode)
+        processes += [process for process, _ in routers.values()]
+        pin(os.getpid(), 0)
+        targets = [("direct", decode, None)] + [
+            (name, url, process) for name, (process, url) in routers.items()
+        ]
+        for _ in range(rounds):  # interleaved, so drift on a shared machine hits all alike
+            for name, url, process in targets:
+                rows.append(_measure(name, url, process, scenario))
+    finally:
+        for process in processes:
+            stop_process(process)
+    return rows
+
+
+def _median(rows: list[dict[str, object]], target: str, key: str) -> float:
+    return statistics.median(float(r[key]) for r in rows if r["target"] == target)
+
+
+def run(quick: bool = False) -> dict[str, object]:
+    rounds = 1 if quick else 3
+    results = []
+    with tempfile.TemporaryDirectory() as directory:
+        for scenario in SCENARIOS:
+            rows = _scenario(Path(directory), scenario, rounds)
+            summary = {
+                target: {
+                    key: _median(rows, target, key)
+                    for key in (
+                        "router_cpu_us_per_chunk",
+                        "chunks_per_s",
+                        "ttft_p50_ms",
+                        "ttft_p99_ms",
+                    )
+                }
+                for target in ("direct", "baton", "vllm-router")
+            }
+            for target in ("baton", "vllm-router"):
+                summary[target]["added_ttft_p50_ms"] = (
+                    summary[target]["ttft_p50_ms"] - summary["direct"]["ttft_p50_ms"]
+                )
+                summary[target]["added_ttft_p99_ms"] = (
+                    summary[target]["ttft_p99_ms"] - summary["direct"]["ttft_p99_ms"]
+                )
+            baton, vllm = summary["baton"], summary["vllm-router"]
+            ratios = {
+                "cpu_per_chunk_baton_over_vllm_router": baton["router_cpu_us_per_chunk"]
+                / vllm["router_cpu_us_per_chunk"],
+                "added_ttft_p50_baton_minus_vllm_router_ms": baton["added_ttft_p50_ms"]
+                - vllm["added_ttft_p50_ms"],
+            }
+            results.append(
+                {"scenario": scenario.name, "rounds": rows, "median": summary, "ratios": ratios}
+            )
+    _print(results)
+    return {
+        "benchmark": "gateway",
+        "results": results,
+        "targets": {"cpu_per_chunk_ratio_max": 0.8, "added_ttft_p50_not_above_vllm_router": True},
+    }
+
+
+def _print(results: list[dict[str, object]]) -> None:
+    header = (
+        "scenario",
+        "target",
+        "CPU us/chunk",
+        "chunks/s",
+        "TTFT p50",
+        "TTFT p99",
+        "+p50 vs direct",
+    )
+    print("  ".join(f"{h:>14}" for h in header))
+    for result in results:
+        for target, figures in result["median"].items():  # type: ignore[union-attr]
+            added = figures.get("added_ttft_p50_ms")
+            cells = (
+                str(result["scenario"])[:14],
+                target,
+                f"{figures['router_cpu_us_per_chunk']:.1f}" if target != "direct" else "-",
+                f"{figures['chunks_per_s']:.0f}",
+                f"{figures['ttft_p50_ms']:.1f} ms",
+                f"{figures['ttft_p99_ms']:.1f} ms",
+                f"{added:+.1f} ms" if added is not None else "-",
+            )
+            print("  ".join(f"{c:>14}" for c in cells))
+        ratios = result["ratios"]
+        print(
+            f"  {result['scenario']}: Baton CPU/chunk = "
+            f"{ratios['cpu_per_chunk_baton_over_vllm_router']:.2f}x vllm-router's "  # type: ignore[index]
+            f"(target <= 0.8x); Baton added TTFT p50 - vllm-router's = "
+            f"{ratios['added_ttft_p50_baton_minus_vllm_router_ms']:+.1f} ms "  # type: ignore[index]
+            f"(target <= 0)",
+            flush=True,
+        )

@@ -1,0 +1,112 @@
+"""The gateway as a Ray Serve application: ``serve run router.serve:app [pool_file=PATH ...]``.
+
+Serve replaces uvicorn and nothing else: each replica runs the FastAPI app that
+:func:`router.app.create_app` builds, lifespan included (aiohttp session, pool health checks,
+pool-file reloads), so the request path is the same code as ``baton gateway``'s.
+
+:func:`build_app` (also exported as ``app``) is a Serve application builder. It runs where the
+application is built (``serve run``, or the controller for a config file), reads the pool file
+named by the ``pool_file`` argument or else by ``BATON_POOL_FILE``, and ships the parsed pool to the
+replicas; each replica also watches that path for changes, so it must be readable there too. API
+keys come from ``BATON_API_KEYS`` (comma-separated), never from arguments, which Serve logs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, ValidationError
+from ray import serve
+from ray.serve import Application
+
+from router.app import GatewayConfig, create_app
+from router.handoff import Timeouts
+from router.policy import PrefillPolicy, RoutingPolicy
+from router.pool import load_pool_file
+
+__all__ = ["POOL_FILE_ENV", "ServeArgs", "app", "build_app", "config_from_serve_args"]
+
+POOL_FILE_ENV = "BATON_POOL_FILE"
+API_KEYS_ENV = "BATON_API_KEYS"
+DEPLOYMENT_NAME = "BatonGateway"
+# Each request is a relayed stream that waits on an engine; the pool decides engine load, so Serve
+# must not queue requests in front of the gateway (its default allows 5 per replica).
+MAX_ONGOING_REQUESTS = 4096
+
+
+class ServeArgs(BaseModel):
+    """The application arguments (``serve run router.serve:app key=value ...``); all optional."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pool_file: Path | None = None  # default: $BATON_POOL_FILE
+    policy: PrefillPolicy = PrefillPolicy.AFFINITY
+    pd_threshold_tokens: int = 256
+    imbalance_tokens: int = 8192
+    prefill_timeout_s: float = 300.0
+    first_token_timeout_s: float = 300.0
+    idle_timeout_s: float = 120.0
+    health_interval_s: float = 2.0
+    max_body_bytes: int = 32 * 1024 * 1024
+
+
+def config_from_serve_args(args: Mapping[str, object], environ: Mapping[str, str]) -> GatewayConfig:
+    """The gateway's config from Serve's application arguments and the environment."""
+    try:
+        parsed = ServeArgs.model_validate(dict(args))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"argument '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors()
+        )
+        raise ValueError(f"router.serve:app: {problems}") from exc
+    pool_file = parsed.pool_file or (
+        Path(environ[POOL_FILE_ENV]) if environ.get(POOL_FILE_ENV) else None
+    )
+    if pool_file is None:
+        raise ValueError(
+            f"router.serve:app: no pool; pass pool_file=PATH to `serve run router.serve:app` "
+            f"or set {POOL_FILE_ENV}"
+        )
+    keys = tuple(k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip())
+    return GatewayConfig(
+        pool=load_pool_file(pool_file),
+        api_keys=keys,
+        policy=RoutingPolicy(
+            prefill=parsed.policy,
+            imbalance_tokens=parsed.imbalance_tokens,
+            pd_threshold_tokens=parsed.pd_threshold_tokens,
+        ),
+        timeouts=Timeouts(
+            prefill_s=parsed.prefill_timeout_s,
+            first_token_s=parsed.first_token_timeout_s,
+            idle_s=parsed.idle_timeout_s,
+        ),
+        max_body_bytes=parsed.max_body_bytes,
+        health_interval_s=parsed.health_interval_s,
+        load_sync_interval_s=parsed.health_interval_s,
+        pool_file=pool_file,
+    )
+
+
+def gateway_application(config: GatewayConfig) -> Application:
+    """One Serve deployment whose replicas each run ``create_app(config)``."""
+
+    def asgi_app() -> FastAPI:  # called on the replica: the app is built there, not pickled
+        return create_app(config)
+
+    ingress = serve.ingress(asgi_app)()
+    deployment = serve.deployment(
+        ingress, name=DEPLOYMENT_NAME, max_ongoing_requests=MAX_ONGOING_REQUESTS
+    )
+    return deployment.bind()
+
+
+def build_app(args: dict[str, str]) -> Application:
+    """Serve's application builder: ``args`` are ``serve run``'s ``key=value`` pairs."""
+    return gateway_application(config_from_serve_args(args, os.environ))
+
+
+app = build_app  # the import path Serve's convention expects: router.serve:app
