@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from bench.processes import free_port, free_port_block, stop_process, wait_healthy
+from baton.processes import free_port, free_port_block, stop_process, wait_healthy
 from bench.procstat import cpu_seconds, pin
 from sim.profile import load_profile
 

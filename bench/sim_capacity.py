@@ -24,7 +24,7 @@ import time
 
 import aiohttp
 
-from bench.processes import free_port, stop_process, wait_healthy
+from baton.processes import free_port, stop_process, wait_healthy
 from bench.procstat import cpu_seconds, pin
 from sim.perf import RankBatch, step_seconds
 from sim.profile import DEFAULT_PROFILE, load_profile

@@ -82,16 +82,22 @@ class PoolSpec(BaseModel):
 
 def parse_decode_flag(value: str) -> DecodeServerSpec:
     """``URL``, ``URL@3`` (one rank), ``URL@0-3`` or ``URL@0,1,2,3`` (hybrid-LB local ranks)."""
-    url, _, ranks = value.partition("@")
-    if not ranks:
+    url, at, ranks = value.partition("@")
+    if not at:
         return DecodeServerSpec(url=url)
+    problem = f"--decode {value}: ranks must look like @3, @0-3 or @0,1,2,3"
     parsed: list[int] = []
     for part in ranks.split(","):
         low, dash, high = part.partition("-")
         if not low.isdigit() or (dash and not high.isdigit()):
-            raise ValueError(f"--decode {value}: ranks must look like @3, @0-3 or @0,1,2,3")
+            raise ValueError(problem)
+        if dash and int(high) < int(low):
+            raise ValueError(f"{problem} (a range runs low to high)")
         parsed.extend(range(int(low), int(high) + 1) if dash else [int(low)])
-    return DecodeServerSpec(url=url, ranks=tuple(parsed))
+    try:
+        return DecodeServerSpec(url=url, ranks=tuple(parsed))
+    except ValidationError as exc:
+        raise ValueError(f"--decode {value}: {exc.errors()[0]['msg']}") from exc
 
 
 def load_pool_file(path: str | Path) -> PoolSpec:
@@ -112,8 +118,10 @@ def load_pool_file(path: str | Path) -> PoolSpec:
 
 @dataclass(slots=True)
 class Breaker:
-    """Passive ejection: ``threshold`` consecutive failures open the breaker for ``cooldown_s``;
-    after it one trial request is let through, and a success closes it again."""
+    """Passive ejection: ``threshold`` consecutive failures open the breaker for ``cooldown_s``.
+
+    After the cooldown requests are let through again; the first success closes the breaker and
+    the next failure opens it for another cooldown."""
 
     threshold: int = 3
     cooldown_s: float = 5.0
@@ -231,11 +239,11 @@ class Pool:
         return tuple(names)
 
     def ready(self) -> bool:
-        """At least one healthy prefill and one healthy decode target."""
+        """A healthy decode target, and a healthy prefill target when prefill is configured
+        (a decode-only pool serves every request from decode)."""
         now = time.monotonic()
-        return any(t.healthy(now) for t in self.prefill.values()) and any(
-            t.healthy(now) for t in self.decode.values()
-        )
+        prefill_ok = not self.prefill or any(t.healthy(now) for t in self.prefill.values())
+        return prefill_ok and any(t.healthy(now) for t in self.decode.values())
 
     # ---- load accounting (called by the handoff)
 

@@ -62,9 +62,8 @@ def config_from_serve_args(args: Mapping[str, object], environ: Mapping[str, str
             f"argument '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors()
         )
         raise ValueError(f"router.serve:app: {problems}") from exc
-    pool_file = parsed.pool_file or (
-        Path(environ[POOL_FILE_ENV]) if environ.get(POOL_FILE_ENV) else None
-    )
+    from_env = environ.get(POOL_FILE_ENV)
+    pool_file = parsed.pool_file or (Path(from_env) if from_env else None)
     if pool_file is None:
         raise ValueError(
             f"router.serve:app: no pool; pass pool_file=PATH to `serve run router.serve:app` "

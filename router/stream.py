@@ -79,14 +79,19 @@ class DecodeStream:
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
-        if not self._pending and b'"usage"' not in chunk:
+        if not self._pending and chunk.endswith(_EVENT_END) and b'"usage"' not in chunk:
             self.done = chunk.endswith(DONE)
-            return chunk  # the fast path: verbatim
+            return chunk  # the fast path: whole events, no usage frame: verbatim
+        # A read that ends inside an event waits for the rest, so a usage frame or [DONE]
+        # split across reads is seen whole.
         data = self._pending + chunk
-        cut = data.rfind(_EVENT_END) + 2
-        self._pending = data[cut:]
-        out = self._rewrite(data[:cut]) if cut > 1 else b""
-        self.done = out.endswith(DONE) and not self._pending
+        cut = data.rfind(_EVENT_END)
+        if cut < 0:
+            self._pending = data
+            return b""
+        complete, self._pending = data[: cut + 2], data[cut + 2 :]
+        out = self._rewrite(complete) if b'"usage"' in complete else complete
+        self.done = out.endswith(DONE)
         return out
 
     def finish(self) -> bytes:

@@ -1,4 +1,4 @@
-"""Starting, watching and stopping local processes for benchmarks and tests (loopback only)."""
+"""Starting, watching and stopping local processes (loopback only): `baton up`, benchmarks, tests."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def eventually(
         except Exception as exc:
             last = exc
         time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s (last error: {last!r})")
+    raise TimeoutError(f"condition not met within {timeout}s (last error: {last!r})")
 
 
 def wait_healthy(

@@ -1,0 +1,321 @@
+"""router/policy.py: affinity keys, prefill and decode choices, the P/D decider, pure."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from itertools import pairwise
+
+import orjson
+import pytest
+
+from router.policy import (
+    BYTES_PER_TOKEN,
+    PROMPT_KEY_BYTES,
+    SESSION_HEADERS,
+    AffinityKey,
+    AffinitySource,
+    DecodeRankView,
+    PoolSnapshot,
+    PrefillPolicy,
+    PrefillView,
+    RoutingPolicy,
+    affinity_key,
+    choose_decode_rank,
+    choose_prefill,
+    estimate_prompt_tokens,
+    needs_prefill,
+)
+
+SYSTEM = {"role": "system", "content": "You are a careful coding agent."}
+POLICY = RoutingPolicy(imbalance_tokens=1000)
+
+
+def prefill(name: str, cell: str = "c0", *, tokens: int = 0, healthy: bool = True) -> PrefillView:
+    return PrefillView(name, cell, healthy, tokens)
+
+
+def rank(
+    url: str, dp_rank: int, cell: str = "c0", *, in_flight: int = 0, healthy: bool = True
+) -> DecodeRankView:
+    return DecodeRankView(f"{url}#{dp_rank}", url, cell, dp_rank, healthy, in_flight)
+
+
+def snapshot(
+    prefills: list[PrefillView], ranks: list[DecodeRankView] | None = None
+) -> PoolSnapshot:
+    cells = sorted({view.cell for view in prefills}) or ["c0"]
+    default = [rank(f"http://decode-{cell}", 0, cell) for cell in cells]
+    return PoolSnapshot(prefill=tuple(prefills), decode=tuple(default if ranks is None else ranks))
+
+
+def key(text: str) -> AffinityKey:
+    return affinity_key({"x-session-id": text}, {}, "r")
+
+
+def chosen(snap: PoolSnapshot, k: AffinityKey, policy: RoutingPolicy = POLICY, **kw) -> str:
+    choice = choose_prefill(snap, k, policy, **kw)
+    assert choice is not None
+    return choice.view.name
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
+FOUR = [prefill(f"http://p{i}") for i in range(4)]
+
+
+# ---- affinity_key: sources and priorities
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "source"),
+    [
+        ({"x-session-id": "s"}, {"user": "u", "messages": [user("hi")]}, AffinitySource.SESSION),
+        ({"x-session-id": ""}, {"user": "u", "messages": [user("hi")]}, AffinitySource.USER),
+        ({}, {"user": "u", "messages": [user("hi")]}, AffinitySource.USER),
+        ({}, {"user": "", "messages": [user("hi")]}, AffinitySource.CONVERSATION),
+        ({}, {"messages": [user("hi")], "prompt": "p"}, AffinitySource.CONVERSATION),
+        ({}, {"prompt": "a prompt"}, AffinitySource.PROMPT),
+        ({}, {"prompt": [1, 2, 3]}, AffinitySource.PROMPT),
+        ({}, {"prompt": ""}, AffinitySource.REQUEST),
+        ({}, {"messages": []}, AffinitySource.REQUEST),
+        ({}, {}, AffinitySource.REQUEST),
+    ],
+    ids=[
+        "session-over-user",
+        "empty-session-skipped",
+        "user-over-conversation",
+        "empty-user-skipped",
+        "conversation-over-prompt",
+        "prompt-text",
+        "prompt-token-ids",
+        "empty-prompt-is-request",
+        "no-messages-is-request",
+        "nothing-is-request",
+    ],
+)
+def test_affinity_key_source_follows_priority(
+    headers: dict[str, str], body: dict[str, object], source: AffinitySource
+) -> None:
+    assert affinity_key(headers, body, "req-1").source is source
+
+
+def test_session_headers_are_read_in_their_priority_order() -> None:
+    for earlier, later in pairwise(SESSION_HEADERS):
+        both = affinity_key({later: "second", earlier: "first"}, {}, "r")
+        assert both == affinity_key({earlier: "first"}, {}, "r"), (earlier, later)
+
+
+def test_same_session_value_keys_the_same_whichever_header_carries_it() -> None:
+    keys = {affinity_key({name: "agent-7"}, {}, "r") for name in SESSION_HEADERS}
+    assert len(keys) == 1
+
+
+def test_session_and_user_with_the_same_value_have_different_keys() -> None:
+    assert key("abc").digest != affinity_key({}, {"user": "abc"}, "r").digest
+
+
+def test_later_turns_of_a_conversation_share_the_first_turns_key() -> None:
+    first = [SYSTEM, user("fix the bug in pool.py")]
+    second = [*first, assistant("done"), user("now add a test")]
+    third = [*second, assistant("added"), user("run it")]
+    keys = {
+        affinity_key({}, {"messages": turn}, f"r{i}")
+        for i, turn in enumerate([first, second, third])
+    }
+    assert len(keys) == 1
+
+
+def test_conversations_sharing_only_a_system_prompt_have_different_keys() -> None:
+    one = affinity_key({}, {"messages": [SYSTEM, user("task one")]}, "r")
+    two = affinity_key({}, {"messages": [SYSTEM, user("task two")]}, "r")
+    assert one.digest != two.digest
+
+
+def test_conversation_key_ignores_key_order_inside_a_message() -> None:
+    shuffled = {"content": "fix the bug", "role": "user"}
+    assert affinity_key({}, {"messages": [shuffled]}, "r") == affinity_key(
+        {}, {"messages": [user("fix the bug")]}, "r"
+    )
+
+
+def test_prompts_sharing_their_head_share_a_key() -> None:
+    head = "x" * PROMPT_KEY_BYTES
+    assert affinity_key({}, {"prompt": head + "tail one"}, "r1") == affinity_key(
+        {}, {"prompt": head + "tail two"}, "r2"
+    )
+    assert affinity_key({}, {"prompt": "a" + head}, "r") != affinity_key(
+        {}, {"prompt": "b" + head}, "r"
+    )
+
+
+def test_token_prompts_sharing_their_head_share_a_key() -> None:
+    head = list(range(PROMPT_KEY_BYTES // BYTES_PER_TOKEN))
+    assert affinity_key({}, {"prompt": [*head, 1]}, "r1") == affinity_key(
+        {}, {"prompt": [*head, 2]}, "r2"
+    )
+
+
+def test_request_id_keys_differ_per_request() -> None:
+    assert affinity_key({}, {}, "r1") != affinity_key({}, {}, "r2")
+    assert affinity_key({}, {}, "r1") == affinity_key({}, {}, "r1")
+
+
+# ---- choose_prefill
+
+
+def test_prefill_choice_is_deterministic_and_independent_of_snapshot_order() -> None:
+    k = key("session-1")
+    forward, backward = snapshot(FOUR), snapshot(FOUR[::-1])
+    assert chosen(forward, k) == chosen(forward, k) == chosen(backward, k)
+
+
+def test_prefill_choice_spreads_keys_over_every_instance() -> None:
+    counts = Counter(chosen(snapshot(FOUR), key(f"s{i}")) for i in range(1000))
+    assert set(counts) == {view.name for view in FOUR}
+    assert all(150 <= n <= 350 for n in counts.values()), counts  # 250 each on average
+
+
+def test_removing_an_instance_moves_only_its_own_keys() -> None:
+    keys = [key(f"s{i}") for i in range(300)]
+    before = {k: chosen(snapshot(FOUR), k) for k in keys}
+    gone = FOUR[2].name
+    after = {k: chosen(snapshot([v for v in FOUR if v.name != gone]), k) for k in keys}
+    assert {k for k in keys if before[k] != after[k]} == {k for k in keys if before[k] == gone}
+
+
+def test_affinity_choice_holds_up_to_the_imbalance_bound() -> None:
+    k = key("hot-session")
+    first = chosen(snapshot(FOUR), k)
+    second = chosen(snapshot(FOUR), k, exclude=[first])
+    loads = {first: 5000 + POLICY.imbalance_tokens, second: 5000}
+    views = [replace(v, outstanding_tokens=loads.get(v.name, 0)) for v in FOUR]
+    choice = choose_prefill(snapshot(views), k, POLICY)
+    assert choice is not None and choice.view.name == first and not choice.spilled
+
+
+def test_affinity_spills_to_the_second_rendezvous_choice_beyond_the_bound() -> None:
+    k = key("hot-session")
+    first = chosen(snapshot(FOUR), k)
+    second = chosen(snapshot(FOUR), k, exclude=[first])
+    # the others are idle: the spill goes to the key's second choice, not the least loaded
+    loads = {first: 5001 + POLICY.imbalance_tokens, second: 5000}
+    views = [replace(v, outstanding_tokens=loads.get(v.name, 0)) for v in FOUR]
+    choice = choose_prefill(snapshot(views), k, POLICY)
+    assert choice is not None and choice.view.name == second and choice.spilled
+
+
+def test_unhealthy_prefill_is_skipped_for_the_next_choice() -> None:
+    k = key("session-1")
+    first = chosen(snapshot(FOUR), k)
+    second = chosen(snapshot(FOUR), k, exclude=[first])
+    views = [replace(v, healthy=v.name != first) for v in FOUR]
+    assert chosen(snapshot(views), k) == second
+
+
+def test_prefill_in_a_cell_without_healthy_decode_is_never_chosen() -> None:
+    views = [prefill("http://a0", "a"), prefill("http://b0", "b"), prefill("http://b1", "b")]
+    ranks = [rank("http://decode-a", 0, "a"), rank("http://decode-b", 0, "b", healthy=False)]
+    picks = {chosen(snapshot(views, ranks), key(f"s{i}")) for i in range(50)}
+    assert picks == {"http://a0"}
+
+
+def test_no_prefill_choice_without_a_healthy_candidate() -> None:
+    down = [replace(v, healthy=False) for v in FOUR]
+    assert choose_prefill(snapshot(down), key("s"), POLICY) is None
+    no_decode = snapshot(FOUR, [rank("http://d", 0, healthy=False)])
+    assert choose_prefill(no_decode, key("s"), POLICY) is None
+    assert choose_prefill(snapshot(FOUR), key("s"), POLICY, exclude=[v.name for v in FOUR]) is None
+
+
+def test_least_loaded_policy_takes_the_fewest_outstanding_tokens_whatever_the_key() -> None:
+    policy = RoutingPolicy(prefill=PrefillPolicy.LEAST_LOADED)
+    views = [
+        replace(v, outstanding_tokens=t) for v, t in zip(FOUR, [900, 300, 100, 700], strict=True)
+    ]
+    picks = {chosen(snapshot(views), key(f"s{i}"), policy) for i in range(50)}
+    assert picks == {"http://p2"}
+
+
+def test_least_loaded_policy_breaks_ties_by_the_keys_first_choice() -> None:
+    policy = RoutingPolicy(prefill=PrefillPolicy.LEAST_LOADED)
+    for i in range(20):
+        k = key(f"s{i}")
+        choice = choose_prefill(snapshot(FOUR), k, policy)
+        assert choice is not None
+        assert choice.view.name == chosen(snapshot(FOUR), k) and not choice.spilled
+
+
+# ---- choose_decode_rank
+
+
+RANKS = [rank("http://d", i) for i in range(4)]
+
+
+def test_decode_rank_with_fewest_in_flight_wins() -> None:
+    ranks = [replace(r, in_flight=n) for r, n in zip(RANKS, [3, 1, 2, 4], strict=True)]
+    choice = choose_decode_rank(snapshot([], ranks), b"k")
+    assert choice is not None and choice.dp_rank == 1
+
+
+def test_decode_rank_stays_in_the_given_cell() -> None:
+    ranks = [rank("http://da", 0, "a", in_flight=5), rank("http://db", 0, "b", in_flight=0)]
+    choice = choose_decode_rank(snapshot([], ranks), b"k", cell="a")
+    assert choice is not None and choice.cell == "a"
+    assert choose_decode_rank(snapshot([], ranks), b"k", cell="c") is None
+
+
+def test_decode_rank_skips_excluded_and_unhealthy_ranks() -> None:
+    ranks = [*RANKS[:2], replace(RANKS[2], healthy=False), RANKS[3]]
+    exclude = [RANKS[0].name, RANKS[1].name]
+    choice = choose_decode_rank(snapshot([], ranks), b"k", exclude=exclude)
+    assert choice is not None and choice.name == RANKS[3].name
+    everything = [r.name for r in RANKS]
+    assert choose_decode_rank(snapshot([], RANKS), b"k", exclude=everything) is None
+
+
+def test_tied_decode_ranks_are_spread_by_request_key_and_stable_per_key() -> None:
+    snap = snapshot([], RANKS)
+    picks = Counter()
+    for i in range(400):
+        first = choose_decode_rank(snap, f"req-{i}".encode())
+        again = choose_decode_rank(snapshot([], RANKS[::-1]), f"req-{i}".encode())
+        assert first is not None and again is not None and first.name == again.name
+        picks[first.dp_rank] += 1
+    assert set(picks) == {0, 1, 2, 3}
+    assert all(50 <= n <= 150 for n in picks.values()), picks  # 100 each on average
+
+
+# ---- the P/D decider and the token estimate
+
+
+@pytest.mark.parametrize(
+    ("tokens", "expected"), [(0, False), (255, False), (256, True), (10_000, True)]
+)
+def test_prompts_from_the_threshold_up_need_prefill(tokens: int, expected: bool) -> None:
+    assert needs_prefill(tokens, RoutingPolicy(pd_threshold_tokens=256)) is expected
+
+
+@pytest.mark.parametrize(
+    ("body", "tokens"),
+    [
+        ({"prompt": "abcd" * 10}, 11),
+        ({"prompt": "é" * 10}, 6),  # bytes, not characters: 20 bytes
+        ({"prompt": [5, 6, 7]}, 3),
+        ({"prompt": ["abcd" * 10, "abcd"]}, 11 + 2),
+        ({"prompt": [[1, 2], [3, 4, 5]]}, 5),
+        ({"messages": [user("hi")]}, len(orjson.dumps([user("hi")])) // 4 + 1),
+        ({}, 0),
+    ],
+    ids=["text", "utf8-bytes", "token-ids", "text-batch", "token-batch", "messages", "none"],
+)
+def test_prompt_tokens_are_estimated_from_bytes_or_counted_from_ids(
+    body: dict[str, object], tokens: int
+) -> None:
+    assert estimate_prompt_tokens(body) == tokens
