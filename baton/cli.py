@@ -24,16 +24,37 @@ def _gateway(argv: Sequence[str]) -> int:
     return gateway_main(argv)
 
 
+def _eplb(argv: Sequence[str]) -> int:
+    from controller.eplb.cli import main as eplb_main
+
+    return eplb_main(argv)
+
+
 def _bench(argv: Sequence[str]) -> int:
     from bench.cli import main as bench_main
 
     return bench_main(argv)
 
 
+def _place(argv: Sequence[str]) -> int:
+    from baton.place import main as place_main
+
+    return place_main(argv)
+
+
+def _up(argv: Sequence[str]) -> int:
+    from baton.up import main as up_main
+
+    return up_main(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "sim": (_sim, "run the vLLM-compatible engine simulator"),
     "gateway": (_gateway, "run the OpenAI-compatible P/D gateway"),
+    "eplb": (_eplb, "run the EPLB service (expert load balancing of decode groups)"),
     "bench": (_bench, "run a benchmark and save its JSON"),
+    "place": (_place, "dry-run placement of cells on NVL72 trays"),
+    "up": (_up, "all of Baton on one machine: a simulated rack, engines, gateway"),
 }
 
 

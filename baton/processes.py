@@ -1,4 +1,4 @@
-"""Starting, watching and stopping local processes (loopback only): `baton up`, benchmarks, tests."""
+"""Starting, watching and stopping local processes on loopback: baton up, benchmarks, tests."""
 
 from __future__ import annotations
 

@@ -15,7 +15,11 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-BENCHMARKS = {"sim": "bench.sim_capacity", "gateway": "bench.gateway"}
+BENCHMARKS = {
+    "sim": "bench.sim_capacity",
+    "gateway": "bench.gateway",
+    "placement": "bench.placement",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,16 +1,15 @@
-"""``make demo``: Baton's main job on the embedded default, end to end, in under a minute.
+"""``make demo``: Baton's main job on the embedded default, end to end, in about a minute.
 
-For now: a prefill and a decode ``baton sim`` (DEP2 each, NIXL pull mode), and a short agentic
-workload through the official ``openai`` client that performs vLLM's P/D handoff (prefill with
-``do_remote_decode``, decode with the returned ``kv_transfer_params``), then a table of what it
-measured. The gateway issue moves the handoff into ``baton gateway``; the local-stack issue turns
-this into ``baton up``.
+``baton up`` starts a simulated GB300 NVL72 rack: the placement of one cell (DEP32 decode, DEP2
+prefill instances), the simulated engines at the placed roles, the EPLB service and the gateway.
+A short agentic workload then runs through the official ``openai`` client: sessions of growing
+multi-turn conversations, each turn resending the whole history, streamed. The table shows what
+the gateway and the engines measured; then everything is stopped.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import statistics
 import subprocess
 import sys
@@ -21,74 +20,40 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.processes import free_port, free_port_block, stop_process, wait_healthy
+from baton.processes import eventually, free_port, stop_process
+from baton.up import SERVED_MODEL
 
-MODEL = "deepseek-v4.1-flash"
-NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
-
-
-def _start_engine(role: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    side_channel = free_port_block(2)  # one side-channel port per DP rank
-    command = [
-        sys.executable,
-        "-m",
-        "baton.cli",
-        "sim",
-        "--port",
-        str(port),
-        "--served-model-name",
-        MODEL,
-        "--data-parallel-size",
-        "2",
-        "--enable-expert-parallel",
-        "--kv-transfer-config",
-        NIXL,
-        "--speculative-config",
-        '{"method":"mtp","num_speculative_tokens":3}',
-        "--log-level",
-        "warning",
-    ]
-    env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel)}
-    process = subprocess.Popen(command, env=env)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, process)
-    print(f"  {role:<8} engine  {url}  (DEP2, NIXL side channel :{side_channel})")
-    return process, url
+SESSIONS = 24
+TURNS = 6
+REPLY_TOKENS = 64
+SYSTEM = "You are a coding agent working on a GB300 NVL72 rack. Tools: shell, editor. " * 40
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Turn:
     ttft_s: float
     seconds: float
     output_tokens: int
     prompt_tokens: int
-    cached_on_prefill: int
+    cached_tokens: int
 
 
-def _session(prefill: openai.OpenAI, decode: openai.OpenAI, session: int, turns: int) -> list[Turn]:
-    messages = [{"role": "system", "content": "You are a coding agent on an NVL72 rack. " * 60}]
-    results = []
-    for turn in range(turns):
-        messages.append(
-            {"role": "user", "content": f"session {session} step {turn}: run the tests"}
-        )
+def _session(client: openai.OpenAI, session: int) -> list[Turn]:
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Session {session}: the tests fail; find out why."},
+    ]
+    turns = []
+    for turn in range(TURNS):
         started = time.perf_counter()
-        handoff = prefill.chat.completions.create(
-            model=MODEL,
+        stream = client.chat.completions.create(
+            model=SERVED_MODEL,
             messages=messages,
-            max_tokens=1,
-            extra_body={"kv_transfer_params": {"do_remote_decode": True}},
-            extra_headers={"X-Request-Id": f"demo-{session}-{turn}"},
-        )
-        stream = decode.chat.completions.create(
-            model=MODEL,
-            messages=messages,
-            max_tokens=48,
+            max_tokens=REPLY_TOKENS,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "kv_transfer_params": handoff.kv_transfer_params},
-            extra_headers={"X-Request-Id": f"demo-{session}-{turn}"},
+            extra_body={"ignore_eos": True},
+            extra_headers={"X-Session-ID": f"demo-{session}"},
         )
         first = None
         text = []
@@ -98,75 +63,101 @@ def _session(prefill: openai.OpenAI, decode: openai.OpenAI, session: int, turns:
                 first = first or time.perf_counter()
                 text.append(chunk.choices[0].delta.content)
             usage = chunk.usage or usage
-        finished = time.perf_counter()
-        messages.append({"role": "assistant", "content": "".join(text)})
-        results.append(
+        assert first is not None and usage is not None
+        turns.append(
             Turn(
                 first - started,
-                finished - started,
+                time.perf_counter() - started,
                 usage.completion_tokens,
                 usage.prompt_tokens,
-                handoff.usage.prompt_tokens_details.cached_tokens,
+                usage.prompt_tokens_details.cached_tokens,
             )
         )
-    return results
+        tool_output = f"$ pytest -x\n... test_{turn} failed: {'E ' * 200}\n"
+        messages += [
+            {"role": "assistant", "content": "".join(text)},
+            {"role": "user", "content": tool_output},
+        ]
+    return turns
 
 
-def _nixl_transfers(url: str) -> tuple[float, float]:
-    """(transfers, bytes) the engine at ``url`` pulled, from its vllm:nixl_* metrics."""
-    count = moved = 0.0
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            if sample.name == "vllm:nixl_bytes_transferred_count":
-                count += sample.value
-            elif sample.name == "vllm:nixl_bytes_transferred_sum":
-                moved += sample.value
-    return count, moved
+def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
-def _percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
+def _sum(samples: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
+    return sum(
+        value
+        for (sample, sample_labels), value in samples.items()
+        if sample == name and set(labels.items()) <= set(sample_labels)
+    )
+
+
+def _pct(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100)[q - 1]
 
 
 def main() -> int:
-    print("Baton demo: P/D handoff between two simulated DEP2 engines\n")
-    processes = []
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "baton.cli", "up", "--port", str(port)])
+    gateway = f"http://127.0.0.1:{port}"
     try:
-        prefill_process, prefill_url = _start_engine("prefill")
-        processes.append(prefill_process)
-        decode_process, decode_url = _start_engine("decode")
-        processes.append(decode_process)
-        prefill = openai.OpenAI(base_url=f"{prefill_url}/v1", api_key="demo", max_retries=0)
-        decode = openai.OpenAI(base_url=f"{decode_url}/v1", api_key="demo", max_retries=0)
-        sessions, turns = 8, 4
+        eventually(
+            lambda: up.poll() is None and httpx.get(f"{gateway}/ready").status_code == 200,
+            timeout=180,
+            interval=0.5,
+        )
+        print(
+            f"\nRunning {SESSIONS} agentic sessions x {TURNS} turns through {gateway}/v1 ...\n",
+            flush=True,
+        )
+        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="demo", max_retries=0)
         started = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(sessions) as pool:
-            runs = list(pool.map(lambda s: _session(prefill, decode, s, turns), range(sessions)))
+        with concurrent.futures.ThreadPoolExecutor(SESSIONS) as pool:
+            runs = list(pool.map(lambda s: _session(client, s), range(SESSIONS)))
         elapsed = time.perf_counter() - started
-        all_turns = [turn for run in runs for turn in run]
-        ttft = [t.ttft_s * 1000 for t in all_turns]
-        output = sum(t.output_tokens for t in all_turns)
-        prompt = sum(t.prompt_tokens for t in all_turns)
-        cached = sum(t.cached_on_prefill for t in all_turns)
-        transfers, moved = _nixl_transfers(decode_url)
-        rows = [
-            ("sessions x turns", f"{sessions} x {turns}"),
-            ("requests (P/D handoffs)", f"{len(all_turns)}"),
-            ("TTFT p50 / p90", f"{_percentile(ttft, 50):.1f} / {_percentile(ttft, 90):.1f} ms"),
-            ("output tokens", f"{output}  ({output / elapsed:.0f} tok/s)"),
-            ("prompt tokens / cached on prefill", f"{prompt} / {cached} ({cached / prompt:.0%})"),
-            ("KV pulled by decode over NIXL", f"{transfers:.0f} transfers, {moved / 1e6:.1f} MB"),
-            ("wall time", f"{elapsed:.1f} s"),
-        ]
-        width = max(len(name) for name, _ in rows)
-        print()
-        for name, value in rows:
-            print(f"  {name:<{width}}  {value}")
-        print("\nTimes are simulated at time scale 1 (one simulated second per wall second).")
+        _report([turn for run in runs for turn in run], elapsed, _samples(gateway))
         return 0
     finally:
-        for process in processes:
-            stop_process(process)
+        stop_process(up)
+        print(f"\nbaton up stopped (exit {up.returncode}).")
+
+
+def _report(turns: list[Turn], elapsed: float, gateway: dict) -> None:  # type: ignore[type-arg]
+    ttft = [t.ttft_s * 1000 for t in turns]
+    itl = [(t.seconds - t.ttft_s) / (t.output_tokens - 1) * 1000 for t in turns]
+    output = sum(t.output_tokens for t in turns)
+    prompt = sum(t.prompt_tokens for t in turns)
+    cached = sum(t.cached_tokens for t in turns)
+    later = [t for i, t in enumerate(turns) if i % TURNS]
+    later_hit = sum(t.cached_tokens for t in later) / sum(t.prompt_tokens for t in later)
+    pd = _sum(gateway, "baton_gateway_routing_decisions_total", path="pd")
+    alone = _sum(gateway, "baton_gateway_routing_decisions_total", path="decode_only")
+    troubles = (
+        _sum(gateway, "baton_gateway_retries_total")
+        + _sum(gateway, "baton_gateway_fallbacks_total")
+        + _sum(gateway, "baton_gateway_aborts_total")
+    )
+    rows = [
+        ("requests", f"{len(turns)} ({pd:.0f} P/D handoffs, {alone:.0f} decode alone)"),
+        ("TTFT p50 / p90", f"{_pct(ttft, 50):.0f} / {_pct(ttft, 90):.0f} ms"),
+        ("inter-token latency p50", f"{_pct(itl, 50):.1f} ms"),
+        ("output tokens", f"{output} ({output / elapsed:.0f} tokens/s)"),
+        (
+            "prompt tokens cached (prefill)",
+            f"{cached} of {prompt} ({cached / prompt:.0%}); turns 2+: {later_hit:.0%}",
+        ),
+        ("retries, fallbacks, aborts", f"{troubles:.0f}"),
+        ("wall time", f"{elapsed:.1f} s (simulated time = wall time at --time-scale 1)"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
 
 
 if __name__ == "__main__":

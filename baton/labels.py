@@ -1,0 +1,42 @@
+"""Every Kubernetes label, annotation, taint and resource name Baton reads or writes.
+
+Names only: what a name means for placement is decided in ``baton/topology.py`` and
+``controller/placement.py``. Names under ``baton.dev/`` are Baton's own; the others are set by
+NVIDIA's GPU feature discovery and device plugin, or by Kubernetes itself.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CLIQUE_LABEL",
+    "GPUS_USED_BY_OTHERS_ANNOTATION",
+    "GPU_COUNT_LABEL",
+    "GPU_PRODUCT_LABEL",
+    "GPU_RESOURCE",
+    "GPU_TAINT_KEY",
+    "HOSTNAME_LABEL",
+    "QUARANTINED_ANNOTATION",
+]
+
+# Node label: the NVLink domain of a tray, "<ClusterUUID>.<CliqueID>" (GPU feature discovery).
+# The ClusterUUID names the physical rack; the CliqueID a Fabric Manager partition inside it.
+CLIQUE_LABEL = "nvidia.com/gpu.clique"
+
+# Node labels from GPU feature discovery, written on synthetic trays so they look real.
+GPU_COUNT_LABEL = "nvidia.com/gpu.count"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+
+# Node label set by the kubelet.
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+# Extended resource of the NVIDIA device plugin, in status.allocatable.
+GPU_RESOURCE = "nvidia.com/gpu"
+
+# Taint key GPU nodes commonly carry to keep non-GPU pods away; Baton's pods tolerate it.
+GPU_TAINT_KEY = "nvidia.com/gpu"
+
+# Node annotation: the tray is taken out of placement (any value but "false"); its value says why.
+QUARANTINED_ANNOTATION = "baton.dev/quarantined"
+
+# Node annotation: how many of the tray's GPUs pods Baton does not own hold (a whole number).
+GPUS_USED_BY_OTHERS_ANNOTATION = "baton.dev/gpus-used-by-others"

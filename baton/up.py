@@ -1,0 +1,219 @@
+"""``baton up``: all of Baton on one machine, on a simulated NVL72 topology.
+
+1. A synthetic topology of ``--racks`` racks (18 trays x 4 GPUs each, one NVLink domain per rack).
+2. The placement the controller would make (``controller.placement``) for the deployment
+   (``--deployment FILE``, default: the study's cell per rack).
+3. ``baton sim --cluster`` in one process: per placed cell a DEP32 decode group (one hybrid-LB
+   API server per decode tray, four local ranks each) and its DEP2 prefill instances, at the
+   placed roles.
+4. The EPLB service against every decode group's agent (each group serves one).
+5. ``baton gateway`` on 127.0.0.1:8000 (``--port``) with a pool file of the placed cells.
+
+It prints the rack map and the URLs, and on Ctrl-C or SIGTERM stops every process it started
+and waits for them, so no process is orphaned and every port is freed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+from baton.processes import free_port_block, stop_process, wait_healthy
+from baton.topology import synthetic_topology
+from controller.placement import DeploymentShape, Plan, plan_placement
+
+__all__ = ["StackLayout", "layout_stack", "main"]
+
+SERVED_MODEL = "deepseek-v4.1-flash"
+MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
+
+
+@dataclass(frozen=True, slots=True)
+class StackLayout:
+    """What to start for a plan: the simulator's cluster file and the gateway's pool file."""
+
+    cluster: dict[str, object]
+    pool: dict[str, object]
+
+
+def layout_stack(plan: Plan, *, time_scale: float, gpus_per_tray: int = 4) -> StackLayout:
+    """Engines at the placed roles, on free loopback ports, and the pool that routes to them."""
+    decode_groups: list[dict[str, object]] = []
+    prefill: list[dict[str, object]] = []
+    cells: list[dict[str, object]] = []
+    for cell in plan.cells:
+        servers = len(cell.decode_trays)
+        ranks = servers * gpus_per_tray
+        decode_port = free_port_block(servers)
+        decode_groups.append(
+            {
+                "name": cell.name,
+                "data_parallel_size": ranks,
+                "api_servers": servers,
+                "port": decode_port,
+                "side_channel_port": free_port_block(ranks),
+                "eplb_agent_port": free_port_block(1),
+                "eplb": {"num_redundant_experts": 32},
+            }
+        )
+        instances = len(cell.prefill)
+        prefill_port = free_port_block(max(instances, 1))
+        if instances:
+            prefill.append(
+                {
+                    "name": f"{cell.name}-prefill",
+                    "instances": instances,
+                    "port": prefill_port,
+                    "side_channel_port": free_port_block(2 * instances),
+                }
+            )
+        cells.append(
+            {
+                "name": cell.name,
+                "prefill": [f"http://127.0.0.1:{prefill_port + i}" for i in range(instances)],
+                "decode": [
+                    {
+                        "url": f"http://127.0.0.1:{decode_port + s}",
+                        "ranks": list(range(gpus_per_tray)),
+                    }
+                    for s in range(servers)
+                ],
+            }
+        )
+    cluster = {
+        "model": MODEL,
+        "served_model_name": SERVED_MODEL,
+        "host": "127.0.0.1",
+        "time_scale": time_scale,
+        "decode_groups": decode_groups,
+        "prefill": prefill,
+    }
+    return StackLayout(cluster=cluster, pool={"cells": cells})
+
+
+def _deployment(path: Path | None, racks: int) -> DeploymentShape:
+    if path is None:
+        return DeploymentShape(name="dsv4", cells=racks)
+    from baton.place import load_deployment
+
+    return load_deployment(path)
+
+
+def _rack_map(plan: Plan, racks: int) -> str:
+    from baton.place import render_text
+
+    return render_text(plan, synthetic_topology(racks))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="baton up", description=__doc__.splitlines()[0])
+    parser.add_argument("--racks", type=int, default=1, help="simulated NVL72 racks (default 1)")
+    parser.add_argument("--deployment", type=Path, help="ModelDeployment manifest (YAML)")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per simulated second (raise it for many racks)",
+    )
+    parser.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    args = parser.parse_args(argv)
+    if args.racks < 1:
+        print("baton up: error: --racks must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        shape = _deployment(args.deployment, args.racks)
+    except ValueError as exc:
+        print(f"baton up: error: {exc}", file=sys.stderr)
+        return 2
+    plan = plan_placement([shape], synthetic_topology(args.racks))
+    if not plan.feasible:
+        for cell in plan.unplaced:
+            print(f"baton up: cannot place {cell.name}: {cell.message}", file=sys.stderr)
+        return 1
+    print(_rack_map(plan, args.racks))
+    return _run(plan, args)
+
+
+def _run(plan: Plan, args: argparse.Namespace) -> int:
+    layout = layout_stack(plan, time_scale=args.time_scale)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    processes: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="baton-up-") as workdir:
+        cluster_file = Path(workdir, "cluster.yaml")
+        pool_file = Path(workdir, "pool.yaml")
+        cluster_file.write_text(yaml.safe_dump(layout.cluster))
+        pool_file.write_text(yaml.safe_dump(layout.pool))
+        python = [sys.executable, "-m", "baton.cli"]
+        try:
+            engines = subprocess.Popen(
+                [*python, "sim", "--cluster", str(cluster_file), "--log-level", "warning"]
+            )
+            processes.append(engines)
+            for cell in layout.pool["cells"]:  # type: ignore[union-attr]
+                for url in [*cell["prefill"], *(d["url"] for d in cell["decode"])]:
+                    wait_healthy(url, engines, timeout=120)
+            gateway_url = f"http://127.0.0.1:{args.port}"
+            gateway = subprocess.Popen(
+                [
+                    *python,
+                    "gateway",
+                    "--port",
+                    str(args.port),
+                    "--pool",
+                    str(pool_file),
+                    "--log-level",
+                    "warning",
+                ]
+            )
+            processes.append(gateway)
+            wait_healthy(gateway_url, gateway, timeout=60)
+            while httpx.get(f"{gateway_url}/ready", timeout=5).status_code != 200:
+                if stop.wait(0.2):
+                    return 0
+            _print_urls(layout, gateway_url)
+            while not stop.wait(0.5):
+                for process in processes:
+                    if process.poll() is not None:
+                        print(
+                            f"baton up: a component exited with {process.returncode}; stopping",
+                            file=sys.stderr,
+                        )
+                        return 1
+            return 0
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"baton up: error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            for process in reversed(processes):
+                stop_process(process)
+
+
+def _print_urls(layout: StackLayout, gateway_url: str) -> None:
+    cells = layout.pool["cells"]
+    assert isinstance(cells, list)
+    print(f"\nBaton is up: OpenAI API at {gateway_url}/v1 (model {SERVED_MODEL})")
+    print(f"  gateway metrics   {gateway_url}/metrics")
+    for cell in cells:
+        print(
+            f"  {cell['name']}: {len(cell['decode'])} decode API servers "
+            f"({cell['decode'][0]['url']} ...), {len(cell['prefill'])} prefill instances"
+        )
+    print("Ctrl-C stops everything.", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

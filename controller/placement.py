@@ -1,0 +1,676 @@
+"""Placement of cells on NVL72 trays: deployments + topology + current placement -> ``Plan``.
+
+A cell is one decode group (DEP``d``: ``D = d / gpusPerPod`` pods, each taking one whole tray),
+the prefill instances that feed it (DEP``p``: ``N`` instances, each ``p`` GPUs of one tray) and
+``S`` spare trays held empty for the decode group's recovery, all in one NVLink domain. This
+module decides which trays and GPUs each cell gets. It reads nothing and writes nothing: the
+reconciler turns a ``Plan`` into pods, the CLI into a rack map.
+
+A tray is *whole* for a shape when it is eligible (domain label, Ready, schedulable, not
+quarantined), has exactly ``gpusPerPod`` GPUs, none of them held by anyone. A *prefill slot* is
+``p`` free GPUs of an eligible tray; a whole GB300 tray has two DEP2 slots.
+
+Algorithm (``plan_placement``), in three steps:
+
+1. Keep. Each cell of the current placement that is still wanted is repaired in its domain, in
+   name order:
+   a. a pod whose tray still keeps pods (Ready, not quarantined, not evicting, same domain,
+      enough GPUs) stays where it is, on the same GPUs; a spare stays while its tray accepts new
+      pods; prefill instances beyond the wanted count are dropped (highest indices);
+   b. a decode rank whose tray failed is re-placed at the same rank onto the cell's spare tray,
+      else a free whole tray of the domain, else a whole tray holding only the cell's own
+      prefill (those instances move, as in d). The group restarts as a whole: a wide-EP group
+      cannot lose a rank. If the group is still short, the domain can no longer hold the cell:
+      the cell is released and admitted afresh (step 2);
+   c. spares are topped up from free whole trays;
+   d. prefill instances that lost their tray, then new ones up to the wanted count ("as many as
+      fit" when none is given), take free slots: half-used trays first (fewest free GPUs
+      first), then whole trays, in slot order. A running cell that finds too few slots keeps
+      running with fewer instances; only admission is all-or-nothing.
+2. Admit. Every other wanted cell goes to a domain hosting no cell, whole or not at all. A
+   domain fits a shape when it has ``D + S`` whole trays and, on its other eligible trays,
+   ``N`` prefill slots (at least 1 when N is "as many as fit"). Cells are taken in deployment
+   order, then cell index; each takes the first free domain in its shape's preference order:
+   tightest fit for a fixed N (fewest slots left over), the most prefill slots for "as many as
+   fit", ties by rack and domain order. A cell that finds none looks for an augmenting path
+   (Kuhn's matching) through domains that other newly admitted cells hold, so as many new cells
+   as possible are admitted; running cells keep their domains. In its domain a cell's decode
+   group takes the first D whole trays in slot order, its spares the next S, and its prefill
+   fills slots as in 1d.
+3. Explain. A wanted cell left out gets ``InsufficientCapacity`` and, for every domain free of
+   cells, what it lacked ("domain X: 6 of 9 whole trays free (8 decode + 1 spare), 3 of 18
+   prefill slots").
+
+One cell per NVLink domain: IMEX ComputeDomains of two cells in one clique conflict
+(k8s-dra-driver-gpu#892), a fabric fault can take down a whole rack, and a DEP32 cell with its
+prefill fills an NVL72 rack anyway.
+
+Invariants (each checked in tests/unit/test_placement.py):
+
+- A cell lies in one NVLink domain. An admitted cell has its whole decode group, its S spares
+  and its N prefill instances; a cell that does not fit has no pod anywhere.
+- No tray holds more GPUs than it has, counting those held by others; decode pods and spares
+  take whole trays; no pod is placed on a tray that is not eligible.
+- Re-planning moves no pod whose tray is healthy, except prefill instances on a tray their own
+  decode group claimed (1b) and the pods of a cell released from its domain (1b).
+- Prefill never takes a spare tray: spares are topped up before prefill scales up.
+- The largest prefill count that still fits is reported per cell.
+- The plan is a function of its inputs: no clock, no randomness, every tie broken by name, rack
+  or slot order, never by input order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from itertools import count
+
+from baton.topology import NVLinkDomain, Topology, Tray
+
+__all__ = [
+    "CellPlacement",
+    "DecodeShape",
+    "DeploymentShape",
+    "Move",
+    "Plan",
+    "PrefillInstance",
+    "PrefillShape",
+    "Reason",
+    "UnplacedCell",
+    "decode_pod_name",
+    "plan_placement",
+    "prefill_pod_name",
+]
+
+
+class Reason(StrEnum):
+    """Why a wanted cell has no placement."""
+
+    INSUFFICIENT_CAPACITY = "InsufficientCapacity"
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeShape:
+    """A decode group: ``dep`` ranks, ``gpus_per_pod`` per pod (one pod per whole tray)."""
+
+    dep: int = 32
+    gpus_per_pod: int = 4
+    spare_trays: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dep < 1 or self.gpus_per_pod < 1 or self.spare_trays < 0:
+            raise ValueError("decode dep and gpusPerPod must be positive, spareTrays >= 0")
+        if self.dep % self.gpus_per_pod:
+            raise ValueError(
+                f"decode dep ({self.dep}) must be a multiple of gpusPerPod ({self.gpus_per_pod}):"
+                " each decode pod takes a whole tray"
+            )
+
+    @property
+    def trays(self) -> int:
+        return self.dep // self.gpus_per_pod
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillShape:
+    """Prefill instances of ``dep`` GPUs on one tray; ``instances=None`` means as many as fit."""
+
+    dep: int = 2
+    instances: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dep < 1 or (self.instances is not None and self.instances < 0):
+            raise ValueError("prefill dep must be positive and instances >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentShape:
+    """What a ModelDeployment asks placement for: ``cells`` cells of one shape."""
+
+    name: str
+    cells: int = 1
+    decode: DecodeShape = field(default_factory=DecodeShape)
+    prefill: PrefillShape = field(default_factory=PrefillShape)
+
+    def __post_init__(self) -> None:
+        if not self.name or self.cells < 0:
+            raise ValueError("a deployment needs a name and cells >= 0")
+
+    def cell_name(self, index: int) -> str:
+        return f"{self.name}-cell-{index}"
+
+
+def decode_pod_name(cell: str, index: int) -> str:
+    """The decode pod on the cell's ``index``-th decode tray (ranks ``index * gpusPerPod ..``)."""
+    return f"{cell}-decode-{index}"
+
+
+def prefill_pod_name(cell: str, index: int) -> str:
+    return f"{cell}-prefill-{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillInstance:
+    index: int
+    tray: str
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CellPlacement:
+    """Where one cell runs.
+
+    Decode pod ``i`` (ranks ``i*g .. i*g+g-1`` for ``g`` GPUs per pod) is on ``decode_trays[i]``.
+    """
+
+    name: str
+    deployment: str
+    domain: str
+    decode_trays: tuple[str, ...]
+    prefill: tuple[PrefillInstance, ...]
+    spare_trays: tuple[str, ...]
+    max_prefill_instances: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnplacedCell:
+    """A wanted cell without a placement; ``domains`` says what each free domain lacked."""
+
+    name: str
+    deployment: str
+    reason: Reason
+    message: str
+    domains: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """A pod that runs on another tray than in the current placement."""
+
+    pod: str
+    source: str
+    target: str
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Placed cells (deployment order, then index), unplaced cells, and changes vs current.
+
+    ``restarted`` names the cells whose decode group restarts as a whole.
+    """
+
+    cells: tuple[CellPlacement, ...]
+    unplaced: tuple[UnplacedCell, ...] = ()
+    moved: tuple[Move, ...] = ()
+    restarted: tuple[str, ...] = ()
+
+    @property
+    def feasible(self) -> bool:
+        return not self.unplaced
+
+    def cell(self, name: str) -> CellPlacement | None:
+        return next((cell for cell in self.cells if cell.name == name), None)
+
+
+class _Ledger:
+    """GPU indices Baton holds on each tray during one planning pass (never leaves it)."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: dict[str, int] = {}  # tray name -> bit mask of held GPU indices
+
+    def is_empty(self, tray: Tray) -> bool:
+        return tray.name not in self._held
+
+    def free(self, tray: Tray) -> int:
+        return tray.free_gpus - self._held.get(tray.name, 0).bit_count()
+
+    def take_whole(self, tray: Tray) -> None:
+        self._held[tray.name] = (1 << tray.gpus) - 1
+
+    def take(self, tray: Tray, gpus: tuple[int, ...]) -> bool:
+        """Hold these GPUs if they exist, are distinct, not held, and fit next to others'."""
+        mask = 0
+        for gpu in gpus:
+            mask |= 1 << gpu
+        held = self._held.get(tray.name, 0)
+        if (
+            not mask
+            or held & mask
+            or mask >> tray.gpus
+            or mask.bit_count() != len(gpus)
+            or (held | mask).bit_count() > tray.free_gpus
+        ):
+            return False
+        self._held[tray.name] = held | mask
+        return True
+
+    def take_lowest(self, tray: Tray, count: int) -> tuple[int, ...]:
+        held = self._held.get(tray.name, 0)
+        gpus = tuple(gpu for gpu in range(tray.gpus) if not held >> gpu & 1)[:count]
+        self.take(tray, gpus)
+        return gpus
+
+    def release(self, tray: Tray) -> None:
+        self._held.pop(tray.name, None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Fit:
+    """What a domain free of cells offers one shape."""
+
+    domain: NVLinkDomain
+    position: int  # the domain's place in topology order, the last tie-break
+    whole: int
+    slots: int  # prefill slots left once decode and spares have their whole trays
+
+
+def _prefill_wanted(shape: DeploymentShape) -> int:
+    # "As many as fit" still needs one instance: a cell without prefill is not disaggregated.
+    instances = shape.prefill.instances
+    return 1 if instances is None else instances
+
+
+class _Pass:
+    """One planning pass: the ledger and the steps that read and update it."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.ledger = _Ledger()
+
+    def is_whole(self, tray: Tray, shape: DeploymentShape) -> bool:
+        return (
+            tray.eligible
+            and tray.gpus == shape.decode.gpus_per_pod
+            and tray.used_by_others == 0
+            and self.ledger.is_empty(tray)
+        )
+
+    def fit(self, domain: NVLinkDomain, position: int, shape: DeploymentShape) -> _Fit:
+        whole = slots = 0
+        for tray in domain.trays:
+            if tray.eligible:
+                slots += self.ledger.free(tray) // shape.prefill.dep
+                whole += self.is_whole(tray, shape)
+        needed = shape.decode.trays + shape.decode.spare_trays
+        per_whole = shape.decode.gpus_per_pod // shape.prefill.dep
+        return _Fit(domain, position, whole, slots - min(whole, needed) * per_whole)
+
+    def repair(self, old: CellPlacement, shape: DeploymentShape) -> CellPlacement | None:
+        """Step 1: keep the cell in its domain, re-placing only what lost its tray."""
+        domain = self.topology.domain(old.domain)
+        if (
+            domain is None
+            or len(old.decode_trays) != shape.decode.trays
+            or any(len(instance.gpus) != shape.prefill.dep for instance in old.prefill)
+        ):
+            return None  # the domain is gone or the shape changed: admit afresh
+        ledger = self.ledger
+        decode: list[Tray | None] = []
+        for name in old.decode_trays:
+            tray = self._keepable(name, domain)
+            if (
+                tray is not None
+                and tray.gpus == shape.decode.gpus_per_pod
+                and tray.used_by_others == 0
+                and ledger.is_empty(tray)
+            ):
+                ledger.take_whole(tray)
+                decode.append(tray)
+            else:
+                decode.append(None)  # a lost rank, re-placed by _complete_decode
+        spares: list[Tray] = []
+        for name in old.spare_trays[: shape.decode.spare_trays]:
+            tray = self._keepable(name, domain)
+            if tray is not None and self.is_whole(tray, shape):
+                ledger.take_whole(tray)
+                spares.append(tray)
+        limit = shape.prefill.instances
+        prefill: dict[int, PrefillInstance] = {}
+        for instance in sorted(old.prefill, key=lambda instance: instance.index):
+            if limit is not None and instance.index >= limit:
+                continue
+            tray = self._keepable(instance.tray, domain)
+            if tray is not None and ledger.take(tray, instance.gpus):
+                prefill[instance.index] = instance
+        if not self._complete_decode(decode, spares, prefill, domain, shape):
+            for tray in domain.trays:
+                ledger.release(tray)
+            return None
+        self._top_up_spares(spares, domain, shape)
+        free_slots = self._fill_prefill(prefill, domain, shape)
+        cell = CellPlacement(
+            name=old.name,
+            deployment=old.deployment,
+            domain=domain.name,
+            decode_trays=tuple(tray.name for tray in decode if tray is not None),
+            prefill=tuple(prefill[index] for index in sorted(prefill)),
+            spare_trays=tuple(tray.name for tray in spares),
+            max_prefill_instances=len(prefill) + free_slots,
+        )
+        return old if cell == old else cell
+
+    def admit(self, name: str, shape: DeploymentShape, domain: NVLinkDomain) -> CellPlacement:
+        """Step 2: the whole cell in a domain known to fit it."""
+        whole = [tray for tray in domain.trays if self.is_whole(tray, shape)]
+        decode = whole[: shape.decode.trays]
+        spares = whole[shape.decode.trays : shape.decode.trays + shape.decode.spare_trays]
+        for tray in decode + spares:
+            self.ledger.take_whole(tray)
+        prefill: dict[int, PrefillInstance] = {}
+        free_slots = self._fill_prefill(prefill, domain, shape)
+        return CellPlacement(
+            name=name,
+            deployment=shape.name,
+            domain=domain.name,
+            decode_trays=tuple(tray.name for tray in decode),
+            prefill=tuple(prefill.values()),
+            spare_trays=tuple(tray.name for tray in spares),
+            max_prefill_instances=len(prefill) + free_slots,
+        )
+
+    def _keepable(self, name: str, domain: NVLinkDomain) -> Tray | None:
+        tray = self.topology.tray(name)
+        if tray is None or tray.domain != domain.name or not tray.keeps_pods:
+            return None
+        return tray
+
+    def _complete_decode(
+        self,
+        decode: list[Tray | None],
+        spares: list[Tray],
+        prefill: dict[int, PrefillInstance],
+        domain: NVLinkDomain,
+        shape: DeploymentShape,
+    ) -> bool:
+        """Fill lost decode ranks: spares, then free whole trays, then the cell's prefill trays."""
+        lost = [rank for rank, tray in enumerate(decode) if tray is None]
+        if not lost:
+            return True
+        candidates = spares + [tray for tray in domain.trays if self.is_whole(tray, shape)]
+        if len(candidates) < len(lost):
+            candidates += self._reclaimable(prefill, domain, shape)
+        if len(candidates) < len(lost):
+            return False
+        chosen = candidates[: len(lost)]
+        for rank, tray in zip(lost, chosen, strict=True):
+            # Instances on a reclaimed tray are placed again, like any that lost its tray.
+            for index in [i for i, instance in prefill.items() if instance.tray == tray.name]:
+                del prefill[index]
+            self.ledger.take_whole(tray)
+            decode[rank] = tray
+        spares[:] = [tray for tray in spares if tray not in chosen]
+        return True
+
+    def _reclaimable(
+        self, prefill: dict[int, PrefillInstance], domain: NVLinkDomain, shape: DeploymentShape
+    ) -> list[Tray]:
+        """Whole-size trays holding only this cell's prefill, fewest instances first."""
+        instances_on: dict[str, int] = {}
+        for instance in prefill.values():
+            instances_on[instance.tray] = instances_on.get(instance.tray, 0) + 1
+        candidates = [
+            tray
+            for tray in domain.trays
+            if tray.name in instances_on
+            and tray.eligible
+            and tray.gpus == shape.decode.gpus_per_pod
+            and tray.used_by_others == 0
+        ]
+        return sorted(candidates, key=lambda tray: (instances_on[tray.name], tray.slot))
+
+    def _top_up_spares(
+        self, spares: list[Tray], domain: NVLinkDomain, shape: DeploymentShape
+    ) -> None:
+        for tray in domain.trays:
+            if len(spares) >= shape.decode.spare_trays:
+                return
+            if self.is_whole(tray, shape):
+                self.ledger.take_whole(tray)
+                spares.append(tray)
+
+    def _fill_prefill(
+        self, prefill: dict[int, PrefillInstance], domain: NVLinkDomain, shape: DeploymentShape
+    ) -> int:
+        """Give missing instance indices free slots, half-used trays first; return slots left."""
+        dep, ledger = shape.prefill.dep, self.ledger
+        wanted = shape.prefill.instances
+        missing: Iterator[int] = (index for index in count() if index not in prefill)
+        if wanted is not None:
+            missing = (index for index in range(wanted) if index not in prefill)
+        trays = sorted(
+            (tray for tray in domain.trays if tray.eligible and ledger.free(tray) >= dep),
+            key=lambda tray: (ledger.free(tray) == tray.gpus, ledger.free(tray), tray.slot),
+        )
+        # Sorted by free GPUs, a tray keeps fewer free GPUs than any later one once it takes an
+        # instance, so filling each tray before moving on is best fit.
+        position = 0
+        for index in missing:
+            while position < len(trays) and ledger.free(trays[position]) < dep:
+                position += 1
+            if position == len(trays):
+                break
+            tray = trays[position]
+            prefill[index] = PrefillInstance(index, tray.name, ledger.take_lowest(tray, dep))
+        return sum(ledger.free(tray) // dep for tray in trays[position:])
+
+
+_ShapeKey = tuple[DecodeShape, PrefillShape]
+
+
+def _assign(
+    cells: Sequence[tuple[str, _ShapeKey]], options: Mapping[_ShapeKey, Sequence[str]]
+) -> dict[str, str]:
+    """Cells to domains, one cell per domain, as many cells as possible.
+
+    Each cell takes the first free domain of its shape's options. One that finds none looks for
+    an augmenting path (breadth first) through the cells already assigned. Once that search
+    fails for a shape it fails for every later cell of the shape (Kuhn), so it is not repeated.
+    """
+    owner: dict[str, str] = {}  # domain -> cell
+    assigned: dict[str, str] = {}  # cell -> domain
+    shape_of = dict(cells)
+    cursor: dict[_ShapeKey, int] = {}  # options before this index are all taken
+    hopeless: set[_ShapeKey] = set()
+    for cell, key in cells:
+        choices = options[key]
+        position = cursor.get(key, 0)
+        while position < len(choices) and choices[position] in owner:
+            position += 1
+        cursor[key] = position
+        if position < len(choices):
+            owner[choices[position]] = cell
+            assigned[cell] = choices[position]
+        elif key not in hopeless and not _augment(cell, shape_of, options, owner, assigned):
+            hopeless.add(key)
+    return assigned
+
+
+def _augment(
+    cell: str,
+    shape_of: Mapping[str, _ShapeKey],
+    options: Mapping[_ShapeKey, Sequence[str]],
+    owner: dict[str, str],
+    assigned: dict[str, str],
+) -> bool:
+    reached_from: dict[str, str] = {}  # domain -> the cell whose options reached it
+    queue = deque([cell])
+    while queue:
+        current = queue.popleft()
+        for domain in options[shape_of[current]]:
+            if domain in reached_from:
+                continue
+            reached_from[domain] = current
+            holder = owner.get(domain)
+            if holder is not None:
+                queue.append(holder)
+                continue
+            # A free domain: every cell on the path moves one domain along it.
+            while True:
+                mover = reached_from[domain]
+                vacated = assigned.get(mover)
+                owner[domain] = mover
+                assigned[mover] = domain
+                if mover == cell:
+                    return True
+                domain = vacated
+    return False
+
+
+def _shortfall(fit: _Fit, shape: DeploymentShape) -> str:
+    needed = shape.decode.trays + shape.decode.spare_trays
+    wanted = "" if shape.prefill.instances is None else f" of {shape.prefill.instances}"
+    return (
+        f"domain {fit.domain.name}: {min(fit.whole, needed)} of {needed} whole trays free "
+        f"({shape.decode.trays} decode + {shape.decode.spare_trays} spare), "
+        f"{fit.slots}{wanted} prefill slots"
+    )
+
+
+def _explanation(
+    shape: DeploymentShape, free: Sequence[_Fit], domains: int
+) -> tuple[str, tuple[str, ...]]:
+    """Why no cell of this shape fits: one sentence, then what each free domain lacked."""
+    needed = shape.decode.trays + shape.decode.spare_trays
+    instances = shape.prefill.instances
+    slot = f"DEP{shape.prefill.dep} prefill slot"
+    if instances is None:
+        prefill = f"at least one {slot}"
+    else:
+        prefill = f"{instances} {slot}{'' if instances == 1 else 's'}"
+    if not domains:
+        why = "there is no NVLink domain: no eligible tray carries the clique label"
+    elif not free:
+        why = (
+            "the only NVLink domain hosts a cell"
+            if domains == 1
+            else f"all {domains} NVLink domains host cells"
+        )
+    else:
+        why = (
+            "the one domain free of cells lacks that"
+            if len(free) == 1
+            else f"none of the {len(free)} domains free of cells has that"
+        )
+        hosting = domains - len(free)
+        if hosting:
+            hosts = "domain hosts a cell" if hosting == 1 else "domains host cells"
+            why += f"; {hosting} other {hosts}"
+    summary = (
+        f"needs {needed} whole trays ({shape.decode.trays} decode + {shape.decode.spare_trays} "
+        f"spare) and {prefill} in one NVLink domain; {why}"
+    )
+    return summary, tuple(_shortfall(fit, shape) for fit in free)
+
+
+def _changes(
+    previous: Mapping[str, CellPlacement], cells: Sequence[CellPlacement]
+) -> tuple[tuple[Move, ...], tuple[str, ...]]:
+    moved: list[Move] = []
+    restarted: list[str] = []
+    for cell in cells:
+        old = previous.get(cell.name)
+        if old is None or old is cell:
+            continue
+        if old.decode_trays != cell.decode_trays:
+            restarted.append(cell.name)
+            for rank, (source, target) in enumerate(
+                zip(old.decode_trays, cell.decode_trays, strict=False)
+            ):
+                if source != target:
+                    moved.append(Move(decode_pod_name(cell.name, rank), source, target))
+        old_trays = {instance.index: instance.tray for instance in old.prefill}
+        for instance in cell.prefill:
+            source = old_trays.get(instance.index)
+            if source is not None and source != instance.tray:
+                moved.append(
+                    Move(prefill_pod_name(cell.name, instance.index), source, instance.tray)
+                )
+    return tuple(moved), tuple(restarted)
+
+
+def plan_placement(
+    deployments: Sequence[DeploymentShape], topology: Topology, current: Plan | None = None
+) -> Plan:
+    """Place every wanted cell, keeping the current placement where its trays are healthy."""
+    wanted: dict[str, DeploymentShape] = {}
+    names: set[str] = set()
+    for shape in deployments:
+        if shape.name in names:
+            raise ValueError(f"deployment '{shape.name}' is listed twice")
+        names.add(shape.name)
+        for index in range(shape.cells):
+            wanted[shape.cell_name(index)] = shape
+    step = _Pass(topology)
+    placed: dict[str, CellPlacement] = {}
+    hosted: set[str] = set()
+    previous = {cell.name: cell for cell in current.cells} if current else {}
+    for name in sorted(previous):
+        old = previous[name]
+        shape = wanted.get(name)
+        if shape is None or old.domain in hosted:
+            continue
+        cell = step.repair(old, shape)
+        if cell is not None:
+            placed[name] = cell
+            hosted.add(cell.domain)
+
+    # Step 2: the rest, one cell per free domain.
+    free = [
+        (position, domain)
+        for position, domain in enumerate(topology.domains)
+        if domain.name not in hosted
+    ]
+    newcomers = [
+        (name, (shape.decode, shape.prefill))
+        for name, shape in wanted.items()
+        if name not in placed
+    ]
+    fits: dict[_ShapeKey, list[_Fit]] = {}
+    options: dict[_ShapeKey, list[str]] = {}
+    for name, key in newcomers:
+        if key not in fits:
+            fits[key] = [step.fit(domain, position, wanted[name]) for position, domain in free]
+            options[key] = _preferred(fits[key], wanted[name])
+    domains = {domain.name: domain for _, domain in free}
+    for name, domain_name in _assign(newcomers, options).items():
+        placed[name] = step.admit(name, wanted[name], domains[domain_name])
+        hosted.add(domain_name)
+
+    # Step 3: explain every cell left out, against the domains still free of cells.
+    explanations: dict[_ShapeKey, tuple[str, tuple[str, ...]]] = {}
+    unplaced: list[UnplacedCell] = []
+    for name, key in newcomers:
+        if name in placed:
+            continue
+        if key not in explanations:
+            free_now = [fit for fit in fits[key] if fit.domain.name not in hosted]
+            explanations[key] = _explanation(wanted[name], free_now, len(topology.domains))
+        summary, lines = explanations[key]
+        unplaced.append(
+            UnplacedCell(
+                name,
+                wanted[name].name,
+                Reason.INSUFFICIENT_CAPACITY,
+                f"cell {name} {summary}",
+                lines,
+            )
+        )
+    cells = tuple(placed[name] for name in wanted if name in placed)
+    moved, restarted = _changes(previous, cells)
+    return Plan(cells, tuple(unplaced), moved, restarted)
+
+
+def _preferred(fits: Sequence[_Fit], shape: DeploymentShape) -> list[str]:
+    """Domains that fit the shape, best first."""
+    needed = shape.decode.trays + shape.decode.spare_trays
+    wanted = _prefill_wanted(shape)
+    fitting = [fit for fit in fits if fit.whole >= needed and fit.slots >= wanted]
+    if shape.prefill.instances is None:
+        fitting.sort(key=lambda fit: (-fit.slots, fit.position))
+    else:
+        fitting.sort(key=lambda fit: (fit.slots - wanted, fit.whole - needed, fit.position))
+    return [fit.domain.name for fit in fitting]

@@ -1,0 +1,70 @@
+"""``baton up``: the whole local stack starts, serves through the openai client, and stops clean."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from baton.up import SERVED_MODEL
+from tests.helpers import ROOT, eventually, free_port, stop_process
+
+
+@pytest.fixture
+def stack(tmp_path: Path):
+    port = free_port()
+    log = (tmp_path / "up.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "baton.cli", "up", "--port", str(port)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        eventually(
+            lambda: (
+                process.poll() is None and httpx.get(f"{url}/ready", timeout=2).status_code == 200
+            ),
+            timeout=180,
+        )
+        yield process, url, tmp_path / "up.log"
+    finally:
+        stop_process(process)
+
+
+def test_baton_up_prints_the_rack_map_and_streams_through_the_gateway(stack) -> None:
+    _, url, log = stack
+    output = eventually(lambda: "OpenAI API at" in log.read_text() and log.read_text())
+    assert isinstance(output, str)
+    assert "rack-0-tray-0   DDDD" in output and "rack-0-tray-8   SSSS" in output
+    assert f"OpenAI API at {url}/v1" in output
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "plan the rack " * 200}]
+    stream = client.chat.completions.create(
+        model=SERVED_MODEL,
+        messages=messages,
+        stream=True,
+        max_tokens=16,
+        extra_body={"ignore_eos": True},
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert len(text) == 16 * 4
+
+
+def test_sigterm_stops_every_process_and_frees_the_ports(stack) -> None:
+    process, url, _ = stack
+    children = psutil.Process(process.pid).children(recursive=True)
+    assert len(children) >= 2  # the engines and the gateway
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=2)
