@@ -13,7 +13,7 @@ import asyncio
 import hmac
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +45,7 @@ from router.policy import RoutingPolicy
 from router.pool import Pool, PoolSpec
 from router.protocol import ChatCompletionRequest, CompletionRequest
 
-__all__ = ["DirectBodySend", "GatewayConfig", "create_app"]
+__all__ = ["Gateway", "GatewayConfig", "create_app", "create_gateway"]
 
 log = logging.getLogger("baton.gateway")
 
@@ -116,22 +116,40 @@ class RelayResponse(Response):
 _SERVER_SEND = "baton.server_send"
 
 
-class DirectBodySend:
-    """The outermost ASGI layer: hands the server's own ``send`` to relays via the scope.
+Endpoint = Callable[[Request], Awaitable[Response]]
 
-    Starlette wraps ``send`` twice (error and exception middleware) to learn whether a response
-    started; the relay still sends its start through those wrappers, then writes its body chunks
-    straight to the server, two coroutine hops fewer per chunk. Without this layer (under Ray
-    Serve, say) relays use the wrapped ``send``.
+
+class Gateway:
+    """The ASGI app ``baton gateway`` serves: the FastAPI app, with a short path for generation.
+
+    ``POST /v1/chat/completions`` and ``/v1/completions`` go straight to the same endpoint
+    functions FastAPI registers (documented in its OpenAPI), skipping FastAPI's middleware and
+    routing layers, which cost as much CPU per request as the P/D sequence itself. Everything
+    else, lifespan included, is the FastAPI app's. The relay's body chunks are written with the
+    server's own ``send``. Under Ray Serve the FastAPI app serves alone, through the same code.
     """
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, endpoints: Mapping[str, Endpoint]) -> None:
         self.app = app
+        self.endpoints = endpoints
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = None
         if scope["type"] == "http":
             scope[_SERVER_SEND] = send
-        await self.app(scope, receive, send)
+            if scope["method"] == "POST":
+                endpoint = self.endpoints.get(scope["path"])
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            response = await endpoint(Request(scope, receive))
+        except GatewayError as exc:
+            response = _error(exc)
+        except Exception:
+            log.exception("unexpected error serving %s", scope["path"])
+            response = _error(GatewayError("internal error in the gateway; see its log"))
+        await response(scope, receive, send)
 
 
 def _error(exc: GatewayError) -> Response:
@@ -143,6 +161,12 @@ class _Services:
 
     pool: Pool
     handoff: Handoff
+
+
+def create_gateway(config: GatewayConfig) -> Gateway:
+    """The app ``baton gateway`` serves (see :class:`Gateway`)."""
+    app = create_app(config)
+    return Gateway(app, app.state.endpoints)
 
 
 def create_app(
@@ -334,6 +358,10 @@ def create_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.state.pool = services.pool  # for tests and the Ray Serve wrapper
+    app.state.endpoints = {
+        "/v1/chat/completions": chat_completions,
+        "/v1/completions": completions,
+    }  # for Gateway's short path
     return app
 
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from router.app import GatewayConfig, create_app
+from router.app import GatewayConfig, create_gateway
 from router.handoff import Timeouts
 from router.policy import PrefillPolicy, RoutingPolicy
 from router.pool import CellSpec, PoolSpec, load_pool_file, parse_decode_flag
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     uvicorn.run(
-        create_app(config),
+        create_gateway(config),
         host=args.host,
         port=args.port,
         loop="uvloop",
