@@ -44,6 +44,7 @@ from router.metrics import GatewayMetrics
 from router.policy import RoutingPolicy
 from router.pool import Pool, PoolSpec
 from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.upstream import UpstreamPool
 
 __all__ = ["Gateway", "GatewayConfig", "create_app", "create_gateway"]
 
@@ -187,8 +188,9 @@ def create_app(
         async with aiohttp.ClientSession(
             connector=connector, timeout=timeout, auto_decompress=False
         ) as session:
+            upstream = UpstreamPool(config.timeouts.connect_s)
             services.handoff = Handoff(
-                services.pool, session, config.policy, metrics, config.timeouts
+                services.pool, upstream, config.policy, metrics, config.timeouts
             )
             await services.pool.start(session)
             watcher = None
@@ -202,6 +204,7 @@ def create_app(
                 if watcher is not None:
                     watcher.cancel()
                 await services.pool.stop()
+                upstream.close()
 
     app = FastAPI(
         title="Baton gateway",

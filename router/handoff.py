@@ -28,7 +28,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-import aiohttp
 import orjson
 
 from router.errors import (
@@ -36,8 +35,8 @@ from router.errors import (
     UpstreamError,
     UpstreamFailed,
     UpstreamStatus,
+    UpstreamTimeout,
     UpstreamUnavailable,
-    upstream_errors,
 )
 from router.metrics import GatewayMetrics
 from router.policy import (
@@ -53,6 +52,7 @@ from router.policy import (
 )
 from router.pool import Pool
 from router.stream import DecodeStream, FirstToken, StreamState, error_event
+from router.upstream import UpstreamPool, UpstreamResponse
 
 __all__ = ["DecodeRelay", "Handoff", "JsonReply", "Timeouts"]
 
@@ -110,7 +110,7 @@ class DecodeRelay:
         request_id: str,
         handoff: Handoff,
         rank: DecodeRankView,
-        response: aiohttp.ClientResponse,
+        response: UpstreamResponse,
         head: bytes,
         stream: DecodeStream,
         first_token: float,
@@ -126,12 +126,12 @@ class DecodeRelay:
         self._started = started
 
     async def pump(self, write: Callable[[bytes], Awaitable[None]]) -> None:
-        content = self._response.content
+        response = self._response
         stream = self._stream
         ended = "ok"
         try:
             await write(stream.feed(self._head))
-            while chunk := await content.readany():
+            while chunk := await response.read_some():
                 out = stream.feed(chunk)
                 if out:
                     await write(out)
@@ -141,7 +141,7 @@ class DecodeRelay:
             if not stream.done:
                 ended = "truncated"
                 await write(error_event("the decode engine ended the stream early"))
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UpstreamError as exc:
             ended = "upstream"
             log.warning(
                 "decode on %s failed mid-stream (%s); ending the stream", self._rank.name, exc
@@ -170,21 +170,19 @@ class Handoff:
     def __init__(
         self,
         pool: Pool,
-        session: aiohttp.ClientSession,
+        upstream: UpstreamPool,
         policy: RoutingPolicy,
         metrics: GatewayMetrics,
         timeouts: Timeouts,
     ) -> None:
         self.pool = pool
-        self.session = session
+        self.upstream = upstream
         self.policy = policy
         self.metrics = metrics
         self.timeouts = timeouts
-        # aiohttp's read timeout bounds every wait for bytes, so the relay loop sets no timer
-        # per chunk; before the first token the (usually longer) first-token bound applies.
-        self._stream_timeout = aiohttp.ClientTimeout(
-            sock_connect=timeouts.connect_s, sock_read=max(timeouts.idle_s, timeouts.first_token_s)
-        )
+        # Every wait for bytes is bounded; before the first token the (longer) first-token
+        # bound applies to the whole wait as well.
+        self._read_timeout = max(timeouts.idle_s, timeouts.first_token_s)
 
     async def serve(
         self,
@@ -233,18 +231,15 @@ class Handoff:
         self.pool.begin_prefill(target.name, tokens)
         started = time.perf_counter()
         try:
-            with upstream_errors("prefill"):
-                async with (
-                    asyncio.timeout(self.timeouts.prefill_s),
-                    self.session.post(
-                        target.name + route,
-                        data=orjson.dumps(payload),
-                        headers=_headers(request_id),
-                    ) as response,
-                ):
-                    data = await response.read()
-                    if response.status != 200:
-                        raise UpstreamStatus("prefill", response.status, data)
+            data, status = await self._call(
+                target.name,
+                route,
+                orjson.dumps(payload),
+                _headers(request_id),
+                self.timeouts.prefill_s,
+            )
+            if status != 200:
+                raise UpstreamStatus("prefill", status, data)
             reply = orjson.loads(data)
         except UpstreamStatus as exc:
             if exc.client_error:
@@ -273,6 +268,24 @@ class Handoff:
             self.metrics.fallbacks.labels("no_kv_transfer_params").inc()
             return None
         return _Prefilled(params, cached if isinstance(cached, int) else None)
+
+    async def _call(
+        self, url: str, route: str, payload: bytes, headers: dict[str, str], within_s: float
+    ) -> tuple[bytes, int]:
+        """One non-streamed call: the whole answer within ``within_s``, or UpstreamError."""
+        response: UpstreamResponse | None = None
+        try:
+            async with asyncio.timeout(within_s):
+                response = await self.upstream.post(url, route, payload, headers, within_s)
+                data = await response.read_all()
+        except BaseException as exc:
+            if response is not None:
+                response.close()  # the engine sees the request go away and aborts it
+            if isinstance(exc, TimeoutError) and not isinstance(exc, UpstreamError):
+                raise UpstreamTimeout("upstream", f"no complete answer in {within_s} s") from exc
+            raise
+        response.release()
+        return data, response.status
 
     def _fall_back(self, target: PrefillView, reason: str, exc: Exception) -> None:
         log.warning("prefill on %s failed (%s); falling back to decode alone", target.name, exc)
@@ -344,16 +357,15 @@ class Handoff:
     ) -> JsonReply:
         self.pool.begin_decode(rank.name)
         try:
-            with upstream_errors("decode"):
-                async with (
-                    asyncio.timeout(self.timeouts.first_token_s),
-                    self.session.post(
-                        rank.url + route, data=payload, headers=_headers(request_id, rank.dp_rank)
-                    ) as response,
-                ):
-                    data = await response.read()
-                    if response.status != 200:
-                        raise UpstreamStatus("decode", response.status, data)
+            data, status = await self._call(
+                rank.url,
+                route,
+                payload,
+                _headers(request_id, rank.dp_rank),
+                self.timeouts.first_token_s,
+            )
+            if status != 200:
+                raise UpstreamStatus("decode", status, data)
         finally:
             self.pool.end_decode(rank.name)
         self.pool.succeeded(rank.name)
@@ -383,26 +395,27 @@ class Handoff:
     ) -> DecodeRelay:
         """Open the decode stream and read up to its first token; raise if it fails first."""
         self.pool.begin_decode(rank.name)
-        response: aiohttp.ClientResponse | None = None
+        response: UpstreamResponse | None = None
         try:
-            with upstream_errors("decode"):
-                async with asyncio.timeout(self.timeouts.first_token_s):
-                    response = await self.session.post(
-                        rank.url + route,
-                        data=payload,
-                        headers=_headers(request_id, rank.dp_rank),
-                        timeout=self._stream_timeout,
-                    )
-                    if response.status != 200:
-                        raise UpstreamStatus("decode", response.status, await response.read())
-                    head = FirstToken()
-                    while head.state is StreamState.PENDING:
-                        chunk = await response.content.readany()
-                        if not chunk:
-                            raise UpstreamUnavailable("decode", "stream ended before a token")
-                        head.feed(chunk)
-                    if head.state is StreamState.ERROR:
-                        raise UpstreamStatus("decode", 500, head.error)
+            async with asyncio.timeout(self.timeouts.first_token_s):
+                response = await self.upstream.post(
+                    rank.url, route, payload, _headers(request_id, rank.dp_rank), self._read_timeout
+                )
+                if response.status != 200:
+                    raise UpstreamStatus("decode", response.status, await response.read_all())
+                head = FirstToken()
+                while head.state is StreamState.PENDING:
+                    chunk = await response.read_some()
+                    if not chunk:
+                        raise UpstreamUnavailable("decode", "stream ended before a token")
+                    head.feed(chunk)
+                if head.state is StreamState.ERROR:
+                    raise UpstreamStatus("decode", 500, head.error)
+        except TimeoutError as exc:
+            if response is not None:
+                response.close()
+            self.pool.end_decode(rank.name)
+            raise UpstreamTimeout("decode", "no first token in time") from exc
         except BaseException:
             if response is not None:
                 response.close()

@@ -1,0 +1,253 @@
+"""A lean HTTP/1.1 client for the engines: keep-alive connections, httptools' C parser.
+
+The gateway talks to a handful of known engines with one request shape (a JSON POST, a JSON or
+SSE answer), so it needs none of a general client's machinery. Per request this writes one
+buffer; per received segment it feeds the C parser, appends the body bytes and wakes the one
+reader, which takes everything buffered at once. ``baton bench gateway`` measures it against
+the aiohttp relay it replaced.
+
+Errors are the gateway's: :class:`~router.errors.UpstreamUnavailable` for refused, reset or
+malformed connections, :class:`~router.errors.UpstreamTimeout` when a read waits too long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+import httptools
+
+from router.errors import UpstreamTimeout, UpstreamUnavailable
+
+__all__ = ["UpstreamPool", "UpstreamResponse"]
+
+_HIGH_WATER = 1 << 20  # pause reading an engine whose bytes the client is not taking
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; holds at most one response at a time."""
+
+    def __init__(self, key: tuple[str, int]) -> None:
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.body = bytearray()
+        self.complete = False
+        self.keep_alive = False
+        self.error: BaseException | None = None
+        self.closed = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.started = False  # response bytes arrived for the current request
+        self.paused = False
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.started = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamUnavailable("upstream", f"malformed HTTP response: {exc}"))
+            return
+        if len(self.body) > _HIGH_WATER and not self.paused and self.transport is not None:
+            self.transport.pause_reading()
+            self.paused = True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.complete:
+            detail = str(exc) if exc else "the engine closed the connection mid-response"
+            self._fail(UpstreamUnavailable("upstream", detail))
+
+    # -- httptools callbacks
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # -- helpers
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+        if self.transport is not None:
+            self.transport.close()
+
+    def reset(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.body = bytearray()
+        self.complete = False
+        self.started = False
+
+    async def wait(self, within_s: float) -> None:
+        """Until body bytes, the end, or an error arrive (``within_s`` seconds at most)."""
+        if self.error is not None:
+            raise self.error
+        if self.body or self.complete:
+            return
+        loop = asyncio.get_running_loop()
+        self.waiter = waiter = loop.create_future()
+        timer = loop.call_later(within_s, self._timeout, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+    def _timeout(self, waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            self._fail(UpstreamTimeout("upstream", "no bytes from the engine in time"))
+
+
+class UpstreamResponse:
+    """The status of an engine's answer, and its body as it arrives."""
+
+    __slots__ = ("_conn", "_pool", "_read_timeout", "status")
+
+    def __init__(self, pool: UpstreamPool, conn: _Connection, read_timeout: float) -> None:
+        self._pool = pool
+        self._conn = conn
+        self._read_timeout = read_timeout
+        self.status = conn.status
+
+    async def read_some(self) -> bytes:
+        """Every body byte received so far (waiting for some); ``b""`` at the end."""
+        conn = self._conn
+        await conn.wait(self._read_timeout)
+        data = bytes(conn.body)
+        conn.body.clear()
+        if conn.paused and conn.transport is not None:
+            conn.transport.resume_reading()
+            conn.paused = False
+        return data
+
+    async def read_all(self) -> bytes:
+        parts = []
+        while chunk := await self.read_some():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Return the connection when the answer was read to its end; else drop it."""
+        conn = self._conn
+        if conn.complete and conn.keep_alive and not conn.closed and conn.error is None:
+            conn.reset()
+            self._pool.idle[conn.key].append(conn)
+        elif conn.transport is not None:
+            conn.transport.close()
+
+    def close(self) -> None:
+        """Drop the connection: the engine sees the request go away and aborts it."""
+        if self._conn.transport is not None:
+            self._conn.transport.close()
+
+
+class UpstreamPool:
+    """Keep-alive connections per engine (host, port), opened on demand."""
+
+    def __init__(self, connect_timeout: float = 5.0) -> None:
+        self.connect_timeout = connect_timeout
+        self.idle: defaultdict[tuple[str, int], list[_Connection]] = defaultdict(list)
+
+    async def post(
+        self, base_url: str, path: str, body: bytes, headers: Mapping[str, str], within_s: float
+    ) -> UpstreamResponse:
+        """POST ``body`` (JSON) and wait for the answer's status line and headers; every later
+        wait for body bytes is bounded by ``within_s`` too."""
+        key = _key(base_url)
+        head = _request_head(key, path, len(body), headers)
+        for attempt in (0, 1):
+            conn, reused = await self._connection(key)
+            conn.transport.write(head + body)  # type: ignore[union-attr]
+            try:
+                await self._headers(conn, within_s)
+            except UpstreamUnavailable:
+                # An idle connection the engine closed just as it was reused: one retry on a
+                # fresh one is safe, since the engine received nothing of this request.
+                if reused and not conn.started and attempt == 0:
+                    continue
+                raise
+            return UpstreamResponse(self, conn, within_s)
+        raise AssertionError("unreachable")
+
+    async def _connection(self, key: tuple[str, int]) -> tuple[_Connection, bool]:
+        idle = self.idle[key]
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn, True
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(lambda: _Connection(key), *key)
+        except TimeoutError as exc:
+            raise UpstreamTimeout("upstream", f"connecting to {key[0]}:{key[1]} timed out") from exc
+        except OSError as exc:
+            raise UpstreamUnavailable(
+                "upstream", f"cannot connect to {key[0]}:{key[1]}: {exc.strerror or exc}"
+            ) from exc
+        return conn, False
+
+    @staticmethod
+    async def _headers(conn: _Connection, within_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while not conn.status:
+            if conn.error is not None:
+                raise conn.error
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                conn._fail(UpstreamTimeout("upstream", "no answer from the engine in time"))
+                raise conn.error  # type: ignore[misc]
+            conn.waiter = waiter = loop.create_future()
+            timer = loop.call_later(remaining, conn._timeout, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                conn.waiter = None
+
+    def close(self) -> None:
+        for connections in self.idle.values():
+            for conn in connections:
+                if conn.transport is not None:
+                    conn.transport.close()
+        self.idle.clear()
+
+
+def _key(base_url: str) -> tuple[str, int]:
+    parts = urlsplit(base_url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise UpstreamUnavailable("upstream", f"'{base_url}' is not an http:// engine URL")
+    return parts.hostname, parts.port or 80
+
+
+def _request_head(
+    key: tuple[str, int], path: str, length: int, headers: Mapping[str, str]
+) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", f"Host: {key[0]}:{key[1]}", f"Content-Length: {length}"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
