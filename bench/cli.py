@@ -19,6 +19,7 @@ BENCHMARKS = {
     "sim": "bench.sim_capacity",
     "gateway": "bench.gateway",
     "placement": "bench.placement",
+    "eplb": "bench.eplb",
 }
 
 

@@ -3,13 +3,23 @@
 It streams the group's per-step expert load (each rank's own physical experts, as compact
 little-endian uint32 bytes) and takes two-phase placement switches from the EPLB service:
 Prepare validates and stages (weights copied in simulated background time while decode goes on),
-Commit makes the switch happen at the agreed step, Abort drops what was staged. A malformed
-placement is rejected before anything is staged.
+Commit makes the switch happen at the agreed step, Abort drops what was staged (committed or
+not) until it takes effect. A malformed placement is rejected before anything is staged.
+
+A stalled rank cannot stage weights, so Prepare acknowledges only once no rank of the group is
+stalled (a hung rank never acks); a switch aborted while it was staging is never staged.
+
+Authentication: with a token (``--eplb-agent-token-file``, a Kubernetes Secret mounted as a
+file), Prepare, Commit and Abort need the gRPC metadata ``authorization: Bearer <token>``; a bad
+or missing token is refused with UNAUTHENTICATED and logged. Describe, StreamLoad and
+GetPlacement stay open: they change nothing. TLS is optional (``--eplb-agent-tls-cert`` and
+``--eplb-agent-tls-key``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +30,7 @@ import numpy as np
 from baton.proto import eplb_agent_pb2 as pb
 from baton.proto import eplb_agent_pb2_grpc as pb_grpc
 from controller.eplb.algorithm import Placement, moves_per_rank
+from controller.eplb.wire import decode_placement, encode_placement
 from sim.engine import DPGroup
 from sim.moe import MoERuntime, StagedSwitch
 
@@ -28,45 +39,47 @@ __all__ = ["EplbAgentServer", "decode_placement", "encode_placement"]
 log = logging.getLogger("baton.sim.agent")
 DEFAULT_STEPS_PER_REPORT = 100
 _QUEUE_REPORTS = 4096
-
-
-def encode_placement(name: str, placement: Placement, version: int = 0) -> pb.Placement:
-    return pb.Placement(
-        model=name,
-        layers=placement.num_layers,
-        physical_experts=placement.phy2log.shape[1],
-        phy2log=placement.phy2log.astype("<i4").tobytes(),
-        version=version,
-    )
-
-
-def decode_placement(message: pb.Placement, num_ranks: int, num_logical: int) -> Placement:
-    """Rebuild and check a placement; ValueError names what is wrong."""
-    expected = message.layers * message.physical_experts * 4
-    if len(message.phy2log) != expected:
-        raise ValueError(
-            f"{message.model}: phy2log has {len(message.phy2log)} bytes, expected "
-            f"{expected} for [{message.layers}, {message.physical_experts}] int32"
-        )
-    phy2log = np.frombuffer(message.phy2log, dtype="<i4").astype(np.int64)
-    phy2log = phy2log.reshape(message.layers, message.physical_experts)
-    if phy2log.min(initial=0) < 0 or phy2log.max(initial=0) >= num_logical:
-        raise ValueError(f"{message.model}: phy2log names an expert outside [0, {num_logical})")
-    held = np.zeros((message.layers, num_logical), dtype=bool)
-    held[np.arange(message.layers)[:, None], phy2log] = True
-    if not held.all():
-        layer, expert = np.argwhere(~held)[0]
-        raise ValueError(
-            f"{message.model}: logical expert {expert} has no replica in layer {layer}"
-        )
-    return Placement(phy2log, num_ranks, num_logical)
+# Switch ids aborted recently, remembered so a Prepare still staging them does not stage them.
+_REMEMBERED_ABORTS = 256
+# Simulated seconds between checks of a stalled or dead group while a Prepare waits.
+_STALL_POLL_S = 0.05
 
 
 class _Servicer(pb_grpc.EplbAgentServicer):
-    def __init__(self, group: DPGroup, moe: MoERuntime) -> None:
+    def __init__(self, group: DPGroup, moe: MoERuntime, token: str | None) -> None:
         self.group = group
         self.moe = moe
         self.incarnation = uuid.uuid4().hex
+        self._expected = f"Bearer {token}".encode() if token is not None else None
+        self._aborted: dict[str, None] = {}  # insertion-ordered set of recent aborts
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """Refuse ``method`` (UNAUTHENTICATED) unless it carries the agent's bearer token."""
+        if self._expected is None:
+            return
+        given = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+        # Constant-time comparison: the token must not leak through response timing.
+        if hmac.compare_digest(given, self._expected):
+            return
+        reason = "no bearer token" if not given else "bad bearer token"
+        log.warning("refused %s from %s: %s", method, context.peer(), reason)
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"{reason}; send metadata 'authorization: Bearer <token>' with the agent's token",
+        )
+
+    async def _stage(self, seconds: float) -> None:
+        """Copy weights for ``seconds``, then wait while any rank of the group is stalled."""
+        clock = self.group.clock
+        await clock.sleep(seconds)
+        while not self.group.dead:
+            stalled = max(rank.stalled_until for rank in self.group.ranks.values()) - clock.now()
+            if stalled <= 0:
+                return
+            await clock.sleep(min(stalled, _STALL_POLL_S))
 
     async def Describe(
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
@@ -162,6 +175,7 @@ class _Servicer(pb_grpc.EplbAgentServicer):
     async def Prepare(
         self, request: pb.PrepareRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrepareResponse:
+        await self._authenticate(context, "Prepare")
         if self.group.dead:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is dead")
         staged: dict[str, tuple[Placement, int]] = {}
@@ -203,20 +217,27 @@ class _Servicer(pb_grpc.EplbAgentServicer):
         copies = max((worst for _, worst in staged.values()), default=0)
         profile = self.group.config.profile
         seconds = copies * profile.decode.expert_bytes / profile.nvlink.bandwidth_bytes_per_s
-        await self.group.clock.sleep(seconds)  # weights stage in the background; decode goes on
+        await self._stage(seconds)  # weights stage in the background; decode goes on
         if self.group.dead:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine died while staging")
+        if request.switch_id in self._aborted:
+            return pb.PrepareResponse(
+                ok=False, error=f"switch {request.switch_id} was aborted while staging"
+            )
         total = 0
         for name, (placement, _) in staged.items():
             self.moe.models[name].staged = StagedSwitch(
                 request.switch_id, placement, request.apply_at_step
             )
             total += int(moves_per_rank(self.moe.models[name].placement, placement).sum())
-        return pb.PrepareResponse(ok=True, staging_seconds=seconds, experts_to_copy=total)
+        return pb.PrepareResponse(
+            ok=True, staging_seconds=seconds, experts_to_copy=total, current_step=self.moe.step
+        )
 
     async def Commit(
         self, request: pb.CommitRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitResponse:
+        await self._authenticate(context, "Commit")
         if self.group.dead:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is dead")
         switches = [
@@ -226,7 +247,7 @@ class _Servicer(pb_grpc.EplbAgentServicer):
         ]
         if not switches:
             return pb.CommitResponse(ok=False, error=f"switch {request.switch_id} is not staged")
-        apply_at = max(self.moe.step, switches[0].apply_at_step)
+        apply_at = max(self.moe.step, request.apply_at_step or switches[0].apply_at_step)
         for switch in switches:
             switch.apply_at_step = apply_at
             switch.committed = True
@@ -235,13 +256,15 @@ class _Servicer(pb_grpc.EplbAgentServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
+        await self._authenticate(context, "Abort")
+        self._aborted[request.switch_id] = None
+        while len(self._aborted) > _REMEMBERED_ABORTS:
+            del self._aborted[next(iter(self._aborted))]
         dropped = False
+        # A committed switch is dropped too until it takes effect (it is applied, and leaves
+        # ``staged``, at its step): the service aborts every agent when one commit fails.
         for state in self.moe.models.values():
-            if (
-                state.staged is not None
-                and state.staged.switch_id == request.switch_id
-                and not state.staged.committed
-            ):
+            if state.staged is not None and state.staged.switch_id == request.switch_id:
                 state.staged = None
                 dropped = True
         if dropped:
@@ -263,16 +286,34 @@ class _Servicer(pb_grpc.EplbAgentServicer):
 class EplbAgentServer:
     """The agent of one DP group, on its own gRPC port."""
 
-    def __init__(self, group: DPGroup, host: str, port: int) -> None:
+    def __init__(
+        self,
+        group: DPGroup,
+        host: str,
+        port: int,
+        *,
+        token: str | None = None,
+        tls_cert: bytes | None = None,
+        tls_key: bytes | None = None,
+    ) -> None:
         if group.moe is None:
             raise ValueError("the EPLB agent needs --enable-expert-parallel")
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("TLS needs both a certificate and its key")
         self.host = host
         self.port = port
+        self._credentials = (
+            grpc.ssl_server_credentials([(tls_key, tls_cert)]) if tls_cert and tls_key else None
+        )
         self._server = grpc.aio.server()
-        pb_grpc.add_EplbAgentServicer_to_server(_Servicer(group, group.moe), self._server)
+        pb_grpc.add_EplbAgentServicer_to_server(_Servicer(group, group.moe, token), self._server)
 
     async def start(self) -> None:
-        self._server.add_insecure_port(f"{self.host}:{self.port}")
+        address = f"{self.host}:{self.port}"
+        if self._credentials is not None:
+            self._server.add_secure_port(address, self._credentials)
+        else:
+            self._server.add_insecure_port(address)
         await self._server.start()
 
     async def stop(self) -> None:

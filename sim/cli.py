@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from pydantic import BaseModel, ValidationError
 
+from baton.secrets import read_token
 from sim.cluster import load_cluster
 from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
 from sim.profile import ProfileError, load_profile
@@ -91,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _flag(sim, "--seed", type=int, default=0)
     _flag(sim, "--eplb-agent-port", type=int, default=None)
+    _flag(
+        sim,
+        "--eplb-agent-token-file",
+        default=None,
+        help="file holding the bearer token the EPLB service must send (a mounted Secret)",
+    )
+    _flag(sim, "--eplb-agent-tls-cert", default=None, help="PEM certificate: serve on TLS")
+    _flag(sim, "--eplb-agent-tls-key", default=None, help="PEM key of --eplb-agent-tls-cert")
     _flag(sim, "--enable-fault-injection", action="store_true")
     _flag(sim, "--cluster", default=None, help="YAML: many engines in this one process")
     _flag(sim, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -136,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     kv = _json_flag("--kv-transfer-config", args.kv_transfer_config, KVTransferConfig)
     eplb = _json_flag("--eplb-config", args.eplb_config, EplbConfig)
     spec = _json_flag("--speculative-config", args.speculative_config, SpeculativeConfig)
+    _check_agent_security(args)
     return EngineConfig(
         model=args.model,
         served_model_names=tuple(args.served_model_name or [args.model]),
@@ -157,10 +167,31 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         side_channel_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", args.host),
         side_channel_port=int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")),
         eplb_agent_port=args.eplb_agent_port,
+        eplb_agent_token_file=args.eplb_agent_token_file,
+        eplb_agent_tls_cert=args.eplb_agent_tls_cert,
+        eplb_agent_tls_key=args.eplb_agent_tls_key,
         time_scale=args.time_scale,
         seed=args.seed,
         enable_fault_injection=args.enable_fault_injection,
     )
+
+
+def _check_agent_security(args: argparse.Namespace) -> None:
+    if (args.eplb_agent_tls_cert is None) != (args.eplb_agent_tls_key is None):
+        raise CliError(
+            "--eplb-agent-tls-cert and --eplb-agent-tls-key go together; pass both or neither"
+        )
+    if args.eplb_agent_token_file is not None:
+        try:
+            read_token(args.eplb_agent_token_file)
+        except ValueError as exc:
+            raise CliError(f"--eplb-agent-token-file: {exc}") from exc
+    for flag, path in (
+        ("--eplb-agent-tls-cert", args.eplb_agent_tls_cert),
+        ("--eplb-agent-tls-key", args.eplb_agent_tls_key),
+    ):
+        if path is not None and not os.access(path, os.R_OK):
+            raise CliError(f"{flag}: cannot read {path}; pass a readable PEM file")
 
 
 async def _serve_until_signal(start: Callable[[], Awaitable[SimProcess]]) -> None:

@@ -81,6 +81,9 @@ class EngineConfig:
     side_channel_host: str = "localhost"
     side_channel_port: int = 5600
     eplb_agent_port: int | None = None
+    eplb_agent_token_file: str | None = None  # bearer token for Prepare/Commit/Abort
+    eplb_agent_tls_cert: str | None = None  # PEM files; both or neither
+    eplb_agent_tls_key: str | None = None
     time_scale: float = 1.0
     seed: int = 0
     enable_fault_injection: bool = False

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
+from baton.secrets import read_token
 from sim.agent import EplbAgentServer
 from sim.cluster import ClusterSpec, engine_configs
 from sim.config import EngineConfig
@@ -61,10 +63,23 @@ async def start_group(
         await server.start()
         process.servers.append(server)
     if config.eplb_agent_port is not None and group.moe is not None:
-        agent = EplbAgentServer(group, host, config.eplb_agent_port)
+        agent = EplbAgentServer(
+            group,
+            host,
+            config.eplb_agent_port,
+            token=read_token(config.eplb_agent_token_file)
+            if config.eplb_agent_token_file
+            else None,
+            tls_cert=_read_pem(config.eplb_agent_tls_cert),
+            tls_key=_read_pem(config.eplb_agent_tls_key),
+        )
         await agent.start()
         process.agents.append(agent)
     return group
+
+
+def _read_pem(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
 
 
 def _with_side_channel(config: EngineConfig, port: int) -> EngineConfig:

@@ -36,8 +36,22 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
         ),
         (["--time-scale", "0"], "--time-scale: must be positive"),
         (["--profile", "/nonexistent.yaml"], "--profile: /nonexistent.yaml: cannot read"),
+        (
+            ["--eplb-agent-token-file", "/nonexistent-token"],
+            "--eplb-agent-token-file: /nonexistent-token: cannot read the token file",
+        ),
+        (["--eplb-agent-tls-cert", "/tmp/cert.pem"], "go together; pass both or neither"),
     ],
-    ids=["json", "kv-policy", "eplb-window", "dp-ranks", "time-scale", "profile-missing"],
+    ids=[
+        "json",
+        "kv-policy",
+        "eplb-window",
+        "dp-ranks",
+        "time-scale",
+        "profile-missing",
+        "token-file-missing",
+        "tls-half",
+    ],
 )
 def test_bad_flag_exits_2_naming_the_flag(capsys, argv: list[str], needle: str) -> None:
     code, err = run(capsys, *argv)

@@ -1,0 +1,131 @@
+"""The EPLB service's configuration file (YAML, untrusted input, checked with pydantic).
+
+.. code-block:: yaml
+
+    windowSize: 500             # steps of load per decision
+    stepInterval: 500           # decide every N engine steps (boundaries k * N)
+    minGain: 0.002              # skip a rebalance predicted to gain less window balance
+    tolerance: 0.005            # balance given up to keep experts where they are
+    numNodes: 1                 # >1 with numGroups % numNodes == 0: hierarchical policy
+    numGroups: 1
+    stepsPerReport: 100         # steps per LoadReport asked from the agents
+    applyMarginSteps: 50        # Commit at (engine step after Prepare) + margin
+    prepareTimeoutSeconds: 10   # all Prepare acks within this, or Abort everywhere
+    commitTimeoutSeconds: 2
+    reconnectSeconds: 1         # wait before reconnecting to a group's agents
+    expertBytes: {target: 2.2e7, draft: 2.2e7}   # weight bytes of one expert of one layer
+    perLayerMetrics: false      # baton_eplb_layer_balance series (layers x groups x models)
+    groups:
+      - name: cell-0
+        agents: ["10.0.0.5:50100"]   # every agent of the decode group (host:port)
+
+Static groups are the only source today; ``ModelDeployment`` status is the planned one (the
+service takes its groups from a :class:`GroupSource`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from controller.eplb.decide import Policy
+
+__all__ = ["EplbServiceConfig", "GroupSource", "GroupSpec", "StaticGroups", "load_config"]
+
+DEFAULT_EXPERT_BYTES = 2.2e7  # one routed expert of one layer, FP4 weights with scales
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True
+    )
+
+
+class GroupSpec(_Spec):
+    name: str = Field(min_length=1)
+    agents: tuple[str, ...] = Field(min_length=1)
+
+
+class EplbServiceConfig(_Spec):
+    window_size: int = Field(default=500, gt=0)
+    step_interval: int = Field(default=500, gt=0)
+    min_gain: float = Field(default=0.002, ge=0)
+    tolerance: float = Field(default=0.005, ge=0, lt=1)
+    num_nodes: int = Field(default=1, ge=1)
+    num_groups: int = Field(default=1, ge=1)
+    steps_per_report: int = Field(default=100, gt=0)
+    apply_margin_steps: int = Field(default=50, ge=1)
+    prepare_timeout_seconds: float = Field(default=10.0, gt=0)
+    commit_timeout_seconds: float = Field(default=2.0, gt=0)
+    reconnect_seconds: float = Field(default=1.0, gt=0)
+    expert_bytes: dict[str, float] = Field(
+        default_factory=lambda: {"target": DEFAULT_EXPERT_BYTES, "draft": DEFAULT_EXPERT_BYTES}
+    )
+    per_layer_metrics: bool = False
+    groups: tuple[GroupSpec, ...] = Field(default=(), min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EplbServiceConfig:
+        if self.window_size > self.step_interval:
+            raise ValueError(
+                f"windowSize ({self.window_size}) must not exceed stepInterval "
+                f"({self.step_interval})"
+            )
+        if self.apply_margin_steps >= self.step_interval:
+            raise ValueError(
+                f"applyMarginSteps ({self.apply_margin_steps}) must be below stepInterval "
+                f"({self.step_interval}): a switch must land before the next decision"
+            )
+        names = [group.name for group in self.groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"group names must be unique, got {names}")
+        return self
+
+    @property
+    def policy(self) -> Policy:
+        return Policy(
+            window_size=self.window_size,
+            step_interval=self.step_interval,
+            min_gain=self.min_gain,
+            tolerance=self.tolerance,
+            num_nodes=self.num_nodes,
+            num_groups=self.num_groups,
+        )
+
+    def expert_bytes_of(self, model: str) -> float:
+        return self.expert_bytes.get(model, DEFAULT_EXPERT_BYTES)
+
+
+def load_config(path: str | Path) -> EplbServiceConfig:
+    """Read and check the file; ValueError names the file, the field and the problem."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the config file ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML ({exc})") from exc
+    try:
+        return EplbServiceConfig.model_validate(data or {})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"field '{'.'.join(map(str, e['loc'])) or '(top)'}': {e['msg']}" for e in exc.errors()
+        )
+        raise ValueError(f"{path}: {problems}; see docs/eplb.md") from exc
+
+
+class GroupSource(Protocol):
+    """Where the decode groups come from (a static file now; ModelDeployment status later)."""
+
+    def decode_groups(self) -> tuple[GroupSpec, ...]: ...
+
+
+class StaticGroups:
+    def __init__(self, groups: tuple[GroupSpec, ...]) -> None:
+        self._groups = groups
+
+    def decode_groups(self) -> tuple[GroupSpec, ...]:
+        return self._groups

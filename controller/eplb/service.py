@@ -1,0 +1,482 @@
+"""The EPLB service: load windows, rebalance decisions and two-phase switches per decode group.
+
+For every decode group (from a :class:`~controller.eplb.config.GroupSource`) a
+:class:`GroupRunner` loops:
+
+1. Sync: Describe every agent (the ranks must cover the DP group exactly once, the models must
+   agree), read the placement in force (every agent must report the same), and open one
+   :class:`~controller.eplb.window.LoadWindow` per model (target and draft separately).
+2. Follow: subscribe to every agent's StreamLoad and feed the windows. After each report, if a
+   decision boundary is due (``controller.eplb.decide``), decide on a worker thread and, when
+   the decision is to rebalance, switch:
+
+   - Prepare to every agent at once; every ack within ``prepareTimeoutSeconds`` or Abort to all.
+   - Commit to every agent at one agreed step: the highest step an agent reported when staging
+     finished plus ``applyMarginSteps``. Any Commit failing: Abort to all (an agent drops a
+     committed switch until it takes effect), so no rank ever switches alone.
+   - The placement in force becomes the new one; once a full window has run under it, its
+     achieved window balance is measured against the prediction.
+3. A broken stream, an agent that cannot be reached, or a new incarnation (an engine restart)
+   ends (2): the group's windows are discarded and the runner syncs again after
+   ``reconnectSeconds``.
+
+Every decision and switch is logged, counted (``controller.eplb.metrics``) and kept in
+``GroupRunner.records`` (and the achieved balances in ``GroupRunner.achieved``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from baton.proto import eplb_agent_pb2 as pb
+from controller.eplb.algorithm import Placement, balance, rank_load
+from controller.eplb.client import AgentClient
+from controller.eplb.config import EplbServiceConfig, GroupSource, GroupSpec
+from controller.eplb.decide import Decision, Outcome, decide, due_boundary
+from controller.eplb.errors import (
+    AgentError,
+    AgentRestarted,
+    AgentTimeout,
+    AgentUnavailable,
+    EplbError,
+    GroupMismatch,
+)
+from controller.eplb.metrics import EplbMetrics
+from controller.eplb.window import LoadWindow, Verdict
+from controller.eplb.wire import decode_placement, decode_report, encode_placement
+
+__all__ = ["EplbService", "GroupRunner", "SwitchRecord"]
+
+log = logging.getLogger("baton.eplb")
+
+_DESCRIBE_DEADLINE_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchRecord:
+    """One decision of one group and model, and what became of it.
+
+    ``result`` is the decision's outcome when it did not rebalance, else ``committed``,
+    ``prepare_failed``, ``prepare_timeout`` or ``commit_failed``.
+    """
+
+    group: str
+    model: str
+    decision: Decision
+    result: str
+    switch_id: str | None = None
+    apply_at_step: int | None = None
+    round_trip_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Achievement:
+    """A committed switch whose first full window under the new placement is awaited."""
+
+    switch_id: str
+    version: int
+    applied_at: int
+    predicted: float
+    placement: Placement
+
+
+@dataclass(slots=True)
+class _ModelTrack:
+    """What a group runner knows of one model: placement in force, window, last boundary."""
+
+    name: str
+    placement: Placement
+    version: int
+    window: LoadWindow
+    last_boundary: int | None
+    awaiting: list[_Achievement] = field(default_factory=list)
+
+
+class GroupRunner:
+    """One decode group: its agents, windows, decisions and switches (see the module doc)."""
+
+    def __init__(
+        self,
+        spec: GroupSpec,
+        config: EplbServiceConfig,
+        clients: list[AgentClient],
+        metrics: EplbMetrics,
+    ) -> None:
+        self.spec = spec
+        self.config = config
+        self.policy = config.policy
+        self.clients = clients
+        self.metrics = metrics
+        self.tracks: dict[str, _ModelTrack] = {}
+        self.records: list[SwitchRecord] = []
+        self.achieved: dict[str, float] = {}
+        self._incarnations: dict[str, str] = {}
+        self._failing = False
+        self.synced = asyncio.Event()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.sync()
+                await self._follow()
+            except AgentRestarted as exc:
+                self._restart("incarnation_changed", exc)
+            except (AgentError, GroupMismatch) as exc:
+                self._restart("agent_lost", exc)
+            await asyncio.sleep(self.config.reconnect_seconds)
+
+    def _restart(self, reason: str, exc: EplbError) -> None:
+        if self.synced.is_set():
+            self.metrics.window_restarts.labels(self.spec.name, reason).inc()
+        # Warn once per outage; the reconnect attempts after it only log at debug level.
+        if not self._failing:
+            log.warning("group %s: %s; its windows restart (%s)", self.spec.name, exc, reason)
+        else:
+            log.debug("group %s: %s; retrying", self.spec.name, exc)
+        self._failing = True
+        self.synced.clear()
+
+    async def sync(self) -> None:
+        """Step 1: describe the group and open fresh windows."""
+        infos = await asyncio.gather(
+            *(client.describe(_DESCRIBE_DEADLINE_S) for client in self.clients)
+        )
+        size = {info.data_parallel_size for info in infos}
+        if len(size) != 1:
+            raise GroupMismatch(f"group {self.spec.name}: agents disagree on DP size {size}")
+        num_ranks = size.pop()
+        ranks = sorted(rank for info in infos for rank in info.dp_ranks)
+        if ranks != list(range(num_ranks)):
+            raise GroupMismatch(
+                f"group {self.spec.name}: agents serve ranks {ranks}, expected each of "
+                f"0..{num_ranks - 1} once; list every agent of the group in the config"
+            )
+        shapes = {
+            tuple(
+                sorted((m.name, m.layers, m.logical_experts, m.physical_experts) for m in i.models)
+            )
+            for i in infos
+        }
+        if len(shapes) != 1:
+            raise GroupMismatch(f"group {self.spec.name}: agents disagree on models {shapes}")
+        logical = {m.name: m.logical_experts for m in infos[0].models}
+        states = await asyncio.gather(
+            *(client.get_placement(_DESCRIBE_DEADLINE_S) for client in self.clients)
+        )
+        in_force = _agreed_placements(self.spec.name, states)
+        step = max(info.current_step for info in infos)
+        capacity = self.policy.window_size + 4 * self.config.steps_per_report
+        self.tracks = {}
+        for name, message in in_force.items():
+            placement = decode_placement(message, num_ranks, logical[name])
+            self.tracks[name] = _ModelTrack(
+                name=name,
+                placement=placement,
+                version=message.version,
+                window=LoadWindow(placement, message.version, capacity),
+                # Boundaries already passed belong to windows this service never saw.
+                last_boundary=(step // self.policy.step_interval) * self.policy.step_interval,
+            )
+        self._incarnations = {
+            client.address: info.incarnation
+            for client, info in zip(self.clients, infos, strict=True)
+        }
+        log.info(
+            "group %s: %d ranks over %d agents, models %s, step %d",
+            self.spec.name,
+            num_ranks,
+            len(self.clients),
+            sorted(self.tracks),
+            step,
+        )
+        self._failing = False
+        self.synced.set()
+
+    async def _follow(self) -> None:
+        """Step 2: read every agent's load stream until one breaks."""
+        queue: asyncio.Queue[tuple[str, pb.LoadReport] | AgentError] = asyncio.Queue()
+        readers = [
+            asyncio.create_task(self._read(client, queue), name=f"eplb-stream-{client.address}")
+            for client in self.clients
+        ]
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, AgentError):
+                    raise item
+                address, message = item
+                if message.incarnation != self._incarnations[address]:
+                    raise AgentRestarted(address, "its engine restarted (new incarnation)")
+                track = self.tracks.get(message.model)
+                if track is not None and self._accept(track, message):
+                    await self._after_report(track)
+        finally:
+            for reader in readers:
+                reader.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+
+    async def _read(
+        self, client: AgentClient, queue: asyncio.Queue[tuple[str, pb.LoadReport] | AgentError]
+    ) -> None:
+        try:
+            async for message in client.stream_load(self.config.steps_per_report):
+                queue.put_nowait((client.address, message))
+            queue.put_nowait(AgentUnavailable(client.address, "load stream ended"))
+        except AgentError as exc:
+            queue.put_nowait(exc)
+
+    def _accept(self, track: _ModelTrack, message: pb.LoadReport) -> bool:
+        try:
+            verdict = track.window.add(decode_report(message))
+        except ValueError:
+            verdict = Verdict.WRONG_SHAPE
+        if verdict is Verdict.ACCEPTED:
+            return True
+        self.metrics.reports_dropped.labels(self.spec.name, track.name, verdict.value).inc()
+        log.debug(
+            "group %s: dropped %s report of rank %d at step %d: %s",
+            self.spec.name,
+            track.name,
+            message.dp_rank,
+            message.first_step,
+            verdict,
+        )
+        return False
+
+    async def _after_report(self, track: _ModelTrack) -> None:
+        self._measure_achieved(track)
+        boundary = due_boundary(track.window.completed_end, track.last_boundary, self.policy)
+        if boundary is None:
+            return
+        track.last_boundary = boundary
+        window = track.window.window(boundary - self.policy.window_size, boundary)
+        labels = (self.spec.name, track.name)
+        started = time.perf_counter()
+        # The algorithm takes tens of milliseconds: off the event loop, so streams keep flowing.
+        decision = await asyncio.to_thread(decide, window, track.placement, self.policy, boundary)
+        self.metrics.decision_seconds.labels(*labels).observe(time.perf_counter() - started)
+        if window.steps:
+            self.metrics.step_balance.labels(*labels).set(window.step_balance)
+            self._set_layer_balance(track, window.load)
+        if decision.outcome is not Outcome.REBALANCE:
+            self._record(SwitchRecord(self.spec.name, track.name, decision, decision.outcome))
+            log.info(
+                "group %s %s: no rebalance at step %d (%s; window balance %.4f -> %.4f predicted)",
+                self.spec.name,
+                track.name,
+                boundary,
+                decision.outcome,
+                decision.balance_before,
+                decision.balance_after,
+            )
+            return
+        self.metrics.balance.labels(*labels, "before").set(decision.balance_before)
+        self.metrics.balance.labels(*labels, "predicted").set(decision.balance_after)
+        await self.switch(track.name, decision)
+
+    async def switch(self, model: str, decision: Decision) -> SwitchRecord:
+        """Two-phase switch of ``model`` to ``decision.placement`` on every agent."""
+        track = self.tracks[model]
+        switch_id = f"{self.spec.name}-{track.name}-{decision.boundary}-{uuid.uuid4().hex[:8]}"
+        message = encode_placement(track.name, decision.placement, track.version + 1)
+        started = time.perf_counter()
+        prepared = await asyncio.gather(
+            *(
+                client.prepare(switch_id, [message], self.config.prepare_timeout_seconds)
+                for client in self.clients
+            ),
+            return_exceptions=True,
+        )
+        failures = [r for r in prepared if isinstance(r, BaseException)]
+        if failures:
+            timed_out = any(isinstance(f, AgentTimeout) for f in failures)
+            await self._abort_all(switch_id, f"prepare failed: {failures[0]}")
+            return self._record(
+                SwitchRecord(
+                    self.spec.name,
+                    track.name,
+                    decision,
+                    "prepare_timeout" if timed_out else "prepare_failed",
+                    switch_id,
+                )
+            )
+        acks = [r for r in prepared if isinstance(r, pb.PrepareResponse)]
+        apply_at = max(ack.current_step for ack in acks) + self.config.apply_margin_steps
+        track.window.expect(track.version + 1, decision.placement)
+        committed = await asyncio.gather(
+            *(
+                client.commit(switch_id, apply_at, self.config.commit_timeout_seconds)
+                for client in self.clients
+            ),
+            return_exceptions=True,
+        )
+        failures = [r for r in committed if isinstance(r, BaseException)]
+        if failures:
+            await self._abort_all(switch_id, f"commit failed: {failures[0]}")
+            return self._record(
+                SwitchRecord(self.spec.name, track.name, decision, "commit_failed", switch_id)
+            )
+        round_trip = time.perf_counter() - started
+        applied_at = max(step for step in committed if isinstance(step, int))
+        track.placement, track.version = decision.placement, track.version + 1
+        track.awaiting.append(
+            _Achievement(
+                switch_id, track.version, applied_at, decision.balance_after, decision.placement
+            )
+        )
+        labels = (self.spec.name, track.name)
+        self.metrics.switch_seconds.labels(*labels).observe(round_trip)
+        self.metrics.experts_moved.labels(*labels).inc(decision.moved_experts)
+        self.metrics.bytes_moved.labels(*labels).inc(
+            decision.moved_experts * self.config.expert_bytes_of(track.name)
+        )
+        record = self._record(
+            SwitchRecord(
+                self.spec.name,
+                track.name,
+                decision,
+                "committed",
+                switch_id,
+                applied_at,
+                round_trip,
+            )
+        )
+        log.info(
+            "group %s %s: switch %s committed for step %d: window [%d, %d) balance %.4f -> "
+            "%.4f predicted (%.4f on the window), %d experts moved, round trip %.1f ms",
+            self.spec.name,
+            track.name,
+            switch_id,
+            applied_at,
+            decision.window_first,
+            decision.window_end,
+            decision.balance_before,
+            decision.balance_after,
+            decision.balance_fitted,
+            decision.moved_experts,
+            round_trip * 1e3,
+        )
+        return record
+
+    async def _abort_all(self, switch_id: str, reason: str) -> None:
+        results = await asyncio.gather(
+            *(
+                client.abort(switch_id, reason, self.config.commit_timeout_seconds)
+                for client in self.clients
+            ),
+            return_exceptions=True,
+        )
+        log.warning(
+            "group %s: switch %s aborted on every agent: %s", self.spec.name, switch_id, reason
+        )
+        for client, result in zip(self.clients, results, strict=True):
+            if isinstance(result, BaseException):
+                # A dead agent's engine is gone with its staged switch; a live one that missed
+                # the Abort still holds it and refuses the next Prepare until aborted.
+                log.error(
+                    "group %s: Abort %s on %s failed: %s",
+                    self.spec.name,
+                    switch_id,
+                    client.address,
+                    result,
+                )
+
+    def _measure_achieved(self, track: _ModelTrack) -> None:
+        """Achieved window balance of each switch over ``[applied, applied + window)``, once
+        complete, if that window ran entirely under the switch's placement."""
+        for awaiting in list(track.awaiting):
+            end = awaiting.applied_at + self.policy.window_size
+            if track.window.completed_end < end:
+                continue
+            track.awaiting.remove(awaiting)
+            window = track.window.window(awaiting.applied_at, end)
+            if not window.complete or window.versions != {awaiting.version}:
+                log.info(
+                    "group %s %s: switch %s not measured: its first window was incomplete or "
+                    "overtaken by the next switch",
+                    self.spec.name,
+                    track.name,
+                    awaiting.switch_id,
+                )
+                continue
+            achieved = balance(window.load, awaiting.placement)
+            self.achieved[awaiting.switch_id] = achieved
+            self.metrics.balance.labels(self.spec.name, track.name, "achieved").set(achieved)
+            log.info(
+                "group %s %s: switch %s achieved window balance %.4f over [%d, %d) "
+                "(predicted %.4f)",
+                self.spec.name,
+                track.name,
+                awaiting.switch_id,
+                achieved,
+                awaiting.applied_at,
+                end,
+                awaiting.predicted,
+            )
+
+    def _set_layer_balance(self, track: _ModelTrack, load: np.ndarray) -> None:
+        if self.metrics.layer_balance is None:
+            return
+        per_rank = rank_load(load, track.placement)
+        peak = per_rank.max(axis=-1)
+        ratios = np.where(peak > 0, per_rank.mean(axis=-1) / np.maximum(peak, 1e-300), 1.0)
+        for layer, ratio in enumerate(ratios):
+            self.metrics.layer_balance.labels(self.spec.name, track.name, str(layer)).set(ratio)
+
+    def _record(self, record: SwitchRecord) -> SwitchRecord:
+        self.records.append(record)
+        self.metrics.rebalances.labels(record.group, record.model, record.result).inc()
+        return record
+
+
+def _agreed_placements(group: str, states: list[pb.PlacementState]) -> dict[str, pb.Placement]:
+    """The placement of each model that every agent reports, or GroupMismatch."""
+    first = {p.model: p for p in states[0].placements}
+    for state in states[1:]:
+        other = {p.model: p for p in state.placements}
+        if other.keys() != first.keys() or any(
+            other[m].phy2log != first[m].phy2log or other[m].version != first[m].version
+            for m in first
+        ):
+            raise GroupMismatch(f"group {group}: agents report different placements in force")
+    return first
+
+
+class EplbService:
+    """Every decode group's runner, with agent clients built from the configuration."""
+
+    def __init__(
+        self,
+        config: EplbServiceConfig,
+        source: GroupSource,
+        metrics: EplbMetrics,
+        *,
+        token: str | None = None,
+        tls_ca: bytes | None = None,
+    ) -> None:
+        self.runners = {
+            spec.name: GroupRunner(
+                spec,
+                config,
+                [AgentClient(address, token=token, tls_ca=tls_ca) for address in spec.agents],
+                metrics,
+            )
+            for spec in source.decode_groups()
+        }
+
+    async def run(self) -> None:
+        """Run every group until cancelled; a group's failures never stop another's."""
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                for name, runner in self.runners.items():
+                    tasks.create_task(runner.run(), name=f"eplb-group-{name}")
+        finally:
+            for runner in self.runners.values():
+                for client in runner.clients:
+                    await client.close()

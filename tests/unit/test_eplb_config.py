@@ -1,0 +1,63 @@
+"""``baton eplb``'s configuration file: defaults, field checks, and the CLI's exit status."""
+
+from pathlib import Path
+
+import pytest
+
+from controller.eplb.cli import main
+from controller.eplb.config import load_config
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "eplb.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_minimal_file_takes_the_documented_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "groups: [{name: cell-0, agents: ['h:1']}]"))
+    policy = config.policy
+    assert (policy.window_size, policy.step_interval) == (500, 500)
+    assert (policy.min_gain, policy.tolerance) == (0.002, 0.005)
+    assert config.expert_bytes_of("draft") == 2.2e7
+    assert config.groups[0].agents == ("h:1",)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        pytest.param("groups: []", "field 'groups'", id="no groups"),
+        pytest.param(
+            "windowSize: 600\nstepInterval: 300\ngroups: [{name: a, agents: ['h:1']}]",
+            "must not exceed stepInterval",
+            id="window longer than interval",
+        ),
+        pytest.param(
+            "applyMarginSteps: 500\ngroups: [{name: a, agents: ['h:1']}]",
+            "must be below stepInterval",
+            id="margin past the next decision",
+        ),
+        pytest.param(
+            "windowSise: 100\ngroups: [{name: a, agents: ['h:1']}]",
+            "field 'windowSise'",
+            id="misspelt field",
+        ),
+        pytest.param(
+            "groups: [{name: a, agents: ['h:1']}, {name: a, agents: ['h:2']}]",
+            "unique",
+            id="duplicate group",
+        ),
+    ],
+)
+def test_a_bad_file_names_the_field(tmp_path: Path, text: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        load_config(write(tmp_path, text))
+
+
+def test_the_cli_exits_2_on_a_bad_file_or_token(capsys, tmp_path: Path) -> None:
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read the config file" in capsys.readouterr().err
+    good = write(tmp_path, "groups: [{name: a, agents: ['h:1']}]")
+    (tmp_path / "empty-token").write_text("\n")
+    assert main(["--config", str(good), "--token-file", str(tmp_path / "empty-token")]) == 2
+    assert "the token file is empty" in capsys.readouterr().err
