@@ -41,10 +41,12 @@ MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
 
 @dataclass(frozen=True, slots=True)
 class StackLayout:
-    """What to start for a plan: the simulator's cluster file and the gateway's pool file."""
+    """What to start for a plan: the simulator's cluster file, the gateway's pool file, and the
+    EPLB service's configuration (every decode group's agent)."""
 
     cluster: dict[str, object]
     pool: dict[str, object]
+    eplb: dict[str, object]
 
 
 def layout_stack(plan: Plan, *, time_scale: float, gpus_per_tray: int = 4) -> StackLayout:
@@ -52,10 +54,12 @@ def layout_stack(plan: Plan, *, time_scale: float, gpus_per_tray: int = 4) -> St
     decode_groups: list[dict[str, object]] = []
     prefill: list[dict[str, object]] = []
     cells: list[dict[str, object]] = []
+    eplb_groups: list[dict[str, object]] = []
     for cell in plan.cells:
         servers = len(cell.decode_trays)
         ranks = servers * gpus_per_tray
         decode_port = free_port_block(servers)
+        agent_port = free_port_block(1)
         decode_groups.append(
             {
                 "name": cell.name,
@@ -63,10 +67,11 @@ def layout_stack(plan: Plan, *, time_scale: float, gpus_per_tray: int = 4) -> St
                 "api_servers": servers,
                 "port": decode_port,
                 "side_channel_port": free_port_block(ranks),
-                "eplb_agent_port": free_port_block(1),
+                "eplb_agent_port": agent_port,
                 "eplb": {"num_redundant_experts": 32},
             }
         )
+        eplb_groups.append({"name": cell.name, "agents": [f"127.0.0.1:{agent_port}"]})
         instances = len(cell.prefill)
         prefill_port = free_port_block(max(instances, 1))
         if instances:
@@ -99,7 +104,7 @@ def layout_stack(plan: Plan, *, time_scale: float, gpus_per_tray: int = 4) -> St
         "decode_groups": decode_groups,
         "prefill": prefill,
     }
-    return StackLayout(cluster=cluster, pool={"cells": cells})
+    return StackLayout(cluster=cluster, pool={"cells": cells}, eplb={"groups": eplb_groups})
 
 
 def _deployment(path: Path | None, racks: int) -> DeploymentShape:
@@ -127,6 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="wall seconds per simulated second (raise it for many racks)",
     )
     parser.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    parser.add_argument(
+        "--eplb-metrics-port",
+        type=int,
+        default=None,
+        help="the EPLB service's /metrics port (default: a free port)",
+    )
     args = parser.parse_args(argv)
     if args.racks < 1:
         print("baton up: error: --racks must be at least 1", file=sys.stderr)
@@ -154,8 +165,10 @@ def _run(plan: Plan, args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="baton-up-") as workdir:
         cluster_file = Path(workdir, "cluster.yaml")
         pool_file = Path(workdir, "pool.yaml")
+        eplb_file = Path(workdir, "eplb.yaml")
         cluster_file.write_text(yaml.safe_dump(layout.cluster))
         pool_file.write_text(yaml.safe_dump(layout.pool))
+        eplb_file.write_text(yaml.safe_dump(layout.eplb))
         python = [sys.executable, "-m", "baton.cli"]
         try:
             engines = subprocess.Popen(
@@ -165,6 +178,21 @@ def _run(plan: Plan, args: argparse.Namespace) -> int:
             for cell in layout.pool["cells"]:  # type: ignore[union-attr]
                 for url in [*cell["prefill"], *(d["url"] for d in cell["decode"])]:
                     wait_healthy(url, engines, timeout=120)
+            eplb_metrics = args.eplb_metrics_port or free_port_block(1)
+            processes.append(
+                subprocess.Popen(
+                    [
+                        *python,
+                        "eplb",
+                        "--config",
+                        str(eplb_file),
+                        "--metrics-port",
+                        str(eplb_metrics),
+                        "--log-level",
+                        "warning",
+                    ]
+                )
+            )
             gateway_url = f"http://127.0.0.1:{args.port}"
             gateway = subprocess.Popen(
                 [
@@ -183,7 +211,7 @@ def _run(plan: Plan, args: argparse.Namespace) -> int:
             while httpx.get(f"{gateway_url}/ready", timeout=5).status_code != 200:
                 if stop.wait(0.2):
                     return 0
-            _print_urls(layout, gateway_url)
+            _print_urls(layout, gateway_url, f"http://127.0.0.1:{eplb_metrics}/metrics")
             while not stop.wait(0.5):
                 for process in processes:
                     if process.poll() is not None:
@@ -201,11 +229,12 @@ def _run(plan: Plan, args: argparse.Namespace) -> int:
                 stop_process(process)
 
 
-def _print_urls(layout: StackLayout, gateway_url: str) -> None:
+def _print_urls(layout: StackLayout, gateway_url: str, eplb_metrics: str) -> None:
     cells = layout.pool["cells"]
     assert isinstance(cells, list)
     print(f"\nBaton is up: OpenAI API at {gateway_url}/v1 (model {SERVED_MODEL})")
     print(f"  gateway metrics   {gateway_url}/metrics")
+    print(f"  EPLB metrics      {eplb_metrics}")
     for cell in cells:
         print(
             f"  {cell['name']}: {len(cell['decode'])} decode API servers "

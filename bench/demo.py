@@ -23,9 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from baton.processes import eventually, free_port, stop_process
 from baton.up import SERVED_MODEL
 
-SESSIONS = 24
+SESSIONS = 32
 TURNS = 6
-REPLY_TOKENS = 64
+REPLY_TOKENS = 384  # long enough for the EPLB service to see full windows and rebalance
 SYSTEM = "You are a coding agent working on a GB300 NVL72 rack. Tools: shell, editor. " * 40
 
 
@@ -98,13 +98,42 @@ def _sum(samples: dict, name: str, **labels: str) -> float:  # type: ignore[type
     )
 
 
+def _eplb_rows(eplb: dict) -> list[tuple[str, str]]:  # type: ignore[type-arg]
+    rows = []
+    for model in ("target", "draft"):
+        committed = _sum(eplb, "baton_eplb_rebalances_total", model=model, outcome="committed")
+        before = _sum(eplb, "baton_eplb_balance", model=model, stage="before")
+        predicted = _sum(eplb, "baton_eplb_balance", model=model, stage="predicted")
+        achieved = _sum(eplb, "baton_eplb_balance", model=model, stage="achieved")
+        seen = f", achieved {achieved:.2f}" if achieved else ""
+        rows.append(
+            (
+                f"EPLB {model} experts",
+                f"{committed:.0f} rebalances committed; last window "
+                f"balance {before:.2f}, predicted {predicted:.2f}{seen}",
+            )
+        )
+    return rows
+
+
 def _pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100)[q - 1]
 
 
 def main() -> int:
-    port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "baton.cli", "up", "--port", str(port)])
+    port, eplb_port = free_port(), free_port()
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "baton.cli",
+            "up",
+            "--port",
+            str(port),
+            "--eplb-metrics-port",
+            str(eplb_port),
+        ]
+    )
     gateway = f"http://127.0.0.1:{port}"
     try:
         eventually(
@@ -121,14 +150,19 @@ def main() -> int:
         with concurrent.futures.ThreadPoolExecutor(SESSIONS) as pool:
             runs = list(pool.map(lambda s: _session(client, s), range(SESSIONS)))
         elapsed = time.perf_counter() - started
-        _report([turn for run in runs for turn in run], elapsed, _samples(gateway))
+        _report(
+            [turn for run in runs for turn in run],
+            elapsed,
+            _samples(gateway),
+            _samples(f"http://127.0.0.1:{eplb_port}"),
+        )
         return 0
     finally:
         stop_process(up)
         print(f"\nbaton up stopped (exit {up.returncode}).")
 
 
-def _report(turns: list[Turn], elapsed: float, gateway: dict) -> None:  # type: ignore[type-arg]
+def _report(turns: list[Turn], elapsed: float, gateway: dict, eplb: dict) -> None:  # type: ignore[type-arg]
     ttft = [t.ttft_s * 1000 for t in turns]
     itl = [(t.seconds - t.ttft_s) / (t.output_tokens - 1) * 1000 for t in turns]
     output = sum(t.output_tokens for t in turns)
@@ -153,6 +187,7 @@ def _report(turns: list[Turn], elapsed: float, gateway: dict) -> None:  # type: 
             f"{cached} of {prompt} ({cached / prompt:.0%}); turns 2+: {later_hit:.0%}",
         ),
         ("retries, fallbacks, aborts", f"{troubles:.0f}"),
+        *_eplb_rows(eplb),
         ("wall time", f"{elapsed:.1f} s (simulated time = wall time at --time-scale 1)"),
     ]
     width = max(len(name) for name, _ in rows)
