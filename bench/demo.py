@@ -156,6 +156,18 @@ def main() -> int:
             _samples(gateway),
             _samples(f"http://127.0.0.1:{eplb_port}"),
         )
+        if any(
+            name.startswith(
+                ("baton_gateway_retries", "baton_gateway_fallbacks", "baton_gateway_aborts")
+            )
+            and value
+            for (name, _), value in _samples(gateway).items()
+        ):
+            for (name, labels), value in sorted(_samples(gateway).items()):
+                if value and name.startswith(
+                    ("baton_gateway_retries", "baton_gateway_fallbacks", "baton_gateway_aborts")
+                ):
+                    print(f"    {name}{dict(labels)} = {value:.0f}")
         return 0
     finally:
         stop_process(up)
@@ -172,10 +184,13 @@ def _report(turns: list[Turn], elapsed: float, gateway: dict, eplb: dict) -> Non
     later_hit = sum(t.cached_tokens for t in later) / sum(t.prompt_tokens for t in later)
     pd = _sum(gateway, "baton_gateway_routing_decisions_total", path="pd")
     alone = _sum(gateway, "baton_gateway_routing_decisions_total", path="decode_only")
-    troubles = (
-        _sum(gateway, "baton_gateway_retries_total")
-        + _sum(gateway, "baton_gateway_fallbacks_total")
-        + _sum(gateway, "baton_gateway_aborts_total")
+    troubles = " / ".join(
+        f"{_sum(gateway, name):.0f}"
+        for name in (
+            "baton_gateway_retries_total",
+            "baton_gateway_fallbacks_total",
+            "baton_gateway_aborts_total",
+        )
     )
     rows = [
         ("requests", f"{len(turns)} ({pd:.0f} P/D handoffs, {alone:.0f} decode alone)"),
@@ -186,7 +201,7 @@ def _report(turns: list[Turn], elapsed: float, gateway: dict, eplb: dict) -> Non
             "prompt tokens cached (prefill)",
             f"{cached} of {prompt} ({cached / prompt:.0%}); turns 2+: {later_hit:.0%}",
         ),
-        ("retries, fallbacks, aborts", f"{troubles:.0f}"),
+        ("retries / fallbacks / aborts", troubles),
         *_eplb_rows(eplb),
         ("wall time", f"{elapsed:.1f} s (simulated time = wall time at --time-scale 1)"),
     ]

@@ -149,13 +149,13 @@ class DecodeRelay:
             self._handoff.pool.failed(self._rank.name)
             await write(error_event(f"the decode engine failed mid-stream: {type(exc).__name__}"))
         except asyncio.CancelledError:
-            ended = "client_disconnect"
+            # A client that hangs up right after [DONE] got everything: not an abort.
+            ended = "ok" if stream.done else "client_disconnect"
             raise
         finally:
-            if ended == "ok":
-                self._response.release()  # read to the end: the connection goes back to the pool
-            else:
-                self._response.close()  # unread bytes: drop the connection, the engine aborts
+            # Back to the pool when read to its end; otherwise the connection is dropped and
+            # the engine aborts the request and frees its KV.
+            self._response.release()
             self._handoff.pool.end_decode(self._rank.name)
             self._handoff.finish_stream(stream, ended, self._first_token, self._started)
 
