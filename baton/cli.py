@@ -48,12 +48,19 @@ def _up(argv: Sequence[str]) -> int:
     return up_main(argv)
 
 
+def _crd(argv: Sequence[str]) -> int:
+    from baton.crd import main as crd_main
+
+    return crd_main(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "sim": (_sim, "run the vLLM-compatible engine simulator"),
     "gateway": (_gateway, "run the OpenAI-compatible P/D gateway"),
     "eplb": (_eplb, "run the EPLB service (expert load balancing of decode groups)"),
     "bench": (_bench, "run a benchmark and save its JSON"),
     "place": (_place, "dry-run placement of cells on NVL72 trays"),
+    "crd": (_crd, "print the ModelDeployment CRD generated from baton/api.py"),
     "up": (_up, "all of Baton on one machine: a simulated rack, engines, gateway"),
 }
 

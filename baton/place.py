@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import html
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
 
 import yaml
 from pydantic import (
@@ -34,15 +32,13 @@ from pydantic import (
     model_validator,
 )
 
-from baton.labels import CLIQUE_LABEL, GPU_RESOURCE
+from baton.api import ModelDeployment
 from baton.topology import Topology, TopologyError, Tray, parse_topology
 from controller.placement import (
     CellPlacement,
-    DecodeShape,
     DeploymentShape,
     Plan,
     PrefillInstance,
-    PrefillShape,
     decode_pod_name,
     plan_placement,
     prefill_pod_name,
@@ -84,96 +80,6 @@ _CURRENT_FIX = "fix: pass a plan written by `baton place --format json`"
 
 class PlaceError(ValueError):
     """A flag or input file is wrong; the message names the file, the field and the fix."""
-
-
-# --- ModelDeployment: the part placement reads (baton/api.py will own the full resource) ------
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-class _Decode(_Strict):
-    dep: int = Field(default=32, ge=1)
-    gpus_per_pod: int = Field(default=4, ge=1, alias="gpusPerPod")
-    spare_trays: int = Field(default=1, ge=0, alias="spareTrays")
-
-    @model_validator(mode="after")
-    def _whole_trays(self) -> _Decode:
-        if self.dep % self.gpus_per_pod:
-            raise ValueError(
-                f"dep ({self.dep}) must be a multiple of gpusPerPod ({self.gpus_per_pod}): "
-                "each decode pod takes a whole tray"
-            )
-        return self
-
-
-class _Prefill(_Strict):
-    dep: int = Field(default=2, ge=1)
-    instances: int | None = Field(default=None, ge=0)  # None: as many as fit
-
-
-class _Cell(_Strict):
-    decode: _Decode = Field(default_factory=_Decode)
-    prefill: _Prefill = Field(default_factory=_Prefill)
-
-
-class _TopologySpec(_Strict):
-    domain_label: str = Field(default=CLIQUE_LABEL, alias="domainLabel")
-    gpu_resource: str = Field(default=GPU_RESOURCE, alias="gpuResource")
-    gpus_per_tray: int = Field(default=4, ge=1, alias="gpusPerTray")
-
-
-class _Spec(_Strict):
-    model: str = Field(min_length=1)
-    cells: int = Field(default=1, ge=0)
-    cell: _Cell = Field(default_factory=_Cell)
-    topology: _TopologySpec = Field(default_factory=_TopologySpec)
-    # The controller's business, not placement's: accepted so a full manifest passes.
-    served_model_name: str | None = Field(default=None, alias="servedModelName")
-    engine: dict[str, object] | None = None
-    kv_transfer: dict[str, object] | None = Field(default=None, alias="kvTransfer")
-    eplb: dict[str, object] | None = None
-
-    @model_validator(mode="after")
-    def _decode_fills_trays(self) -> _Spec:
-        if self.cell.decode.gpus_per_pod != self.topology.gpus_per_tray:
-            raise ValueError(
-                f"cell.decode.gpusPerPod ({self.cell.decode.gpus_per_pod}) must equal "
-                f"topology.gpusPerTray ({self.topology.gpus_per_tray}): a decode pod takes a "
-                "whole tray"
-            )
-        return self
-
-
-class _Metadata(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # uid, labels, ...: whatever kubectl adds
-
-    name: str | None = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
-
-class _ModelDeployment(_Strict):
-    api_version: Literal["baton.dev/v1alpha1"] = Field(
-        default="baton.dev/v1alpha1", alias="apiVersion"
-    )
-    kind: Literal["ModelDeployment"] = "ModelDeployment"
-    metadata: _Metadata = Field(default_factory=_Metadata)
-    spec: _Spec
-    status: dict[str, object] | None = None
-
-    def shape(self) -> DeploymentShape:
-        # Unnamed manifests are named after the model: "deepseek-ai/X-1.0" -> "x-1-0".
-        name = self.metadata.name
-        if name is None:
-            name = re.sub(r"[^a-z0-9]+", "-", self.spec.model.rsplit("/", 1)[-1].lower())
-            name = name.strip("-") or "model"
-        cell = self.spec.cell
-        return DeploymentShape(
-            name=name,
-            cells=self.spec.cells,
-            decode=DecodeShape(cell.decode.dep, cell.decode.gpus_per_pod, cell.decode.spare_trays),
-            prefill=PrefillShape(cell.prefill.dep, cell.prefill.instances),
-        )
 
 
 # --- the plan as JSON (written by --format json, read by --current) ----------------------------
@@ -493,7 +399,7 @@ def _problems(exc: ValidationError) -> str:
     return "; ".join(f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors())
 
 
-def _load_deployments(path: Path) -> list[_ModelDeployment]:
+def _load_deployments(path: Path) -> list[ModelDeployment]:
     documents = _documents(path, "ModelDeployment file")
     items: list[object] = []
     for document in documents:
@@ -507,7 +413,7 @@ def _load_deployments(path: Path) -> list[_ModelDeployment]:
     for index, item in enumerate(items):
         where = f"{path}" if len(items) == 1 else f"{path}: document {index}"
         try:
-            deployments.append(_ModelDeployment.model_validate(item))
+            deployments.append(ModelDeployment.model_validate(item))
         except ValidationError as exc:
             raise PlaceError(f"{where}: {_problems(exc)}; {_DEPLOYMENT_FIX}") from exc
     names = [deployment.shape().name for deployment in deployments]

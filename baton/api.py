@@ -1,0 +1,260 @@
+"""The ModelDeployment resource (``baton.dev/v1alpha1``): the single source of its shape.
+
+These pydantic models validate manifests (``baton place``, ``baton up``, the controller) and
+generate the CRD in ``deploy/crds/`` (``baton crd``; a test fails when the checked-in CRD
+drifts from them). Field names are the resource's camelCase; Python uses snake_case.
+
+Condition types and reasons are constants here, so the controller, its tests and docs share them.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from baton.labels import CLIQUE_LABEL, GPU_RESOURCE
+from controller.placement import DecodeShape, DeploymentShape, PrefillShape
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "KIND",
+    "CellSpec",
+    "CellStatus",
+    "Condition",
+    "ConditionType",
+    "DecodeSpec",
+    "EngineSpec",
+    "EplbModelSpec",
+    "EplbSpec",
+    "ModelDeployment",
+    "ModelDeploymentSpec",
+    "ModelDeploymentStatus",
+    "PrefillSpec",
+    "Reason",
+    "TopologySpec",
+]
+
+GROUP = "baton.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "ModelDeployment"
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class ConditionType(StrEnum):
+    PLACED = "Placed"
+    READY = "Ready"
+    DEGRADED = "Degraded"
+    PROGRESSING = "Progressing"
+
+
+class Reason(StrEnum):
+    PLACED = "Placed"
+    INSUFFICIENT_CAPACITY = "InsufficientCapacity"
+    GROUP_RESTARTING = "GroupRestarting"
+    TRAY_QUARANTINED = "TrayQuarantined"
+    PODS_PENDING = "PodsPending"
+    ALL_READY = "AllReady"
+
+
+class _Resource(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, alias_generator=to_camel)
+
+
+class DecodeSpec(_Resource):
+    """One DEP decode group per cell; each pod takes a whole tray."""
+
+    dep: int = Field(default=32, ge=1, le=1024, description="DP/EP ranks of the decode group")
+    gpus_per_pod: int = Field(default=4, ge=1, le=8, description="GPUs (DP ranks) per pod")
+    spare_trays: int = Field(default=1, ge=0, le=8, description="trays kept for recovery")
+
+    @model_validator(mode="after")
+    def _whole_trays(self) -> DecodeSpec:
+        if self.dep % self.gpus_per_pod:
+            raise ValueError(
+                f"dep ({self.dep}) must be a multiple of gpusPerPod "
+                f"({self.gpus_per_pod}): each decode pod takes a whole tray"
+            )
+        return self
+
+
+class PrefillSpec(_Resource):
+    dep: int = Field(default=2, ge=1, le=8, description="DP/EP ranks of one prefill instance")
+    instances: int | None = Field(
+        default=None, ge=0, le=1024, description="prefill instances per cell; unset: as many as fit"
+    )
+
+
+class CellSpec(_Resource):
+    decode: DecodeSpec = Field(default_factory=DecodeSpec)
+    prefill: PrefillSpec = Field(default_factory=PrefillSpec)
+
+
+class TopologySpec(_Resource):
+    domain_label: str = Field(
+        default=CLIQUE_LABEL, min_length=1, description="node label naming the NVLink domain"
+    )
+    gpu_resource: str = Field(default=GPU_RESOURCE, min_length=1)
+    gpus_per_tray: int = Field(default=4, ge=1, le=8)
+
+
+class EnvVar(_Resource):
+    name: str = Field(min_length=1)
+    value: str = ""
+
+
+class EngineSpec(_Resource):
+    """What runs in the pods: vLLM in production, ``baton sim`` anywhere else."""
+
+    command: list[str] = Field(default_factory=lambda: ["vllm", "serve"], min_length=1)
+    image: str = Field(default="vllm/vllm-openai:v0.33.0", min_length=1)
+    args: list[str] = Field(default_factory=list, description="extra engine flags")
+    env: list[EnvVar] = Field(default_factory=list)
+
+
+class KVTransferSpec(_Resource):
+    connector: Literal["NixlConnector"] = "NixlConnector"
+    load_failure_policy: Literal["fail", "recompute"] = "fail"
+
+
+class EplbModelSpec(_Resource):
+    name: str = Field(pattern=_DNS_LABEL)
+    experts: int = Field(ge=1, le=4096)
+    top_k: int = Field(ge=1, le=64)
+
+
+class EplbSpec(_Resource):
+    enabled: bool = True
+    step_interval: int = Field(default=3000, ge=1)
+    window_size: int = Field(default=1000, ge=1)
+    redundant_experts: int = Field(default=32, ge=0, le=1024)
+    models: list[EplbModelSpec] = Field(
+        default_factory=lambda: [
+            EplbModelSpec(name="target", experts=384, top_k=6),
+            EplbModelSpec(name="draft", experts=128, top_k=3),
+        ]
+    )
+
+    @model_validator(mode="after")
+    def _window_fits(self) -> EplbSpec:
+        if self.window_size > self.step_interval:
+            raise ValueError(
+                f"windowSize ({self.window_size}) must not exceed stepInterval "
+                f"({self.step_interval})"
+            )
+        return self
+
+
+class ModelDeploymentSpec(_Resource):
+    model: str = Field(min_length=1, description="the model vLLM serves")
+    served_model_name: str | None = Field(default=None, description="the name clients use")
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    cells: int = Field(default=1, ge=0, le=10_000, description="cells wanted (one per domain)")
+    cell: CellSpec = Field(default_factory=CellSpec)
+    topology: TopologySpec = Field(default_factory=TopologySpec)
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    eplb: EplbSpec = Field(default_factory=EplbSpec)
+
+    @model_validator(mode="after")
+    def _decode_fills_trays(self) -> ModelDeploymentSpec:
+        if self.cell.decode.gpus_per_pod != self.topology.gpus_per_tray:
+            raise ValueError(
+                f"cell.decode.gpusPerPod ({self.cell.decode.gpus_per_pod}) must equal "
+                f"topology.gpusPerTray ({self.topology.gpus_per_tray}): a decode pod takes a "
+                "whole tray"
+            )
+        return self
+
+
+class Condition(_Resource):
+    type: ConditionType
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = ""
+    last_transition_time: str = Field(description="RFC 3339")
+    observed_generation: int | None = Field(default=None, ge=0)
+
+
+class DecodeStatus(_Resource):
+    pods: list[str] = Field(default_factory=list)
+    leader: str | None = None
+    ready_ranks: int = Field(default=0, ge=0)
+
+
+class PrefillInstanceStatus(_Resource):
+    pod: str
+    tray: str
+    ready: bool = False
+
+
+class CellStatus(_Resource):
+    name: str
+    domain: str
+    decode: DecodeStatus = Field(default_factory=DecodeStatus)
+    prefill: list[PrefillInstanceStatus] = Field(default_factory=list)
+
+
+class Endpoints(_Resource):
+    """What the gateway routes to and the EPLB service talks to, by cell."""
+
+    prefill: list[str] = Field(default_factory=list)
+    decode: list[str] = Field(
+        default_factory=list, description="URL@ranks, as baton gateway --decode takes them"
+    )
+    eplb_agents: list[str] = Field(default_factory=list)
+
+
+class EplbModelStatus(_Resource):
+    balance: float | None = Field(default=None, ge=0, le=1)
+    last_rebalance_step: int | None = Field(default=None, ge=0)
+
+
+class ModelDeploymentStatus(_Resource):
+    observed_generation: int | None = Field(default=None, ge=0)
+    conditions: list[Condition] = Field(default_factory=list)
+    cells: list[CellStatus] = Field(default_factory=list)
+    endpoints: Endpoints = Field(default_factory=Endpoints)
+    eplb: dict[str, EplbModelStatus] = Field(default_factory=dict)
+    # Printer columns read these summaries (kubectl cannot count lists).
+    ready: str = Field(default="0/0", description="ready cells / wanted cells")
+    prefill_ready: str = Field(default="0/0", description="ready / desired prefill instances")
+    decode_ranks: int = Field(default=0, ge=0, description="ready decode ranks")
+    balance: str = Field(default="", description="EPLB balance of the target model")
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # uid, labels, ...: whatever kubectl adds
+
+    name: Annotated[str, Field(pattern=_DNS_LABEL, max_length=63)] | None = None
+    namespace: str | None = None
+
+
+class ModelDeployment(_Resource):
+    api_version: Literal["baton.dev/v1alpha1"] = API_VERSION
+    kind: Literal["ModelDeployment"] = KIND
+    metadata: Metadata = Field(default_factory=Metadata)
+    spec: ModelDeploymentSpec
+    status: ModelDeploymentStatus | None = None
+
+    @property
+    def name(self) -> str:
+        """The metadata name, or one derived from the model ("deepseek-ai/X-1.0" -> "x-1-0")."""
+        if self.metadata.name is not None:
+            return self.metadata.name
+        name = re.sub(r"[^a-z0-9]+", "-", self.spec.model.rsplit("/", 1)[-1].lower())
+        return name.strip("-") or "model"
+
+    def shape(self) -> DeploymentShape:
+        """What placement needs of this deployment."""
+        cell = self.spec.cell
+        return DeploymentShape(
+            name=self.name,
+            cells=self.spec.cells,
+            decode=DecodeShape(cell.decode.dep, cell.decode.gpus_per_pod, cell.decode.spare_trays),
+            prefill=PrefillShape(cell.prefill.dep, cell.prefill.instances),
+        )
