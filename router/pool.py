@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from baton.files import load_yaml_model
 from router.policy import DecodeRankView, PoolSnapshot, PrefillView
 
 __all__ = [
@@ -101,19 +101,7 @@ def parse_decode_flag(value: str) -> DecodeServerSpec:
 
 
 def load_pool_file(path: str | Path) -> PoolSpec:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the pool file ({exc.strerror})") from exc
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML ({exc})") from exc
-    try:
-        return PoolSpec.model_validate(data)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors()
-        )
-        raise ValueError(f"{path}: {problems}; see docs/gateway.md for the pool file") from exc
+    return load_yaml_model(path, PoolSpec, kind="pool file", fix="see docs/gateway.md")
 
 
 @dataclass(slots=True)

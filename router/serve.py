@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ray import serve
 from ray.serve import Application
 
+from baton.files import describe_errors
 from router.app import GatewayConfig, create_app
 from router.handoff import Timeouts
 from router.policy import PrefillPolicy, RoutingPolicy
@@ -58,10 +59,7 @@ def config_from_serve_args(args: Mapping[str, object], environ: Mapping[str, str
     try:
         parsed = ServeArgs.model_validate(dict(args))
     except ValidationError as exc:
-        problems = "; ".join(
-            f"argument '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors()
-        )
-        raise ValueError(f"router.serve:app: {problems}") from exc
+        raise ValueError(f"router.serve:app: {describe_errors(exc, 'argument')}") from exc
     from_env = environ.get(POOL_FILE_ENV)
     pool_file = parsed.pool_file or (Path(from_env) if from_env else None)
     if pool_file is None:

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from pydantic import BaseModel, ValidationError
 
+from baton.files import describe_errors
 from baton.secrets import read_token
 from sim.cluster import load_cluster
 from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
@@ -114,10 +115,7 @@ def _json_flag(flag: str, text: str | None, model: type[BaseModel]) -> BaseModel
     except json.JSONDecodeError as exc:
         raise CliError(f"{flag}: not valid JSON ({exc}); pass a JSON object, e.g. '{{}}'") from exc
     except ValidationError as exc:
-        problems = "; ".join(
-            f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors()
-        )
-        raise CliError(f"{flag}: {problems}") from exc
+        raise CliError(f"{flag}: {describe_errors(exc)}") from exc
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from baton.files import load_yaml_model
 from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
 from sim.profile import load_profile
 
@@ -85,19 +85,9 @@ class ClusterSpec(_Spec):
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the cluster file ({exc.strerror})") from exc
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML ({exc})") from exc
-    try:
-        return ClusterSpec.model_validate(data)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors()
-        )
-        raise ValueError(f"{path}: {problems}; see `baton sim --help` and sim/cluster.py") from exc
+    return load_yaml_model(
+        path, ClusterSpec, kind="cluster file", fix="see `baton sim --help` and sim/cluster.py"
+    )
 
 
 def engine_configs(spec: ClusterSpec) -> Iterator[tuple[EngineConfig, list[int], int]]:

@@ -13,6 +13,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
 
+from baton.files import describe_errors
+
 __all__ = [
     "DEFAULT_PROFILE",
     "DecodeProfile",
@@ -99,10 +101,7 @@ def load_profile(path: str | Path | None = None) -> Profile:
     try:
         return Profile.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"field '{'.'.join(str(p) for p in err['loc'])}': {err['msg']}" for err in exc.errors()
-        )
         raise ProfileError(
-            f"{source}: {problems}. Fix the field, or start from the default profile "
+            f"{source}: {describe_errors(exc)}. Fix the field, or start from the default profile "
             f"sim/profiles/{DEFAULT_PROFILE}"
         ) from exc

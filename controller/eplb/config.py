@@ -28,10 +28,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from baton.files import load_yaml_model
 from controller.eplb.decide import Policy
 
 __all__ = ["EplbServiceConfig", "GroupSource", "GroupSpec", "StaticGroups", "load_config"]
@@ -102,19 +102,7 @@ class EplbServiceConfig(_Spec):
 
 def load_config(path: str | Path) -> EplbServiceConfig:
     """Read and check the file; ValueError names the file, the field and the problem."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the config file ({exc.strerror})") from exc
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML ({exc})") from exc
-    try:
-        return EplbServiceConfig.model_validate(data or {})
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"field '{'.'.join(map(str, e['loc'])) or '(top)'}': {e['msg']}" for e in exc.errors()
-        )
-        raise ValueError(f"{path}: {problems}; see docs/eplb.md") from exc
+    return load_yaml_model(path, EplbServiceConfig, kind="config file", fix="see docs/eplb.md")
 
 
 class GroupSource(Protocol):
