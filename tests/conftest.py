@@ -21,30 +21,49 @@ from tests.helpers import (
 )
 
 
-@pytest.fixture
-def start_sim(tmp_path: Path) -> Iterator[Callable[..., SimHandle]]:
-    """Start ``baton sim`` with extra flags on a free port; every process is stopped after."""
-    handles: list[SimHandle] = []
+class _Launcher:
+    """Starts ``baton <command>`` processes on free ports for one test, and stops them all."""
 
-    def start(*flags: str, env: dict[str, str] | None = None, port: int | None = None) -> SimHandle:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.handles: list[SimHandle] = []
+
+    def start(
+        self,
+        command: str,
+        flags: tuple[str, ...],
+        env: dict[str, str] | None,
+        port: int | None = None,
+    ) -> SimHandle:
         port = port or free_port()
-        log_path = tmp_path / f"sim-{port}.log"
-        command = [sys.executable, "-m", "baton.cli", "sim", "--port", str(port), *flags]
+        log_path = self.tmp_path / f"{command}-{port}.log"
         process = subprocess.Popen(
-            command,
+            [sys.executable, "-m", "baton.cli", command, "--port", str(port), *flags],
             cwd=ROOT,
             stdout=log_path.open("wb"),
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
         )
         handle = SimHandle(f"http://127.0.0.1:{port}", port, process, log_path)
-        handles.append(handle)
+        self.handles.append(handle)
         wait_healthy(handle.url, process, log_path)
         return handle
 
+    def stop(self) -> None:
+        for handle in self.handles:
+            stop_process(handle.process)
+
+
+@pytest.fixture
+def start_sim(tmp_path: Path) -> Iterator[Callable[..., SimHandle]]:
+    """Start ``baton sim`` with extra flags on a free port; every process is stopped after."""
+    launcher = _Launcher(tmp_path)
+
+    def start(*flags: str, env: dict[str, str] | None = None, port: int | None = None) -> SimHandle:
+        return launcher.start("sim", flags, env, port)
+
     yield start
-    for handle in handles:
-        stop_process(handle.process)
+    launcher.stop()
 
 
 @pytest.fixture
@@ -76,34 +95,10 @@ def start_pd(start_sim) -> Callable[..., tuple[SimHandle, SimHandle]]:
 @pytest.fixture
 def start_gateway(tmp_path: Path) -> Iterator[Callable[..., SimHandle]]:
     """Start ``baton gateway`` with flags on a free port; stopped after the test."""
-    handles: list[SimHandle] = []
+    launcher = _Launcher(tmp_path)
 
     def start(*flags: str, env: dict[str, str] | None = None) -> SimHandle:
-        port = free_port()
-        log_path = tmp_path / f"gateway-{port}.log"
-        command = [
-            sys.executable,
-            "-m",
-            "baton.cli",
-            "gateway",
-            "--port",
-            str(port),
-            "--health-interval",
-            "0.5",
-            *flags,
-        ]
-        process = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            stdout=log_path.open("wb"),
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-        handle = SimHandle(f"http://127.0.0.1:{port}", port, process, log_path)
-        handles.append(handle)
-        wait_healthy(handle.url, process, log_path)
-        return handle
+        return launcher.start("gateway", ("--health-interval", "0.5", *flags), env)
 
     yield start
-    for handle in handles:
-        stop_process(handle.process)
+    launcher.stop()
