@@ -70,6 +70,10 @@ class Policy:
     num_groups: int = 1
     keep_previous: bool = True
 
+    def window_for(self, boundary: int) -> tuple[int, int]:
+        """The steps ``[first, end)`` whose load the decision at ``boundary`` uses."""
+        return boundary - self.window_size, boundary
+
     def __post_init__(self) -> None:
         if not 0 < self.window_size <= self.step_interval:
             raise ValueError(

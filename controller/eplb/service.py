@@ -255,7 +255,7 @@ class GroupRunner:
         if boundary is None:
             return
         track.last_boundary = boundary
-        window = track.window.window(boundary - self.policy.window_size, boundary)
+        window = track.window.window(*self.policy.window_for(boundary))
         labels = (self.spec.name, track.name)
         started = time.perf_counter()
         # The algorithm takes tens of milliseconds: off the event loop, so streams keep flowing.

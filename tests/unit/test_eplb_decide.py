@@ -27,6 +27,27 @@ def test_decisions_fall_on_interval_boundaries(
     assert due_boundary(completed_end, last, POLICY) == due
 
 
+STUDY = Policy(window_size=1000, step_interval=3000)  # vLLM's defaults and the study's cadence
+
+
+@pytest.mark.parametrize(
+    ("completed_end", "last", "due", "window"),
+    [
+        pytest.param(2999, None, None, None, id="before step 3,000"),
+        pytest.param(3000, None, 3000, (2000, 3000), id="step 3,000 uses steps 2,000-2,999"),
+        pytest.param(5999, 3000, None, None, id="nothing between boundaries"),
+        pytest.param(6000, 3000, 6000, (5000, 6000), id="step 6,000 uses steps 5,000-5,999"),
+    ],
+)
+def test_study_cadence_rebalances_every_3000_steps_from_the_last_1000(
+    completed_end: int, last: int | None, due: int | None, window: tuple[int, int] | None
+) -> None:
+    boundary = due_boundary(completed_end, last, STUDY)
+    assert boundary == due
+    if boundary is not None:
+        assert STUDY.window_for(boundary) == window
+
+
 def skewed_window(seed: int = 0, scale: float = 1e6) -> Window:
     rng = np.random.default_rng(seed)
     load = np.rint(rng.lognormal(0.0, 1.0, size=(4, 64)) * scale).astype(np.int64)
