@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds the operator tests' binaries from Go modules into a cache keyed by their versions:
+# kube-apiserver, kube-scheduler, kube-controller-manager (k8s/), etcd (etcd/), kwok (kwok/),
+# helm (helm/). Built once per machine; prints the cache directory.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+key="$(cat "$here"/*/go.mod "$here"/*/go.sum 2>/dev/null | sha256sum | cut -c1-12)"
+out="${BATON_DEV_BIN:-$HOME/.cache/baton/dev-$key}"
+want=(kube-apiserver kube-scheduler kube-controller-manager etcd kwok helm)
+missing=0
+for name in "${want[@]}"; do [ -x "$out/$name" ] || missing=1; done
+if [ "$missing" = 1 ]; then
+  mkdir -p "$out"
+  flags=(-trimpath -ldflags "-s -w")
+  (cd "$here/k8s" && go build "${flags[@]}" -o "$out/" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kube-controller-manager)
+  (cd "$here/etcd" && go build "${flags[@]}" -o "$out/etcd" .)
+  (cd "$here/kwok" && go build "${flags[@]}" -o "$out/" sigs.k8s.io/kwok/cmd/kwok)
+  (cd "$here/helm" && go build "${flags[@]}" -o "$out/" helm.sh/helm/v3/cmd/helm)
+fi
+echo "$out"
