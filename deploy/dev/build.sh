@@ -6,9 +6,9 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 key="$(cat "$here"/*/go.mod "$here"/*/go.sum 2>/dev/null | sha256sum | cut -c1-12)"
 out="${BATON_DEV_BIN:-$HOME/.cache/baton/dev-$key}"
-want=(kube-apiserver kube-scheduler kube-controller-manager etcd kwok helm)
+want=(kube-apiserver kube-scheduler kube-controller-manager etcd kwok helm kwok-stages)
 missing=0
-for name in "${want[@]}"; do [ -x "$out/$name" ] || missing=1; done
+for name in "${want[@]}"; do [ -e "$out/$name" ] || missing=1; done
 if [ "$missing" = 1 ]; then
   mkdir -p "$out"
   flags=(-trimpath -ldflags "-s -w")
@@ -17,6 +17,13 @@ if [ "$missing" = 1 ]; then
     k8s.io/kubernetes/cmd/kube-controller-manager)
   (cd "$here/etcd" && go build "${flags[@]}" -o "$out/etcd" .)
   (cd "$here/kwok" && go build "${flags[@]}" -o "$out/" sigs.k8s.io/kwok/cmd/kwok)
+  # kwok's own stages (in its module): nodes become Ready and heartbeat, pods run and end
+  stages="$(cd "$here/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)/kustomize/stage"
+  mkdir -p "$out/kwok-stages"
+  cp "$stages/node/fast/node-initialize.yaml" \
+     "$stages/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml" \
+     "$stages/pod/fast/pod-ready.yaml" "$stages/pod/fast/pod-complete.yaml" \
+     "$stages/pod/fast/pod-delete.yaml" "$out/kwok-stages/"
   (cd "$here/helm" && go build "${flags[@]}" -o "$out/" helm.sh/helm/v3/cmd/helm)
 fi
 echo "$out"
