@@ -8,7 +8,10 @@ NVIDIA's GPU feature discovery and device plugin, or by Kubernetes itself.
 from __future__ import annotations
 
 __all__ = [
+    "CELL_GATE",
+    "CELL_LABEL",
     "CLIQUE_LABEL",
+    "DEPLOYMENT_LABEL",
     "GPUS_USED_BY_OTHERS_ANNOTATION",
     "GPU_COUNT_LABEL",
     "GPU_PRODUCT_LABEL",
@@ -16,6 +19,8 @@ __all__ = [
     "GPU_TAINT_KEY",
     "HOSTNAME_LABEL",
     "QUARANTINED_ANNOTATION",
+    "RANK_LABEL",
+    "ROLE_LABEL",
 ]
 
 # Node label: the NVLink domain of a tray, "<ClusterUUID>.<CliqueID>" (GPU feature discovery).
@@ -40,3 +45,12 @@ QUARANTINED_ANNOTATION = "baton.dev/quarantined"
 
 # Node annotation: how many of the tray's GPUs pods Baton does not own hold (a whole number).
 GPUS_USED_BY_OTHERS_ANNOTATION = "baton.dev/gpus-used-by-others"
+
+# Pod labels Baton sets on every pod it owns.
+DEPLOYMENT_LABEL = "baton.dev/deployment"
+CELL_LABEL = "baton.dev/cell"
+ROLE_LABEL = "baton.dev/role"  # "decode" or "prefill"
+RANK_LABEL = "baton.dev/rank"  # decode: the pod's index in its group; prefill: the instance
+
+# Pod scheduling gate: held until every pod of the cell exists, then lifted for the whole cell.
+CELL_GATE = "baton.dev/cell"

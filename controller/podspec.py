@@ -1,0 +1,275 @@
+"""The pods of a placed cell, as Kubernetes manifests: pure rendering, no API calls.
+
+Decode pod ``i`` of a cell runs ranks ``i*g .. i*g+g-1`` of the DEP group on its planned tray,
+with vLLM's wide-EP command line as llm-d runs DeepSeek on GB200 (hybrid LB: one API server per
+pod over its local ranks; rank 0's pod leads, reached through the cell's headless Service):
+
+    <command> <model> --port 8000 --served-model-name S --data-parallel-size N
+      --data-parallel-size-local g --data-parallel-start-rank i*g
+      --data-parallel-address <cell>-decode-0.<cell>-decode.<namespace>.svc
+      --data-parallel-rpc-port 5555 --data-parallel-hybrid-lb --enable-expert-parallel
+      --kv-transfer-config {NixlConnector} [--enable-eplb --eplb-config {...}] <args>
+
+Prefill instances run their DEP2 line on their planned GPUs of a tray. Every pod is created
+behind the ``baton.dev/cell`` scheduling gate with a required node affinity to its tray, carries
+the deployment, cell, role and rank labels and an owner reference, asks for its GPUs, and learns
+its NIXL side-channel host from its pod IP. The same pods run ``baton sim`` when
+``engine.command`` says so: the simulator takes the same flags.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from baton.api import API_VERSION, KIND, ModelDeploymentSpec
+from baton.labels import (
+    CELL_GATE,
+    CELL_LABEL,
+    DEPLOYMENT_LABEL,
+    GPU_TAINT_KEY,
+    HOSTNAME_LABEL,
+    RANK_LABEL,
+    ROLE_LABEL,
+)
+from controller.placement import CellPlacement, decode_pod_name, prefill_pod_name
+
+__all__ = [
+    "API_PORT",
+    "DP_RPC_PORT",
+    "NIXL_PORT",
+    "decode_command",
+    "decode_service",
+    "prefill_command",
+    "render_cell",
+]
+
+API_PORT = 8000
+NIXL_PORT = 5600
+DP_RPC_PORT = 5555
+Manifest = dict[str, Any]
+
+
+def _kv_transfer(spec: ModelDeploymentSpec) -> str:
+    return json.dumps(
+        {
+            "kv_connector": spec.kv_transfer.connector,
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": spec.kv_transfer.load_failure_policy,
+        },
+        separators=(",", ":"),
+    )
+
+
+def _common_flags(spec: ModelDeploymentSpec) -> list[str]:
+    return ["--port", str(API_PORT), "--served-model-name", spec.served_model_name or spec.model]
+
+
+def decode_service(cell: str) -> str:
+    return f"{cell}-decode"
+
+
+def decode_command(spec: ModelDeploymentSpec, cell: str, index: int, namespace: str) -> list[str]:
+    """The engine's command line for decode pod ``index`` of ``cell``."""
+    decode = spec.cell.decode
+    leader = f"{decode_pod_name(cell, 0)}.{decode_service(cell)}.{namespace}.svc"
+    command = [
+        *spec.engine.command,
+        spec.model,
+        *_common_flags(spec),
+        "--data-parallel-size",
+        str(decode.dep),
+        "--data-parallel-size-local",
+        str(decode.gpus_per_pod),
+        "--data-parallel-start-rank",
+        str(index * decode.gpus_per_pod),
+        "--data-parallel-address",
+        leader,
+        "--data-parallel-rpc-port",
+        str(DP_RPC_PORT),
+        "--data-parallel-hybrid-lb",
+        "--enable-expert-parallel",
+        "--kv-transfer-config",
+        _kv_transfer(spec),
+    ]
+    eplb = spec.eplb
+    if eplb.enabled:
+        config = {
+            "window_size": eplb.window_size,
+            "step_interval": eplb.step_interval,
+            "num_redundant_experts": eplb.redundant_experts,
+        }
+        command += ["--enable-eplb", "--eplb-config", json.dumps(config, separators=(",", ":"))]
+    return [*command, *spec.engine.args]
+
+
+def prefill_command(spec: ModelDeploymentSpec) -> list[str]:
+    """The engine's command line for one DEP prefill instance."""
+    dep = spec.cell.prefill.dep
+    return [
+        *spec.engine.command,
+        spec.model,
+        *_common_flags(spec),
+        "--data-parallel-size",
+        str(dep),
+        "--data-parallel-size-local",
+        str(dep),
+        "--enable-expert-parallel",
+        "--kv-transfer-config",
+        _kv_transfer(spec),
+        *spec.engine.args,
+    ]
+
+
+def _pod(
+    name: str,
+    *,
+    deployment: str,
+    uid: str,
+    namespace: str,
+    cell: str,
+    role: str,
+    rank: int,
+    tray: str,
+    gpus: int,
+    command: list[str],
+    spec: ModelDeploymentSpec,
+    gpu_resource: str,
+) -> Manifest:
+    env = [
+        {
+            "name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
+            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+        },
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_PORT)},
+        *({"name": e.name, "value": e.value} for e in spec.engine.env),
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {
+                DEPLOYMENT_LABEL: deployment,
+                CELL_LABEL: cell,
+                ROLE_LABEL: role,
+                RANK_LABEL: str(rank),
+            },
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": KIND,
+                    "name": deployment,
+                    "uid": uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "schedulingGates": [{"name": CELL_GATE}],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": HOSTNAME_LABEL, "operator": "In", "values": [tray]}
+                                ]
+                            }
+                        ]
+                    }
+                }
+            },
+            "tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
+            "restartPolicy": "Never",  # a group restarts as a whole, by the controller
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": spec.engine.image,
+                    "command": command,
+                    "env": env,
+                    "ports": [
+                        {"name": "http", "containerPort": API_PORT},
+                        {"name": "nixl", "containerPort": NIXL_PORT},
+                    ],
+                    "resources": {
+                        "requests": {gpu_resource: str(gpus)},
+                        "limits": {gpu_resource: str(gpus)},
+                    },
+                    "readinessProbe": {"httpGet": {"path": "/health", "port": API_PORT}},
+                }
+            ],
+        },
+    }
+
+
+def render_cell(
+    spec: ModelDeploymentSpec, cell: CellPlacement, *, deployment: str, uid: str, namespace: str
+) -> list[Manifest]:
+    """The headless Service and every pod of ``cell``, in creation order."""
+    gpu_resource = spec.topology.gpu_resource
+    decode = spec.cell.decode
+    service: Manifest = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": decode_service(cell.name),
+            "namespace": namespace,
+            "labels": {DEPLOYMENT_LABEL: deployment, CELL_LABEL: cell.name},
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": KIND,
+                    "name": deployment,
+                    "uid": uid,
+                    "controller": True,
+                }
+            ],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {CELL_LABEL: cell.name, ROLE_LABEL: "decode"},
+            "ports": [{"name": "dp-rpc", "port": DP_RPC_PORT}],
+        },
+    }
+    manifests = [service]
+    for index, tray in enumerate(cell.decode_trays):
+        pod = _pod(
+            decode_pod_name(cell.name, index),
+            deployment=deployment,
+            uid=uid,
+            namespace=namespace,
+            cell=cell.name,
+            role="decode",
+            rank=index,
+            tray=tray,
+            gpus=decode.gpus_per_pod,
+            command=decode_command(spec, cell.name, index, namespace),
+            spec=spec,
+            gpu_resource=gpu_resource,
+        )
+        # hostname + subdomain give rank 0's pod the DNS name the others dial
+        pod["spec"]["hostname"] = decode_pod_name(cell.name, index)
+        pod["spec"]["subdomain"] = decode_service(cell.name)
+        manifests.append(pod)
+    manifests.extend(
+        _pod(
+            prefill_pod_name(cell.name, instance.index),
+            deployment=deployment,
+            uid=uid,
+            namespace=namespace,
+            cell=cell.name,
+            role="prefill",
+            rank=instance.index,
+            tray=instance.tray,
+            gpus=len(instance.gpus),
+            command=prefill_command(spec),
+            spec=spec,
+            gpu_resource=gpu_resource,
+        )
+        for instance in cell.prefill
+    )
+    return manifests

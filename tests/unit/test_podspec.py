@@ -1,0 +1,124 @@
+"""Pods of a placed cell: vLLM's wide-EP and DEP2 command lines, gates, affinity, ownership."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from baton.api import ModelDeployment
+from baton.labels import CELL_GATE, CELL_LABEL, DEPLOYMENT_LABEL, RANK_LABEL, ROLE_LABEL
+from baton.topology import synthetic_topology
+from controller.placement import plan_placement
+from controller.podspec import render_cell
+from sim.cli import build_parser, config_from_args, split_unknown_flags
+
+
+def rendered(**spec: object) -> tuple[list[dict], ModelDeployment]:
+    deployment = ModelDeployment.model_validate(
+        {"metadata": {"name": "dsv4"}, "spec": {"model": "deepseek-ai/DeepSeek-V4.1-Flash", **spec}}
+    )
+    plan = plan_placement([deployment.shape()], synthetic_topology(1))
+    manifests = render_cell(
+        deployment.spec, plan.cells[0], deployment="dsv4", uid="u-1", namespace="serving"
+    )
+    return manifests, deployment
+
+
+def pods(manifests: list[dict], role: str) -> list[dict]:
+    return [
+        m for m in manifests if m["kind"] == "Pod" and m["metadata"]["labels"][ROLE_LABEL] == role
+    ]
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_decode_pod_i_runs_its_four_ranks_of_the_dep32_group() -> None:
+    manifests, _ = rendered()
+    decode = pods(manifests, "decode")
+    assert len(decode) == 8
+    for index, pod in enumerate(decode):
+        command = pod["spec"]["containers"][0]["command"]
+        assert command[:3] == ["vllm", "serve", "deepseek-ai/DeepSeek-V4.1-Flash"]
+        assert flag(command, "--data-parallel-size") == "32"
+        assert flag(command, "--data-parallel-size-local") == "4"
+        assert flag(command, "--data-parallel-start-rank") == str(4 * index)
+        assert flag(command, "--data-parallel-address") == (
+            "dsv4-cell-0-decode-0.dsv4-cell-0-decode.serving.svc"
+        )
+        assert {"--data-parallel-hybrid-lb", "--enable-expert-parallel"} <= set(command)
+        assert json.loads(flag(command, "--kv-transfer-config"))["kv_connector"] == "NixlConnector"
+        assert json.loads(flag(command, "--eplb-config")) == {
+            "window_size": 1000,
+            "step_interval": 3000,
+            "num_redundant_experts": 32,
+        }
+        resources = pod["spec"]["containers"][0]["resources"]
+        assert resources["limits"] == {"nvidia.com/gpu": "4"}
+
+
+def test_prefill_instances_run_dep2_with_two_gpus() -> None:
+    manifests, _ = rendered(cell={"prefill": {"instances": 18}})
+    prefill = pods(manifests, "prefill")
+    assert len(prefill) == 18
+    command = prefill[0]["spec"]["containers"][0]["command"]
+    assert flag(command, "--data-parallel-size") == "2"
+    assert "--data-parallel-hybrid-lb" not in command
+    assert prefill[0]["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+
+
+def test_every_pod_is_gated_pinned_to_its_tray_labelled_and_owned() -> None:
+    manifests, deployment = rendered()
+    plan = plan_placement([deployment.shape()], synthetic_topology(1))
+    trays = {f"dsv4-cell-0-decode-{i}": t for i, t in enumerate(plan.cells[0].decode_trays)}
+    trays |= {f"dsv4-cell-0-prefill-{p.index}": p.tray for p in plan.cells[0].prefill}
+    for pod in (m for m in manifests if m["kind"] == "Pod"):
+        name = pod["metadata"]["name"]
+        assert pod["spec"]["schedulingGates"] == [{"name": CELL_GATE}]
+        term = pod["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]["nodeSelectorTerms"][0]
+        assert term["matchExpressions"][0]["values"] == [trays[name]]
+        labels = pod["metadata"]["labels"]
+        assert labels[DEPLOYMENT_LABEL] == "dsv4" and labels[CELL_LABEL] == "dsv4-cell-0"
+        assert labels[RANK_LABEL].isdigit()
+        owner = pod["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["uid"], owner["controller"]) == (
+            "ModelDeployment",
+            "u-1",
+            True,
+        )
+        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+            "status.podIP"
+        )
+
+
+def test_decode_pods_reach_rank_zero_through_the_cells_headless_service() -> None:
+    manifests, _ = rendered()
+    service = manifests[0]
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    leader = pods(manifests, "decode")[0]["spec"]
+    assert (leader["hostname"], leader["subdomain"]) == (
+        "dsv4-cell-0-decode-0",
+        service["metadata"]["name"],
+    )
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_the_same_pods_run_baton_sim_when_engine_command_says_so(role: str) -> None:
+    manifests, _ = rendered(engine={"command": ["baton", "sim"], "image": "baton:dev"})
+    command = pods(manifests, role)[1]["spec"]["containers"][0]["command"]
+    assert command[:2] == ["baton", "sim"]
+    parser = build_parser()
+    kept, unknown = split_unknown_flags(parser, command[2:])
+    assert unknown == []  # every flag the controller renders is one the simulator models
+    config = config_from_args(parser.parse_args(kept))
+    if role == "decode":
+        assert list(config.local_ranks) == [4, 5, 6, 7] and config.hybrid_lb
+        assert config.enable_eplb and config.eplb.num_redundant_experts == 32
+    else:
+        assert config.data_parallel_size == 2 and list(config.local_ranks) == [0, 1]
+    assert config.kv_transfer.nixl
