@@ -1,9 +1,10 @@
 """The gateway's HTTP API: OpenAI-compatible, validated, authenticated; routing is handoff.py's.
 
-``create_app`` builds a FastAPI app whose lifespan creates the aiohttp session (keep-alive pools
-to every engine), the pool and the handoff, and passes them to the handlers; nothing lives in a
-global. Requests are parsed with orjson and validated with pydantic; fields the gateway does not
-know (vLLM extensions) pass through untouched, and the decode leg gets the client's exact bytes.
+``create_app`` builds a FastAPI app whose lifespan creates the engines' client (keep-alive
+connections, ``router/upstream.py``), the pool (with an aiohttp session for its health and load
+probes) and the handoff, and passes them to the handlers; nothing lives in a global. Requests
+are parsed with orjson and validated with pydantic; fields the gateway does not know (vLLM
+extensions) pass through untouched, and the decode leg gets the client's exact bytes.
 Every error is an OpenAI error body with its status; FastAPI's 422 is answered as 400.
 """
 

@@ -15,15 +15,11 @@
     ├── UpstreamTimeout               a phase's timeout passed
     └── UpstreamUnavailable           connection refused, reset, or the stream broke
 
-:func:`upstream_errors` is the one place that maps aiohttp's exceptions onto this tree.
+``router/upstream.py``, the engines' client, raises the upstream errors itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-import aiohttp
 import orjson
 
 __all__ = [
@@ -39,7 +35,6 @@ __all__ = [
     "UpstreamTimeout",
     "UpstreamUnavailable",
     "error_body",
-    "upstream_errors",
 ]
 
 
@@ -147,16 +142,3 @@ class UpstreamUnavailable(UpstreamError):
     """The connection was refused or reset, or the stream broke."""
 
     reason = "connection"
-
-
-@contextmanager
-def upstream_errors(phase: str) -> Iterator[None]:
-    """Translate aiohttp's and asyncio's exceptions for one upstream call."""
-    try:
-        yield
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout(phase, str(exc) or "timed out") from exc
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-        raise UpstreamUnavailable(phase, str(exc) or type(exc).__name__) from exc
-    except aiohttp.ClientError as exc:
-        raise UpstreamUnavailable(phase, f"{type(exc).__name__}: {exc}") from exc

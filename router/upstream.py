@@ -3,8 +3,8 @@
 The gateway talks to a handful of known engines with one request shape (a JSON POST, a JSON or
 SSE answer), so it needs none of a general client's machinery. Per request this writes one
 buffer; per received segment it feeds the C parser, appends the body bytes and wakes the one
-reader, which takes everything buffered at once. ``baton bench gateway`` measures it against
-the aiohttp relay it replaced.
+reader, which takes everything buffered at once. It replaced an aiohttp relay: on this machine
+the gateway's added latency fell from 1.5 to 1.15 ms unloaded (git history has the figures).
 
 Errors are the gateway's: :class:`~router.errors.UpstreamUnavailable` for refused, reset or
 malformed connections, :class:`~router.errors.UpstreamTimeout` when a read waits too long.
