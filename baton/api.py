@@ -23,11 +23,14 @@ __all__ = [
     "API_VERSION",
     "GROUP",
     "KIND",
+    "CellEndpoints",
     "CellSpec",
     "CellStatus",
     "Condition",
     "ConditionType",
+    "DecodeServerEndpoint",
     "DecodeSpec",
+    "Endpoints",
     "EngineSpec",
     "EplbModelSpec",
     "EplbSpec",
@@ -59,7 +62,12 @@ class Reason(StrEnum):
     GROUP_RESTARTING = "GroupRestarting"
     TRAY_QUARANTINED = "TrayQuarantined"
     PODS_PENDING = "PodsPending"
+    PREFILL_RESTARTING = "PrefillRestarting"
+    RESTART_BACKOFF = "RestartBackoff"
+    RESTART_BUDGET_EXHAUSTED = "RestartBudgetExhausted"
+    PREFILL_SHORT = "PrefillShort"
     ALL_READY = "AllReady"
+    HEALTHY = "Healthy"
 
 
 class _Resource(BaseModel):
@@ -182,6 +190,7 @@ class Condition(_Resource):
 
 class DecodeStatus(_Resource):
     pods: list[str] = Field(default_factory=list)
+    trays: list[str] = Field(default_factory=list, description="planned tray of each decode pod")
     leader: str | None = None
     ready_ranks: int = Field(default=0, ge=0)
 
@@ -189,24 +198,39 @@ class DecodeStatus(_Resource):
 class PrefillInstanceStatus(_Resource):
     pod: str
     tray: str
+    gpus: list[int] = Field(default_factory=list, description="GPU indices held on the tray")
     ready: bool = False
 
 
 class CellStatus(_Resource):
+    """Where one cell runs (the controller's placement record) and how it is doing."""
+
     name: str
     domain: str
     decode: DecodeStatus = Field(default_factory=DecodeStatus)
     prefill: list[PrefillInstanceStatus] = Field(default_factory=list)
+    spare_trays: list[str] = Field(default_factory=list)
+    restarts: list[str] = Field(
+        default_factory=list, description="RFC 3339 times of recent decode group restarts"
+    )
+
+
+class DecodeServerEndpoint(_Resource):
+    url: str
+    ranks: list[int] = Field(default_factory=list, description="local DP ranks (hybrid LB)")
+
+
+class CellEndpoints(_Resource):
+    """What the gateway routes to and the EPLB service talks to in one cell (ready pods only)."""
+
+    name: str
+    prefill: list[str] = Field(default_factory=list)
+    decode: list[DecodeServerEndpoint] = Field(default_factory=list)
+    eplb_agents: list[str] = Field(default_factory=list, description="host:port per decode pod")
 
 
 class Endpoints(_Resource):
-    """What the gateway routes to and the EPLB service talks to, by cell."""
-
-    prefill: list[str] = Field(default_factory=list)
-    decode: list[str] = Field(
-        default_factory=list, description="URL@ranks, as baton gateway --decode takes them"
-    )
-    eplb_agents: list[str] = Field(default_factory=list)
+    cells: list[CellEndpoints] = Field(default_factory=list)
 
 
 class EplbModelStatus(_Resource):

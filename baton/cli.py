@@ -48,6 +48,12 @@ def _up(argv: Sequence[str]) -> int:
     return up_main(argv)
 
 
+def _controller(argv: Sequence[str]) -> int:
+    from controller.cli import main as controller_main
+
+    return controller_main(argv)
+
+
 def _crd(argv: Sequence[str]) -> int:
     from baton.crd import main as crd_main
 
@@ -57,6 +63,7 @@ def _crd(argv: Sequence[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "sim": (_sim, "run the vLLM-compatible engine simulator"),
     "gateway": (_gateway, "run the OpenAI-compatible P/D gateway"),
+    "controller": (_controller, "run the operator: ModelDeployments to pods on NVL72 trays"),
     "eplb": (_eplb, "run the EPLB service (expert load balancing of decode groups)"),
     "bench": (_bench, "run a benchmark and save its JSON"),
     "place": (_place, "dry-run placement of cells on NVL72 trays"),

@@ -21,6 +21,7 @@ __all__ = [
     "QUARANTINED_ANNOTATION",
     "RANK_LABEL",
     "ROLE_LABEL",
+    "TRAY_FAILURES_ANNOTATION",
 ]
 
 # Node label: the NVLink domain of a tray, "<ClusterUUID>.<CliqueID>" (GPU feature discovery).
@@ -42,6 +43,9 @@ GPU_TAINT_KEY = "nvidia.com/gpu"
 
 # Node annotation: the tray is taken out of placement (any value but "false"); its value says why.
 QUARANTINED_ANNOTATION = "baton.dev/quarantined"
+
+# Node annotation: how many times Baton pods failed on the tray; at a limit it is quarantined.
+TRAY_FAILURES_ANNOTATION = "baton.dev/tray-failures"
 
 # Node annotation: how many of the tray's GPUs pods Baton does not own hold (a whole number).
 GPUS_USED_BY_OTHERS_ANNOTATION = "baton.dev/gpus-used-by-others"

@@ -37,6 +37,7 @@ from controller.placement import CellPlacement, decode_pod_name, prefill_pod_nam
 __all__ = [
     "API_PORT",
     "DP_RPC_PORT",
+    "EPLB_AGENT_PORT",
     "NIXL_PORT",
     "decode_command",
     "decode_service",
@@ -47,6 +48,7 @@ __all__ = [
 API_PORT = 8000
 NIXL_PORT = 5600
 DP_RPC_PORT = 5555
+EPLB_AGENT_PORT = 50100  # Baton's EPLB agent beside a decode engine (docs/eplb-protocol.md)
 Manifest = dict[str, Any]
 
 

@@ -1,4 +1,4 @@
-"""Fixtures for tests against a real Kubernetes API server (see tests/k8s/cluster.py)."""
+"""Fixtures for tests against a real Kubernetes API server (see baton/devcluster.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client, config
 
-from tests.k8s.cluster import ControlPlane, binaries_dir, start_control_plane
+from baton.devcluster import ControlPlane, binaries_dir, start_control_plane
 
 
 @pytest.fixture(scope="session")

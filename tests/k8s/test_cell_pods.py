@@ -3,62 +3,20 @@ gates are lifted together, every pod runs on its planned tray."""
 
 from __future__ import annotations
 
-import yaml
 from kubernetes import client
-from kubernetes.client.rest import ApiException
 
 from baton.api import ModelDeployment
-from baton.crd import CRD_PATH
+from baton.devcluster import add_trays, install_crd, remove_trays
 from baton.processes import eventually
-from baton.topology import parse_topology, synthetic_nodes
+from baton.topology import parse_topology
 from controller.placement import plan_placement
 from controller.podspec import render_cell
-from tests.k8s.cluster import KWOK_ANNOTATION, ROOT
-
-TRAY_RESOURCES = {"cpu": "144", "memory": "960Gi", "pods": "110"}
-
-
-def install_crd(api: client.ApiClient) -> None:
-    extensions = client.ApiextensionsV1Api(api)
-    crd = yaml.safe_load((ROOT / CRD_PATH).read_text())
-    try:
-        extensions.create_custom_resource_definition(crd)
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-    eventually(
-        lambda: (
-            extensions.read_custom_resource_definition(
-                crd["metadata"]["name"]
-            ).status.accepted_names.kind
-            == "ModelDeployment"
-        ),
-        timeout=30,
-    )
 
 
 def test_gated_cell_pods_run_on_their_planned_trays_once_lifted(api, namespace) -> None:
     core = client.CoreV1Api(api)
-    nodes = synthetic_nodes(1)
-    for node in nodes:
-        node["metadata"]["annotations"][KWOK_ANNOTATION] = "fake"  # type: ignore[index]
-        # what a GB300 tray's kubelet reports beside its GPUs
-        status = node.setdefault("status", {})
-        for field in ("allocatable", "capacity"):
-            status.setdefault(field, {}).update(TRAY_RESOURCES)  # type: ignore[union-attr]
-        core.create_node(node)
+    nodes = add_trays(api, 1)
     try:
-        names = [node["metadata"]["name"] for node in nodes]  # type: ignore[index]
-        eventually(
-            lambda: all(
-                any(
-                    c.type == "Ready" and c.status == "True"
-                    for c in core.read_node(n).status.conditions or []
-                )
-                for n in names
-            ),
-            timeout=90,
-        )
         install_crd(api)
         manifest = {
             "apiVersion": "baton.dev/v1alpha1",
@@ -122,5 +80,4 @@ def test_gated_cell_pods_run_on_their_planned_trays_once_lifted(api, namespace) 
             raise AssertionError(f"pods not running where planned: {states}") from None
         assert len(pod_names) == 8 + 4
     finally:
-        for node in nodes:
-            core.delete_node(node["metadata"]["name"])  # type: ignore[index]
+        remove_trays(api, nodes)

@@ -8,9 +8,9 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from baton.crd import CRD_PATH
+from baton.devcluster import KWOK_ANNOTATION, ROOT
 from baton.labels import CLIQUE_LABEL
 from baton.processes import eventually
-from tests.k8s.cluster import KWOK_ANNOTATION, ROOT
 
 
 def fake_tray(name: str, clique: str) -> client.V1Node:

@@ -1,9 +1,10 @@
-"""A real Kubernetes control plane on loopback for the operator's tests.
+"""A real Kubernetes control plane on loopback for the operator's tests and benchmarks.
 
 etcd, kube-apiserver, kube-scheduler and kube-controller-manager (built from Go modules by
-``deploy/dev/build.sh``) and kwok, which plays the kubelet of every node labelled as a fake tray:
-heartbeats, and pods bound to it reported Running with an IP. Everything lives in a temporary
-directory and stops with :meth:`ControlPlane.stop`.
+``deploy/dev/build.sh``) and kwok, which plays the kubelet of every node annotated as a fake tray:
+heartbeats, and pods bound to it reported Running and Ready with an IP. Pod IPs come from
+127.64.0.0/16, a loopback range: a test can serve a pod's engine (``baton sim``) at its pod IP.
+Everything lives in a temporary directory and stops with :meth:`ControlPlane.stop`.
 """
 
 from __future__ import annotations
@@ -15,17 +16,33 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
+from kubernetes import client
+from kubernetes.client.rest import ApiException
 
-from baton.processes import free_port, stop_process
+from baton.api import KIND
+from baton.crd import CRD_PATH
+from baton.processes import eventually, free_port, stop_process
+from baton.topology import synthetic_nodes
 
-__all__ = ["ControlPlane", "binaries_dir", "start_control_plane"]
+__all__ = [
+    "ControlPlane",
+    "add_trays",
+    "binaries_dir",
+    "install_crd",
+    "remove_trays",
+    "start_control_plane",
+]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "baton-test-admin-token"
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
+POD_CIDR = "127.64.0.0/16"
+# What a GB300 tray's kubelet reports beside its GPUs.
+TRAY_RESOURCES = {"cpu": "144", "memory": "960Gi", "pods": "110"}
 
 
 def binaries_dir() -> Path:
@@ -190,6 +207,7 @@ def start_control_plane(directory: Path, bin_dir: Path) -> ControlPlane:
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
                 f"--server-address=127.0.0.1:{free_port()}",
+                f"--cidr={POD_CIDR}",
                 *(
                     f"--config={stage}"
                     for stage in sorted((bin_dir / "kwok-stages").glob("*.yaml"))
@@ -201,3 +219,59 @@ def start_control_plane(directory: Path, bin_dir: Path) -> ControlPlane:
         plane.stop()
         raise
     return plane
+
+
+def add_trays(
+    api: client.ApiClient, racks: int, *, trays_per_rack: int = 18, timeout: float = 120
+) -> list[dict[str, Any]]:
+    """Create ``racks`` synthetic GB300 racks as kwok nodes and wait until all are Ready."""
+    core = client.CoreV1Api(api)
+    nodes = synthetic_nodes(racks, trays_per_rack=trays_per_rack)
+    for node in nodes:
+        node["metadata"]["annotations"][KWOK_ANNOTATION] = "fake"  # type: ignore[index]
+        status = node["status"]
+        for field_name in ("allocatable", "capacity"):
+            status[field_name].update(TRAY_RESOURCES)  # type: ignore[index]
+        core.create_node(node)
+    names = {node["metadata"]["name"] for node in nodes}  # type: ignore[index]
+
+    def all_ready() -> bool:
+        ready = {
+            n.metadata.name
+            for n in core.list_node().items
+            if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
+        }
+        return names <= ready
+
+    eventually(all_ready, timeout=timeout, interval=0.5)
+    return nodes  # type: ignore[return-value]
+
+
+def remove_trays(api: client.ApiClient, nodes: list[dict[str, Any]]) -> None:
+    core = client.CoreV1Api(api)
+    for node in nodes:
+        try:
+            core.delete_node(node["metadata"]["name"])
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+def install_crd(api: client.ApiClient) -> None:
+    """Apply the generated ModelDeployment CRD and wait until the API server serves it."""
+    extensions = client.ApiextensionsV1Api(api)
+    crd = yaml.safe_load((ROOT / CRD_PATH).read_text())
+    try:
+        extensions.create_custom_resource_definition(crd)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    eventually(
+        lambda: (
+            extensions.read_custom_resource_definition(
+                crd["metadata"]["name"]
+            ).status.accepted_names.kind
+            == KIND
+        ),
+        timeout=30,
+    )

@@ -1,0 +1,92 @@
+"""``baton controller``: the operator (docs/operator.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+
+from kubernetes import client, config
+from kubernetes.config.config_exception import ConfigException
+from prometheus_client import CollectorRegistry, start_http_server
+
+from controller.reconciler import Controller
+
+__all__ = ["main"]
+
+log = logging.getLogger("baton.controller")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="baton controller",
+        description="Place ModelDeployment cells on NVL72 trays and keep them there.",
+    )
+    parser.add_argument(
+        "--kubeconfig",
+        default=os.environ.get("KUBECONFIG"),
+        help="kubeconfig file (default: $KUBECONFIG, else the in-cluster service account)",
+    )
+    parser.add_argument(
+        "--lease-namespace",
+        default=os.environ.get("POD_NAMESPACE", "default"),
+        help="namespace of the leader-election Lease (default: $POD_NAMESPACE or default)",
+    )
+    parser.add_argument("--lease-name", default="baton-controller")
+    parser.add_argument(
+        "--identity",
+        default=os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}",
+        help="this replica's name in the Lease (default: $POD_NAME, else host-pid)",
+    )
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve /metrics here")
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address of /metrics")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    return parser
+
+
+def _api(kubeconfig: str | None) -> client.ApiClient:
+    if kubeconfig:
+        return config.new_client_from_config(config_file=kubeconfig)
+    config.load_incluster_config()
+    return client.ApiClient()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        api = _api(args.kubeconfig)
+    except (ConfigException, OSError) as exc:
+        where = args.kubeconfig or "the in-cluster service account"
+        print(
+            f"baton controller: error: cannot load {where}: {exc}; "
+            "fix: pass --kubeconfig FILE or run in a pod",
+            file=sys.stderr,
+        )
+        return 2
+    registry = CollectorRegistry()
+    if args.metrics_port is not None:
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=registry)
+    controller = Controller(
+        api,
+        lease_namespace=args.lease_namespace,
+        lease_name=args.lease_name,
+        identity=args.identity,
+        registry=registry,
+    )
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: controller.stopped.set())
+    controller.start()
+    log.info("baton controller %s started; waiting for the lease", args.identity)
+    controller.stopped.wait()
+    controller.stop()
+    log.info("baton controller %s stopped", args.identity)
+    return 0

@@ -1,0 +1,407 @@
+"""``baton controller``: ModelDeployments to pods on NVL72 trays, kept there.
+
+Level-triggered, as controller-runtime reconcilers are: informers cache ModelDeployments, Nodes,
+Pods and Baton's Services; any change queues the namespace it concerns (a Node change queues
+every namespace with a ModelDeployment: trays are shared); one worker reconciles one namespace
+at a time (the deployments of a namespace share its trays, so one decision covers them all):
+observe the caches, ``controller.decide.decide`` purely, act, write status only when it
+changed. Only the leader (a coordination.k8s.io Lease) reconciles; a standby keeps its caches
+warm and takes over within seconds.
+
+The reconcile unit is a namespace rather than an object because placement is joint: every cell
+of a namespace is planned together so an older deployment keeps its trays. Pods of other
+namespaces count as GPUs held by others.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from baton.api import GROUP, KIND, VERSION
+from baton.labels import (
+    CELL_GATE,
+    CLIQUE_LABEL,
+    DEPLOYMENT_LABEL,
+    QUARANTINED_ANNOTATION,
+    TRAY_FAILURES_ANNOTATION,
+)
+from controller.decide import Decision, Event, Observed, RestartPolicy, decide, rfc3339
+from controller.leader import LeaseElector
+from controller.runtime import Informer, WorkQueue
+
+__all__ = ["Controller", "ControllerMetrics"]
+
+log = logging.getLogger("baton.controller")
+PLURAL = "modeldeployments"
+RESYNC_S = 30.0
+_EVENT_REPEAT_S = 600.0  # an identical Event is not emitted again within this
+
+
+class ControllerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.reconciles = Counter(
+            "baton_controller_reconciles",
+            "Reconciles by outcome",
+            ["outcome"],
+            registry=registry,
+        )
+        self.reconcile_seconds = Histogram(
+            "baton_controller_reconcile_duration_seconds",
+            "Time of one reconcile of a namespace",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=registry,
+        )
+        self.api_requests = Counter(
+            "baton_controller_api_requests",
+            "Writes to the Kubernetes API by verb and resource",
+            ["verb", "resource"],
+            registry=registry,
+        )
+        self.leader = Gauge(
+            "baton_controller_leader", "1 while this replica leads", registry=registry
+        )
+        self.queue_depth = Gauge(
+            "baton_controller_queue_depth", "Namespaces waiting to be reconciled", registry=registry
+        )
+
+
+def _placement_fingerprint(node: dict[str, Any] | None) -> tuple[Any, ...] | None:
+    """What of a Node placement reads; heartbeats change nothing here."""
+    if node is None:
+        return None
+    meta, spec, status = node.get("metadata", {}), node.get("spec", {}), node.get("status", {})
+    annotations = meta.get("annotations") or {}
+    return (
+        (meta.get("labels") or {}).get(CLIQUE_LABEL),
+        spec.get("unschedulable"),
+        tuple(sorted((t.get("key"), t.get("effect")) for t in spec.get("taints") or [])),
+        tuple(sorted((status.get("allocatable") or {}).items())),
+        tuple(sorted((c.get("type"), c.get("status")) for c in status.get("conditions") or [])),
+        annotations.get(QUARANTINED_ANNOTATION),
+        annotations.get("baton.dev/gpus-used-by-others"),
+    )
+
+
+class Controller:
+    """Caches, queue, worker and leader election around the pure decision."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        *,
+        lease_namespace: str = "default",
+        lease_name: str = "baton-controller",
+        identity: str | None = None,
+        policy: RestartPolicy | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.policy = policy or RestartPolicy()
+        self.metrics = ControllerMetrics(registry or CollectorRegistry())
+        self.identity = identity or f"baton-controller-{uuid.uuid4().hex[:8]}"
+        self.elector = LeaseElector(api, lease_namespace, lease_name, self.identity)
+        self.queue = WorkQueue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._events_sent: dict[tuple[str, str, str, str], float] = {}
+        self.deployments = Informer(
+            "modeldeployments",
+            lambda **kw: self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, **kw),
+            self._on_deployment,
+        )
+        self.nodes = Informer("nodes", self.core.list_node, self._on_node)
+        self.pods = Informer("pods", self.core.list_pod_for_all_namespaces, self._on_pod)
+        self.services = Informer(
+            "services",
+            self.core.list_service_for_all_namespaces,
+            self._on_pod,
+            label_selector=DEPLOYMENT_LABEL,
+        )
+
+    # --- events into the queue -----------------------------------------------------------------
+
+    def _on_deployment(self, kind: str, old: dict | None, new: dict | None) -> None:
+        obj = new or old
+        if obj is not None:
+            self.queue.add(obj["metadata"]["namespace"])
+
+    def _on_pod(self, kind: str, old: dict | None, new: dict | None) -> None:
+        obj = new or old
+        labels = (obj or {}).get("metadata", {}).get("labels") or {}
+        if obj is not None and DEPLOYMENT_LABEL in labels:
+            self.queue.add(obj["metadata"]["namespace"])
+
+    def _on_node(self, kind: str, old: dict | None, new: dict | None) -> None:
+        if _placement_fingerprint(old) != _placement_fingerprint(new):
+            self._queue_all()
+
+    def _queue_all(self) -> None:
+        for namespace in {d["metadata"]["namespace"] for d in self.deployments.items()}:
+            self.queue.add(namespace)
+
+    # --- running ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the informers and the election (the worker starts on winning it)."""
+        for informer in (self.deployments, self.nodes, self.pods, self.services):
+            self._spawn(f"informer-{informer.name}", informer.run, self._stop)
+        self._spawn("leader-election", self.elector.run, self._stop, self._lead, self._follow)
+
+    def _spawn(self, name: str, target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _lead(self) -> None:
+        self.metrics.leader.set(1)
+        self._spawn("worker", self._work)
+        self._spawn("resync", self._resync)
+
+    def _follow(self) -> None:
+        self.metrics.leader.set(0)
+        if not self._stop.is_set():
+            # Lost the lease without being asked to stop: stop acting at once.
+            self._stop.set()
+            self.queue.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.queue.close()
+        for informer in (self.deployments, self.nodes, self.pods, self.services):
+            informer.stop()
+        for thread in self._threads:
+            if not thread.name.startswith("informer-"):  # informers end with the process
+                thread.join(timeout=5)
+
+    @property
+    def stopped(self) -> threading.Event:
+        return self._stop
+
+    def _resync(self) -> None:
+        while not self._stop.wait(RESYNC_S):
+            self._queue_all()
+
+    def _work(self) -> None:
+        for informer in (self.deployments, self.nodes, self.pods, self.services):
+            while not informer.synced.wait(1.0):
+                if self._stop.is_set():
+                    return
+        self._queue_all()
+        while not self._stop.is_set():
+            self.metrics.queue_depth.set(len(self.queue))
+            namespace = self.queue.get()
+            if namespace is None:
+                continue
+            started = time.perf_counter()
+            try:
+                decision = self.reconcile(str(namespace))
+            except Exception:  # a reconcile must not kill the worker; the key is retried
+                delay = self.queue.retry(namespace)
+                self.metrics.reconciles.labels("error").inc()
+                log.exception("reconcile of %s failed; retrying in %.2f s", namespace, delay)
+            else:
+                self.queue.forget(namespace)
+                self.metrics.reconciles.labels("success").inc()
+                if decision.requeue_after is not None:
+                    self.queue.add_after(namespace, decision.requeue_after)
+            finally:
+                self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+                self.queue.done(namespace)
+
+    # --- one reconcile ---------------------------------------------------------------------------
+
+    def observe(self, namespace: str) -> Observed:
+        return Observed(
+            namespace=namespace,
+            deployments=[
+                d for d in self.deployments.items() if d["metadata"]["namespace"] == namespace
+            ],
+            nodes=self.nodes.items(),
+            pods=self.pods.items(),
+            services=[s for s in self.services.items() if s["metadata"]["namespace"] == namespace],
+            now=datetime.now(UTC),
+        )
+
+    def reconcile(self, namespace: str) -> Decision:
+        decision = decide(self.observe(namespace), self.policy)
+        written = self._act(namespace, decision)
+        self._await_caches(namespace, decision, written)
+        return decision
+
+    def _await_caches(
+        self, namespace: str, decision: Decision, status_versions: dict[str, str]
+    ) -> None:
+        """Wait (bounded) until the caches show this reconcile's writes, so the next one does
+        not act twice on what it has not seen yet (client-go's ReplicaSet keeps
+        "expectations" for the same reason)."""
+
+        def seen() -> bool:
+            pods = {
+                p["metadata"]["name"]: p
+                for p in self.pods.items()
+                if p["metadata"]["namespace"] == namespace
+            }
+            services = {
+                s["metadata"]["name"]
+                for s in self.services.items()
+                if s["metadata"]["namespace"] == namespace
+            }
+            deployments = {
+                d["metadata"]["name"]: d["metadata"]["resourceVersion"]
+                for d in self.deployments.items()
+                if d["metadata"]["namespace"] == namespace
+            }
+            for manifest in decision.create:
+                name = manifest["metadata"]["name"]
+                if name not in (services if manifest["kind"] == "Service" else pods):
+                    return False
+            for name in decision.delete_pods:
+                if name in pods and not pods[name]["metadata"].get("deletionTimestamp"):
+                    return False
+            for name in decision.ungate:
+                gates = pods.get(name, {}).get("spec", {}).get("schedulingGates") or []
+                if any(g["name"] == CELL_GATE for g in gates):
+                    return False
+            return all(
+                _at_least(deployments.get(name, version), version)
+                for name, version in status_versions.items()
+            )
+
+        deadline = time.monotonic() + 5.0
+        while not seen() and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.01)
+
+    def _count(self, verb: str, resource: str) -> None:
+        self.metrics.api_requests.labels(verb, resource).inc()
+
+    def _act(self, namespace: str, decision: Decision) -> dict[str, str]:
+        """Perform ``decision``; the resourceVersion of each status written."""
+        for mark in decision.trays:
+            annotations = {TRAY_FAILURES_ANNOTATION: str(mark.failures)}
+            if mark.quarantine is not None:
+                annotations[QUARANTINED_ANNOTATION] = mark.quarantine
+            self._count("patch", "nodes")
+            self.core.patch_node(mark.node, {"metadata": {"annotations": annotations}})
+        for name in decision.delete_pods:
+            self._count("delete", "pods")
+            _ignore(404, self.core.delete_namespaced_pod, name, namespace)
+        for name in decision.delete_services:
+            self._count("delete", "services")
+            _ignore(404, self.core.delete_namespaced_service, name, namespace)
+        for manifest in decision.create:
+            kind = manifest["kind"]
+            self._count("create", kind.lower() + "s")
+            create = (
+                self.core.create_namespaced_service
+                if kind == "Service"
+                else self.core.create_namespaced_pod
+            )
+            _ignore(409, create, namespace, manifest)  # already there: the cache lagged
+        for name in decision.ungate:
+            self._ungate(namespace, name)
+        versions: dict[str, str] = {}
+        for deployment, status in decision.status.items():
+            self._count("patch", "modeldeployments/status")
+            try:
+                written = self.custom.patch_namespaced_custom_object_status(
+                    GROUP, VERSION, namespace, PLURAL, deployment, {"status": status}
+                )
+            except ApiException as exc:
+                if exc.status != 404:  # deleted meanwhile
+                    raise
+            else:
+                versions[deployment] = written["metadata"]["resourceVersion"]
+        self._emit(namespace, decision.events)
+        return versions
+
+    def _ungate(self, namespace: str, name: str) -> None:
+        pod = next(
+            (
+                p
+                for p in self.pods.items()
+                if p["metadata"]["namespace"] == namespace and p["metadata"]["name"] == name
+            ),
+            None,
+        )
+        if pod is None:
+            return
+        gates = [g for g in pod["spec"].get("schedulingGates") or [] if g["name"] != CELL_GATE]
+        patch = [
+            # the test fails the patch if another writer changed the gates meanwhile
+            {
+                "op": "test",
+                "path": "/spec/schedulingGates",
+                "value": pod["spec"]["schedulingGates"],
+            },
+            {"op": "replace", "path": "/spec/schedulingGates", "value": gates},
+        ]
+        self._count("patch", "pods")
+        _ignore((404, 422), self.core.patch_namespaced_pod, name, namespace, patch)
+
+    def _emit(self, namespace: str, events: Iterable[Event]) -> None:
+        now = time.monotonic()
+        owners = {
+            d["metadata"]["name"]: d
+            for d in self.deployments.items()
+            if d["metadata"]["namespace"] == namespace
+        }
+        for event in events:
+            key = (namespace, event.deployment, event.reason, event.message)
+            if now - self._events_sent.get(key, -_EVENT_REPEAT_S) < _EVENT_REPEAT_S:
+                continue
+            self._events_sent[key] = now
+            owner = owners.get(event.deployment)
+            if owner is None:
+                continue
+            stamp = rfc3339(datetime.now(UTC))
+            body = {
+                "metadata": {"generateName": f"{event.deployment}.", "namespace": namespace},
+                "involvedObject": {
+                    "apiVersion": f"{GROUP}/{VERSION}",
+                    "kind": KIND,
+                    "name": event.deployment,
+                    "namespace": namespace,
+                    "uid": owner["metadata"]["uid"],
+                },
+                "type": event.type,
+                "reason": event.reason,
+                "message": event.message[:1024],
+                "source": {"component": "baton-controller"},
+                "firstTimestamp": stamp,
+                "lastTimestamp": stamp,
+                "count": 1,
+                "reportingComponent": "baton.dev/controller",
+                "reportingInstance": self.identity,
+            }
+            self._count("create", "events")
+            try:
+                self.core.create_namespaced_event(namespace, body)
+            except ApiException as exc:  # events are best effort
+                log.warning("event %s not recorded: %s", event.reason, exc.reason)
+
+
+def _at_least(seen: str, written: str) -> bool:
+    """resourceVersions are opaque; etcd's are integers, and a newer write supersedes ours."""
+    if seen.isdigit() and written.isdigit():
+        return int(seen) >= int(written)
+    return seen == written
+
+
+def _ignore(statuses: int | tuple[int, ...], call: Any, *args: Any) -> None:
+    allowed = (statuses,) if isinstance(statuses, int) else statuses
+    try:
+        call(*args)
+    except ApiException as exc:
+        if exc.status not in allowed:
+            raise

@@ -1,0 +1,256 @@
+"""`baton controller` against the real API server, scheduler and kwok trays: placement of a
+whole cell, capacity problems, gang recovery of the decode group, prefill scaling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from baton.devcluster import ControlPlane, add_trays, install_crd, remove_trays
+from baton.labels import DEPLOYMENT_LABEL, ROLE_LABEL
+from baton.processes import eventually, free_port, stop_process
+
+MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
+
+
+@pytest.fixture(scope="module")
+def controller(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[subprocess.Popen]:
+    install_crd(api)
+    log = (control_plane.directory / "controller.log").open("ab")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "baton.cli",
+            "controller",
+            f"--kubeconfig={control_plane.kubeconfig}",
+            "--lease-name=baton-controller-tests",
+            f"--metrics-port={free_port()}",
+            "--metrics-host=127.0.0.1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    yield process
+    stop_process(process)
+    assert "Traceback" not in (control_plane.directory / "controller.log").read_text()
+
+
+@pytest.fixture
+def rack(api: client.ApiClient, namespace: str, controller) -> Iterator[list[dict[str, Any]]]:
+    """One NVL72 rack of 18 kwok trays; removed after the test's deployments are gone."""
+    nodes = add_trays(api, 1)
+    yield nodes
+    custom = client.CustomObjectsApi(api)
+    core = client.CoreV1Api(api)
+    for item in custom.list_namespaced_custom_object(
+        "baton.dev", "v1alpha1", namespace, "modeldeployments"
+    )["items"]:
+        custom.delete_namespaced_custom_object(
+            "baton.dev", "v1alpha1", namespace, "modeldeployments", item["metadata"]["name"]
+        )
+    # Owner references would remove the pods too, once the garbage collector has discovered
+    # the CRD (up to 30 s after it appears); the test need not wait for that.
+    core.delete_collection_namespaced_pod(namespace, label_selector=DEPLOYMENT_LABEL)
+    eventually(lambda: not core.list_namespaced_pod(namespace).items, timeout=60)
+    remove_trays(api, nodes)
+
+
+def apply(api: client.ApiClient, namespace: str, name: str, spec: dict[str, Any]) -> None:
+    client.CustomObjectsApi(api).create_namespaced_custom_object(
+        "baton.dev",
+        "v1alpha1",
+        namespace,
+        "modeldeployments",
+        {
+            "apiVersion": "baton.dev/v1alpha1",
+            "kind": "ModelDeployment",
+            "metadata": {"name": name},
+            "spec": {"model": MODEL, **spec},
+        },
+    )
+
+
+def read(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    return client.CustomObjectsApi(api).get_namespaced_custom_object(
+        "baton.dev", "v1alpha1", namespace, "modeldeployments", name
+    )
+
+
+def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def wait_ready(api: client.ApiClient, namespace: str, name: str, timeout: float = 60) -> dict:
+    def ready() -> bool:
+        obj = read(api, namespace, name)
+        return (
+            condition(obj, "Ready").get("status") == "True"
+            and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+        )
+
+    try:
+        eventually(ready, timeout=timeout, interval=0.25)
+    except TimeoutError:
+        raise AssertionError(f"not Ready: {read(api, namespace, name).get('status')}") from None
+    return read(api, namespace, name)
+
+
+def pods(api: client.ApiClient, namespace: str, role: str | None = None) -> dict[str, Any]:
+    selector = f"{ROLE_LABEL}={role}" if role else DEPLOYMENT_LABEL
+    return {
+        p.metadata.name: p
+        for p in client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector).items
+    }
+
+
+def test_deployment_runs_whole_cell_in_one_nvlink_domain_and_reports_ready(
+    api, namespace, rack
+) -> None:
+    apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 4}}})
+    obj = wait_ready(api, namespace, "dsv4")
+    status = obj["status"]
+    running = pods(api, namespace)
+    assert len(running) == 8 + 4
+    assert all(p.status.phase == "Running" for p in running.values())
+    [cell] = status["cells"]
+    planned = dict(zip(cell["decode"]["pods"], cell["decode"]["trays"], strict=True))
+    planned |= {p["pod"]: p["tray"] for p in cell["prefill"]}
+    assert {name: p.spec.node_name for name, p in running.items()} == planned
+    domains = {
+        n["metadata"]["labels"]["nvidia.com/gpu.clique"]
+        for n in rack
+        if n["metadata"]["name"] in planned.values()
+    }
+    assert domains == {cell["domain"]}
+    assert len(cell["spareTrays"]) == 1 and cell["spareTrays"][0] not in planned.values()
+    assert (status["ready"], status["prefillReady"], status["decodeRanks"]) == ("1/1", "4/4", 32)
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "Placed": "True",
+        "Ready": "True",
+        "Progressing": "False",
+        "Degraded": "False",
+    }
+    [endpoints] = status["endpoints"]["cells"]
+    assert len(endpoints["prefill"]) == 4 and len(endpoints["decode"]) == 8
+    assert all(d["ranks"] == [0, 1, 2, 3] for d in endpoints["decode"])
+
+    # The printer columns, as kubectl get mdep asks the API server for them.
+    method, url, headers, _, _ = api.param_serialize(
+        "GET",
+        f"/apis/baton.dev/v1alpha1/namespaces/{namespace}/modeldeployments",
+        header_params={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
+        auth_settings=["BearerToken"],
+    )
+    response = api.call_api(method, url, headers)
+    response.read()
+    table = json.loads(response.data)
+    columns = [c["name"] for c in table["columnDefinitions"]]
+    row = dict(zip(columns, table["rows"][0]["cells"], strict=True))
+    assert (row["Ready"], row["Cells"], row["Prefill"], row["Decode Ranks"]) == (
+        "1/1",
+        1,
+        "4/4",
+        32,
+    )
+    assert "Age" in row
+    reasons = {
+        e.reason
+        for e in client.CoreV1Api(api).list_namespaced_event(namespace).items
+        if e.involved_object.name == "dsv4"
+    }
+    assert "Placed" in reasons
+
+
+def test_too_little_capacity_places_no_partial_cell(api, namespace, rack) -> None:
+    apply(api, namespace, "dsv4", {"cells": 2, "cell": {"prefill": {"instances": 2}}})
+
+    def judged() -> bool:
+        return condition(read(api, namespace, "dsv4"), "Placed").get("status") == "False"
+
+    eventually(judged, timeout=30, interval=0.25)
+    placed = condition(read(api, namespace, "dsv4"), "Placed")
+    assert placed["reason"] == "InsufficientCapacity"
+    assert "dsv4-cell-1" in placed["message"]
+    wait_for = {f"dsv4-cell-0-decode-{i}" for i in range(8)}
+    eventually(lambda: wait_for <= set(pods(api, namespace)), timeout=30)
+    assert not [name for name in pods(api, namespace) if name.startswith("dsv4-cell-1")]
+
+
+def test_deleted_decode_pod_restarts_the_whole_group(api, namespace, rack) -> None:
+    apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
+    wait_ready(api, namespace, "dsv4")
+    before = {name: p.metadata.uid for name, p in pods(api, namespace).items()}
+    client.CoreV1Api(api).delete_namespaced_pod("dsv4-cell-0-decode-5", namespace)
+
+    def group_recreated() -> bool:
+        decode = pods(api, namespace, "decode")
+        return len(decode) == 8 and all(
+            p.metadata.uid != before[name] and p.status.phase == "Running"
+            for name, p in decode.items()
+        )
+
+    eventually(group_recreated, timeout=60, interval=0.25)
+    obj = wait_ready(api, namespace, "dsv4")
+    prefill = pods(api, namespace, "prefill")
+    assert {name: p.metadata.uid for name, p in prefill.items()} == {
+        name: uid for name, uid in before.items() if "prefill" in name
+    }
+    assert len(obj["status"]["cells"][0]["restarts"]) == 1
+    reasons = [e.reason for e in client.CoreV1Api(api).list_namespaced_event(namespace).items]
+    assert "GroupRestarting" in reasons
+
+
+def test_tray_not_ready_moves_the_group_to_the_spare(api, namespace, rack) -> None:
+    apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
+    cell = wait_ready(api, namespace, "dsv4")["status"]["cells"][0]
+    failing, spare = cell["decode"]["trays"][3], cell["spareTrays"][0]
+    core = client.CoreV1Api(api)
+    # kwok stops playing this tray's kubelet; the tray then reports NotReady.
+    core.patch_node(failing, {"metadata": {"annotations": {"kwok.x-k8s.io/node": None}}})
+    node = core.read_node_status(failing)
+    for c in node.status.conditions:
+        if c.type == "Ready":
+            c.status, c.reason = "False", "KubeletNotReady"
+    core.replace_node_status(failing, node)
+
+    def moved() -> bool:
+        decode = pods(api, namespace, "decode")
+        return (
+            len(decode) == 8
+            and decode["dsv4-cell-0-decode-3"].spec.node_name == spare
+            and all(p.status.phase == "Running" for p in decode.values())
+        )
+
+    eventually(moved, timeout=60, interval=0.25)
+    cell = wait_ready(api, namespace, "dsv4")["status"]["cells"][0]
+    assert cell["decode"]["trays"][3] == spare
+    assert failing not in cell["decode"]["trays"] + cell["spareTrays"]
+
+
+def test_prefill_scales_up_and_down_without_touching_decode(api, namespace, rack) -> None:
+    apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
+    wait_ready(api, namespace, "dsv4")
+    decode = {name: p.metadata.uid for name, p in pods(api, namespace, "decode").items()}
+    custom = client.CustomObjectsApi(api)
+    for instances in (6, 1):
+        custom.patch_namespaced_custom_object(
+            "baton.dev",
+            "v1alpha1",
+            namespace,
+            "modeldeployments",
+            "dsv4",
+            {"spec": {"cell": {"prefill": {"instances": instances}}}},
+        )
+        wanted = {f"dsv4-cell-0-prefill-{i}" for i in range(instances)}
+        eventually(lambda w=wanted: set(pods(api, namespace, "prefill")) == w, timeout=60)
+        obj = wait_ready(api, namespace, "dsv4")
+        assert obj["status"]["prefillReady"] == f"{instances}/{instances}"
+        now = {name: p.metadata.uid for name, p in pods(api, namespace, "decode").items()}
+        assert now == decode
