@@ -246,7 +246,7 @@ class Controller:
         not act twice on what it has not seen yet (client-go's ReplicaSet keeps
         "expectations" for the same reason)."""
 
-        def seen() -> bool:
+        def unseen() -> str | None:
             pods = {
                 p["metadata"]["name"]: p
                 for p in self.pods.items()
@@ -265,21 +265,24 @@ class Controller:
             for manifest in decision.create:
                 name = manifest["metadata"]["name"]
                 if name not in (services if manifest["kind"] == "Service" else pods):
-                    return False
+                    return f"created {manifest['kind']} {name}"
             for name in decision.delete_pods:
                 if name in pods and not pods[name]["metadata"].get("deletionTimestamp"):
-                    return False
+                    return f"deleted pod {name}"
             for name in decision.ungate:
                 gates = pods.get(name, {}).get("spec", {}).get("schedulingGates") or []
                 if any(g["name"] == CELL_GATE for g in gates):
-                    return False
-            return all(
-                _at_least(deployments.get(name, version), version)
-                for name, version in status_versions.items()
-            )
+                    return f"ungated pod {name}"
+            for name, version in status_versions.items():
+                if not _at_least(deployments.get(name, version), version):
+                    return f"status of {name}"
+            return None
 
         deadline = time.monotonic() + 5.0
-        while not seen() and time.monotonic() < deadline and not self._stop.is_set():
+        while (missing := unseen()) is not None and not self._stop.is_set():
+            if time.monotonic() > deadline:
+                log.warning("%s: the cache has not seen the %s yet; going on", namespace, missing)
+                break
             time.sleep(0.01)
 
     def _count(self, verb: str, resource: str) -> None:

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from kubernetes import client, config
+from kubernetes.client.rest import ApiException
 
-from baton.devcluster import ControlPlane, binaries_dir, start_control_plane
+from baton.devcluster import (
+    ControlPlane,
+    add_trays,
+    binaries_dir,
+    install_crd,
+    remove_trays,
+    start_control_plane,
+)
+from baton.labels import DEPLOYMENT_LABEL
+from baton.processes import eventually
 
 
 @pytest.fixture(scope="session")
@@ -30,4 +41,29 @@ def namespace(api: client.ApiClient) -> Iterator[str]:
     core = client.CoreV1Api(api)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     yield name
+    try:  # the deployments first: a controller must not place a terminating namespace's cells
+        client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(
+            "baton.dev", "v1alpha1", name, "modeldeployments"
+        )
+    except ApiException as exc:
+        if exc.status != 404:  # no CRD installed yet
+            raise
     core.delete_namespace(name)
+
+
+@pytest.fixture
+def rack(api: client.ApiClient, namespace: str) -> Iterator[list[dict[str, Any]]]:
+    """One NVL72 rack of 18 kwok trays; removed after the test's deployments are gone."""
+    install_crd(api)
+    nodes = add_trays(api, 1)
+    yield nodes
+    custom = client.CustomObjectsApi(api)
+    core = client.CoreV1Api(api)
+    custom.delete_collection_namespaced_custom_object(
+        "baton.dev", "v1alpha1", namespace, "modeldeployments"
+    )
+    # Owner references would remove the pods too, once the garbage collector has discovered
+    # the CRD (up to 30 s after it appears); the test need not wait for that.
+    core.delete_collection_namespaced_pod(namespace, label_selector=DEPLOYMENT_LABEL)
+    eventually(lambda: not core.list_namespaced_pod(namespace).items, timeout=60)
+    remove_trays(api, nodes)

@@ -5,109 +5,31 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from kubernetes import client
 
-from baton.devcluster import ControlPlane, add_trays, install_crd, remove_trays
-from baton.labels import DEPLOYMENT_LABEL, ROLE_LABEL
-from baton.processes import eventually, free_port, stop_process
+from baton.devcluster import ControlPlane, install_crd
+from baton.processes import eventually, stop_process
+from tests.k8s.helpers import (
+    apply,
+    condition,
+    controller_log,
+    pods,
+    read,
+    start_controller,
+    wait_ready,
+)
 
-MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
 
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def controller(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[subprocess.Popen]:
     install_crd(api)
-    log = (control_plane.directory / "controller.log").open("ab")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "baton.cli",
-            "controller",
-            f"--kubeconfig={control_plane.kubeconfig}",
-            "--lease-name=baton-controller-tests",
-            f"--metrics-port={free_port()}",
-            "--metrics-host=127.0.0.1",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    process = start_controller(control_plane, "controller", "baton-controller-tests")
     yield process
     stop_process(process)
-    assert "Traceback" not in (control_plane.directory / "controller.log").read_text()
-
-
-@pytest.fixture
-def rack(api: client.ApiClient, namespace: str, controller) -> Iterator[list[dict[str, Any]]]:
-    """One NVL72 rack of 18 kwok trays; removed after the test's deployments are gone."""
-    nodes = add_trays(api, 1)
-    yield nodes
-    custom = client.CustomObjectsApi(api)
-    core = client.CoreV1Api(api)
-    for item in custom.list_namespaced_custom_object(
-        "baton.dev", "v1alpha1", namespace, "modeldeployments"
-    )["items"]:
-        custom.delete_namespaced_custom_object(
-            "baton.dev", "v1alpha1", namespace, "modeldeployments", item["metadata"]["name"]
-        )
-    # Owner references would remove the pods too, once the garbage collector has discovered
-    # the CRD (up to 30 s after it appears); the test need not wait for that.
-    core.delete_collection_namespaced_pod(namespace, label_selector=DEPLOYMENT_LABEL)
-    eventually(lambda: not core.list_namespaced_pod(namespace).items, timeout=60)
-    remove_trays(api, nodes)
-
-
-def apply(api: client.ApiClient, namespace: str, name: str, spec: dict[str, Any]) -> None:
-    client.CustomObjectsApi(api).create_namespaced_custom_object(
-        "baton.dev",
-        "v1alpha1",
-        namespace,
-        "modeldeployments",
-        {
-            "apiVersion": "baton.dev/v1alpha1",
-            "kind": "ModelDeployment",
-            "metadata": {"name": name},
-            "spec": {"model": MODEL, **spec},
-        },
-    )
-
-
-def read(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
-    return client.CustomObjectsApi(api).get_namespaced_custom_object(
-        "baton.dev", "v1alpha1", namespace, "modeldeployments", name
-    )
-
-
-def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), {})
-
-
-def wait_ready(api: client.ApiClient, namespace: str, name: str, timeout: float = 60) -> dict:
-    def ready() -> bool:
-        obj = read(api, namespace, name)
-        return (
-            condition(obj, "Ready").get("status") == "True"
-            and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
-        )
-
-    try:
-        eventually(ready, timeout=timeout, interval=0.25)
-    except TimeoutError:
-        raise AssertionError(f"not Ready: {read(api, namespace, name).get('status')}") from None
-    return read(api, namespace, name)
-
-
-def pods(api: client.ApiClient, namespace: str, role: str | None = None) -> dict[str, Any]:
-    selector = f"{ROLE_LABEL}={role}" if role else DEPLOYMENT_LABEL
-    return {
-        p.metadata.name: p
-        for p in client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector).items
-    }
+    assert "Traceback" not in controller_log(control_plane, "controller")
 
 
 def test_deployment_runs_whole_cell_in_one_nvlink_domain_and_reports_ready(

@@ -1,0 +1,222 @@
+"""controller/decide.py: one reconcile's actions from observed objects, without an API server.
+
+``World`` plays back each decision the way the API server, scheduler and kubelet would (pods
+created gated, ungated pods bound to their planned tray and Ready), so a test can step the
+controller through a whole story; tests/k8s runs the same stories on a real control plane.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from baton.labels import CELL_GATE, QUARANTINED_ANNOTATION, TRAY_FAILURES_ANNOTATION
+from baton.topology import synthetic_nodes
+from controller.decide import Decision, Observed, RestartPolicy, decide
+
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+NAMESPACE = "serving"
+
+
+@dataclass
+class World:
+    nodes: list[dict[str, Any]]
+    deployment: dict[str, Any]
+    pods: dict[str, dict[str, Any]] = field(default_factory=dict)
+    services: dict[str, dict[str, Any]] = field(default_factory=dict)
+    now: datetime = T0
+    next_ip: int = 1
+
+    def observe(self) -> Observed:
+        return Observed(
+            NAMESPACE,
+            [self.deployment],
+            self.nodes,
+            list(self.pods.values()),
+            list(self.services.values()),
+            self.now,
+        )
+
+    def step(self, policy: RestartPolicy | None = None) -> Decision:
+        decision = decide(self.observe(), policy)
+        for name in decision.delete_pods:
+            self.pods.pop(name, None)
+        for name in decision.delete_services:
+            self.services.pop(name, None)
+        for manifest in decision.create:
+            target = self.services if manifest["kind"] == "Service" else self.pods
+            target.setdefault(manifest["metadata"]["name"], copy.deepcopy(manifest))
+        for name in decision.ungate:
+            pod = self.pods[name]
+            pod["spec"]["schedulingGates"] = []
+            tray = pod["spec"]["affinity"]["nodeAffinity"][
+                "requiredDuringSchedulingIgnoredDuringExecution"
+            ]["nodeSelectorTerms"][0]["matchExpressions"][0]["values"][0]
+            pod["spec"]["nodeName"] = tray
+            pod["status"] = {
+                "phase": "Running",
+                "podIP": f"127.64.0.{self.next_ip}",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            }
+            self.next_ip += 1
+        nodes = {node["metadata"]["name"]: node for node in self.nodes}
+        for mark in decision.trays:
+            annotations = nodes[mark.node]["metadata"]["annotations"]
+            annotations[TRAY_FAILURES_ANNOTATION] = str(mark.failures)
+            if mark.quarantine:
+                annotations[QUARANTINED_ANNOTATION] = mark.quarantine
+        if decision.status:
+            self.deployment["status"] = decision.status["dsv4"]
+        return decision
+
+    def settle(self, steps: int = 5) -> None:
+        for _ in range(steps):
+            decision = self.step()
+            if not (decision.create or decision.delete_pods or decision.ungate):
+                return
+
+    def condition(self, kind: str) -> dict[str, Any]:
+        return next(c for c in self.deployment["status"]["conditions"] if c["type"] == kind)
+
+    def fail(self, name: str) -> None:
+        self.pods[name]["status"]["phase"] = "Failed"
+
+
+def world(racks: int = 1, trays_per_rack: int = 18, **spec: Any) -> World:
+    deployment = {
+        "apiVersion": "baton.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {
+            "name": "dsv4",
+            "namespace": NAMESPACE,
+            "uid": "uid-1",
+            "generation": 1,
+            "creationTimestamp": "2026-11-29T11:00:00Z",
+        },
+        "spec": {"model": "deepseek-ai/DeepSeek-V4.1-Flash", **spec},
+    }
+    return World(synthetic_nodes(racks, trays_per_rack=trays_per_rack), deployment)
+
+
+def names(prefix: str, count: int) -> set[str]:
+    return {f"dsv4-cell-0-{prefix}-{i}" for i in range(count)}
+
+
+def test_first_reconcile_creates_the_whole_cell_gated_and_records_its_placement() -> None:
+    w = world(cell={"prefill": {"instances": 4}})
+    decision = w.step()
+    kinds = [m["kind"] for m in decision.create]
+    assert kinds == ["Service"] + ["Pod"] * 12
+    assert all(m["spec"]["schedulingGates"] == [{"name": CELL_GATE}] for m in decision.create[1:])
+    assert decision.ungate == []  # not before every pod of the cell exists
+    [cell] = w.deployment["status"]["cells"]
+    assert len(cell["decode"]["trays"]) == 8 and len(cell["spareTrays"]) == 1
+    assert w.condition("Placed")["status"] == "True"
+    assert w.condition("Ready")["status"] == "False"
+    assert [e.reason for e in decision.events] == ["Placed"]
+
+
+def test_gates_of_the_cell_are_lifted_together_once_every_pod_exists() -> None:
+    w = world(cell={"prefill": {"instances": 4}})
+    w.step()
+    decision = w.step()
+    assert sorted(decision.ungate) == sorted(names("decode", 8) | names("prefill", 4))
+    assert decision.create == []
+    w.step()
+    status = w.deployment["status"]
+    assert (status["ready"], status["prefillReady"], status["decodeRanks"]) == ("1/1", "4/4", 32)
+    assert w.condition("Ready")["status"] == "True"
+    assert len(status["endpoints"]["cells"][0]["decode"]) == 8
+
+
+def test_a_failed_decode_pod_restarts_the_whole_group_and_counts_against_its_tray() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    prefill_before = {n: id(p) for n, p in w.pods.items() if "prefill" in n}
+    tray = w.pods["dsv4-cell-0-decode-2"]["spec"]["nodeName"]
+    w.fail("dsv4-cell-0-decode-2")
+    decision = w.step()
+    assert set(decision.delete_pods) == names("decode", 8)
+    assert [e.reason for e in decision.events] == ["GroupRestarting"]
+    assert [(m.node, m.failures, m.quarantine) for m in decision.trays] == [(tray, 1, None)]
+    assert w.condition("Degraded")["reason"] == "GroupRestarting"
+    w.settle()
+    assert {n: id(p) for n, p in w.pods.items() if "prefill" in n} == prefill_before
+    assert w.condition("Ready")["status"] == "True"
+    assert len(w.deployment["status"]["cells"][0]["restarts"]) == 1
+
+
+def test_a_second_restart_waits_out_its_backoff() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    w.fail("dsv4-cell-0-decode-0")
+    w.settle()
+    w.now += timedelta(seconds=1)
+    w.fail("dsv4-cell-0-decode-1")
+    decision = w.step()
+    assert decision.delete_pods == []
+    assert decision.requeue_after is not None and 3.5 < decision.requeue_after <= 4.0
+    assert w.condition("Degraded")["reason"] == "RestartBackoff"
+    w.now += timedelta(seconds=5)
+    assert set(w.step().delete_pods) == names("decode", 8)
+
+
+def test_restart_backoff_doubles_and_the_budget_stops_restarts() -> None:
+    policy = RestartPolicy(base=timedelta(seconds=5), budget=3)
+    restarts = [T0, T0 + timedelta(seconds=10)]
+    assert policy.wait([], T0) == timedelta(0)
+    assert policy.wait(restarts[:1], T0 + timedelta(seconds=2)) == timedelta(seconds=3)
+    assert policy.wait(restarts, T0 + timedelta(seconds=12)) == timedelta(seconds=8)
+    assert policy.wait([*restarts, T0 + timedelta(seconds=30)], T0 + timedelta(hours=0.5)) is None
+
+
+def test_a_tray_failing_repeatedly_is_quarantined_and_avoided() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    tray = w.pods["dsv4-cell-0-decode-0"]["spec"]["nodeName"]
+    node = next(n for n in w.nodes if n["metadata"]["name"] == tray)
+    node["metadata"]["annotations"][TRAY_FAILURES_ANNOTATION] = "2"
+    w.fail("dsv4-cell-0-decode-0")
+    decision = w.step()
+    [mark] = decision.trays
+    assert mark.failures == 3 and mark.quarantine is not None
+    assert "TrayQuarantined" in [e.reason for e in decision.events]
+    w.settle()
+    assert tray not in {p["spec"].get("nodeName") for p in w.pods.values()}
+    assert w.condition("Ready")["status"] == "True"
+    assert w.condition("Degraded")["reason"] == "TrayQuarantined"
+
+
+def test_scaling_prefill_down_deletes_only_the_highest_prefill_instances() -> None:
+    w = world(cell={"prefill": {"instances": 4}})
+    w.settle()
+    w.deployment["spec"]["cell"]["prefill"]["instances"] = 1
+    w.deployment["metadata"]["generation"] = 2
+    decision = w.step()
+    assert sorted(decision.delete_pods) == sorted(names("prefill", 4) - names("prefill", 1))
+    assert decision.create == []
+    assert w.deployment["status"]["prefillReady"] == "1/1"
+
+
+def test_too_little_capacity_creates_nothing_and_says_what_is_missing() -> None:
+    w = world(trays_per_rack=8)
+    decision = w.step()
+    assert decision.create == []
+    placed = w.condition("Placed")
+    assert (placed["status"], placed["reason"]) == ("False", "InsufficientCapacity")
+    assert "whole trays" in placed["message"]
+    assert [e.reason for e in decision.events] == ["InsufficientCapacity"]
+
+
+def test_nothing_changes_once_the_cell_is_ready() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    decision = w.step()
+    assert (decision.create, decision.delete_pods, decision.ungate, decision.status) == (
+        [],
+        [],
+        [],
+        {},
+    )
