@@ -31,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from router.discovery import watch_pool_file
+from router.discovery import DeploymentRef, DeploymentWatch, watch_pool_file
 from router.errors import (
     GatewayError,
     InvalidRequest,
@@ -54,7 +54,7 @@ log = logging.getLogger("baton.gateway")
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    pool: PoolSpec
+    pool: PoolSpec | None  # None: the pool comes from model_deployment's status
     api_keys: tuple[str, ...] = ()
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -62,6 +62,7 @@ class GatewayConfig:
     health_interval_s: float = 2.0
     load_sync_interval_s: float = 2.0
     pool_file: Path | None = None  # reloaded when it changes
+    model_deployment: DeploymentRef | None = None
 
 
 class RelayResponse(Response):
@@ -177,7 +178,7 @@ def create_app(
     metrics = metrics or GatewayMetrics()
     services = _Services()
     services.pool = pool or Pool(
-        config.pool,
+        config.pool.cells if config.pool is not None else (),
         health_interval_s=config.health_interval_s,
         load_sync_interval_s=config.load_sync_interval_s,
     )
@@ -199,11 +200,19 @@ def create_app(
                 watcher = asyncio.get_running_loop().create_task(
                     watch_pool_file(config.pool_file, services.pool)
                 )
+            deployment = None
+            if config.model_deployment is not None:
+                deployment = DeploymentWatch(
+                    config.model_deployment, services.pool, asyncio.get_running_loop()
+                )
+                deployment.start()
             try:
                 yield
             finally:
                 if watcher is not None:
                     watcher.cancel()
+                if deployment is not None:
+                    deployment.stop()
                 await services.pool.stop()
                 upstream.close()
 

@@ -1,6 +1,7 @@
 """``baton gateway``: the OpenAI-compatible gateway on uvicorn (uvloop, httptools).
 
-Targets come from ``--prefill``/``--decode`` flags (one cell, "default") or a ``--pool`` file.
+Targets come from ``--prefill``/``--decode`` flags (one cell, "default"), a ``--pool`` file, or
+the status of a ModelDeployment (``--model-deployment NAMESPACE/NAME``, watched).
 API keys come from ``--api-key`` (repeatable), ``BATON_API_KEYS`` (comma-separated) and
 ``--api-key-file`` (one per line); they are never logged.
 """
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from router.app import GatewayConfig, create_gateway
+from router.discovery import DeploymentRef
 from router.handoff import Timeouts
 from router.policy import PrefillPolicy, RoutingPolicy
 from router.pool import CellSpec, PoolSpec, load_pool_file, parse_decode_flag
@@ -42,6 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(local indices under hybrid LB), routed by X-data-parallel-rank",
     )
     parser.add_argument("--pool", type=Path, help="YAML pool file (cells); reloaded on change")
+    parser.add_argument(
+        "--model-deployment",
+        metavar="NAMESPACE/NAME",
+        help="route to the endpoints this ModelDeployment's status publishes (watched)",
+    )
+    parser.add_argument(
+        "--kubeconfig",
+        type=Path,
+        default=os.environ.get("KUBECONFIG"),
+        help="with --model-deployment (default: $KUBECONFIG, else the service account)",
+    )
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY")
     parser.add_argument("--api-key-file", type=Path, metavar="FILE")
     parser.add_argument(
@@ -88,9 +101,17 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    if args.pool is not None:
-        if args.prefill or args.decode:
-            raise ValueError("--pool: give either a pool file or --prefill/--decode, not both")
+    sources = [args.pool is not None, bool(args.decode), args.model_deployment is not None]
+    if sum(sources) > 1:
+        raise ValueError(
+            "give one source of engines: --pool FILE, --prefill/--decode URLs or "
+            "--model-deployment NAMESPACE/NAME"
+        )
+    deployment = None
+    pool: PoolSpec | None = None
+    if args.model_deployment is not None:
+        deployment = DeploymentRef.parse(args.model_deployment, args.kubeconfig)
+    elif args.pool is not None:
         pool = load_pool_file(args.pool)
     elif args.decode:
         decode = tuple(parse_decode_flag(value) for value in args.decode)
@@ -98,7 +119,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             cells=(CellSpec(name="default", prefill=tuple(args.prefill), decode=decode),)
         )
     else:
-        raise ValueError("--decode: at least one decode engine is required (or --pool FILE)")
+        raise ValueError(
+            "--decode: at least one decode engine is required "
+            "(or --pool FILE, or --model-deployment NAMESPACE/NAME)"
+        )
     return GatewayConfig(
         pool=pool,
         api_keys=_api_keys(args),
@@ -116,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         health_interval_s=args.health_interval,
         load_sync_interval_s=args.health_interval,
         pool_file=args.pool,
+        model_deployment=deployment,
     )
 
 

@@ -7,8 +7,8 @@ from the engines' own ``vllm:num_requests_running`` and ``vllm:num_requests_wait
 gateway replicas converge on the same view). It hands out immutable :class:`PoolSnapshot` objects
 for the pure policy to choose over.
 
-Targets come from a :class:`PoolSpec` (flags or a YAML pool file, reloaded when it changes); the
-same ``update`` call will take them from ModelDeployment status once the operator exists.
+Targets come as cells: from flags or a YAML pool file (:class:`PoolSpec`, reloaded when it
+changes) or from a ModelDeployment's status (``router/discovery.py``), through one ``update``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,7 +155,7 @@ class _Server:
 class Pool:
     def __init__(
         self,
-        spec: PoolSpec,
+        cells: Sequence[CellSpec],
         *,
         health_interval_s: float = 2.0,
         load_sync_interval_s: float = 2.0,
@@ -171,15 +171,15 @@ class Pool:
         self._servers: dict[str, _Server] = {}
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.update(spec)
+        self.update(cells)
 
     # ---- targets
 
-    def update(self, spec: PoolSpec) -> None:
+    def update(self, cells: Sequence[CellSpec]) -> None:
         """Take a new set of targets; targets that stay keep their load and health."""
         prefill: dict[str, _Target] = {}
         decode: dict[str, _Target] = {}
-        for cell in spec.cells:
+        for cell in cells:
             for url in cell.prefill:
                 prefill[url] = self.prefill.get(url) or self._target(url, url, cell.name)
                 prefill[url].cell = cell.name
@@ -227,11 +227,12 @@ class Pool:
         return tuple(names)
 
     def ready(self) -> bool:
-        """A healthy decode target, and a healthy prefill target when prefill is configured
-        (a decode-only pool serves every request from decode)."""
+        """A healthy decode target whose models are known, and a healthy prefill target when
+        prefill is configured (a decode-only pool serves every request from decode)."""
         now = time.monotonic()
         prefill_ok = not self.prefill or any(t.healthy(now) for t in self.prefill.values())
-        return prefill_ok and any(t.healthy(now) for t in self.decode.values())
+        decode_ok = any(t.healthy(now) for t in self.decode.values())
+        return prefill_ok and decode_ok and bool(self.models)
 
     # ---- load accounting (called by the handoff)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,8 @@ from baton.devcluster import (
     start_control_plane,
 )
 from baton.labels import DEPLOYMENT_LABEL
-from baton.processes import eventually
+from baton.processes import eventually, stop_process
+from tests.k8s.helpers import controller_log, start_controller
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +69,13 @@ def rack(api: client.ApiClient, namespace: str) -> Iterator[list[dict[str, Any]]
     core.delete_collection_namespaced_pod(namespace, label_selector=DEPLOYMENT_LABEL)
     eventually(lambda: not core.list_namespaced_pod(namespace).items, timeout=60)
     remove_trays(api, nodes)
+
+
+@pytest.fixture(scope="module")
+def controller(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[subprocess.Popen]:
+    """One ``baton controller`` for a test module; its log must show no traceback."""
+    install_crd(api)
+    process = start_controller(control_plane, "controller", "baton-controller-tests")
+    yield process
+    stop_process(process)
+    assert "Traceback" not in controller_log(control_plane, "controller")

@@ -4,32 +4,20 @@ whole cell, capacity problems, gang recovery of the decode group, prefill scalin
 from __future__ import annotations
 
 import json
-import subprocess
-from collections.abc import Iterator
 
 import pytest
 from kubernetes import client
 
-from baton.devcluster import ControlPlane, install_crd
-from baton.processes import eventually, stop_process
+from baton.processes import eventually
 from tests.k8s.helpers import (
     apply,
     condition,
-    controller_log,
     pods,
     read,
-    start_controller,
     wait_ready,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def controller(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[subprocess.Popen]:
-    install_crd(api)
-    process = start_controller(control_plane, "controller", "baton-controller-tests")
-    yield process
-    stop_process(process)
-    assert "Traceback" not in controller_log(control_plane, "controller")
+pytestmark = pytest.mark.usefixtures("controller")
 
 
 def test_deployment_runs_whole_cell_in_one_nvlink_domain_and_reports_ready(

@@ -20,8 +20,8 @@ P0, P1, P2 = "http://p0:1", "http://p1:1", "http://p2:1"
 D0, D1 = "http://d0:1", "http://d1:1"
 
 
-def spec(*cells: tuple[str, tuple[str, ...], tuple[DecodeServerSpec, ...]]) -> PoolSpec:
-    return PoolSpec(cells=tuple(CellSpec(name=n, prefill=p, decode=d) for n, p, d in cells))
+def spec(*cells: tuple[str, tuple[str, ...], tuple[DecodeServerSpec, ...]]) -> tuple[CellSpec, ...]:
+    return tuple(CellSpec(name=n, prefill=p, decode=d) for n, p, d in cells)
 
 
 def ranks(url: str, *numbers: int) -> DecodeServerSpec:
@@ -195,7 +195,9 @@ def test_pool_file_loads_cells_with_normalised_urls(tmp_path: Path) -> None:
         "cells:\n- name: c0\n  prefill: ['http://p:1/']\n"
         "  decode: [{url: 'http://d:1/', ranks: [0, 1]}]\n",
     )
-    assert load_pool_file(path) == spec(("c0", ("http://p:1",), (ranks("http://d:1", 0, 1),)))
+    assert load_pool_file(path) == PoolSpec(
+        cells=spec(("c0", ("http://p:1",), (ranks("http://d:1", 0, 1),)))
+    )
 
 
 @pytest.mark.parametrize(

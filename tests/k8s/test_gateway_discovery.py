@@ -1,0 +1,110 @@
+"""The gateway finds its engines in a ModelDeployment's status: the controller places a small
+cell on kwok trays, the test runs each pod's own command line (``baton sim``, as
+``engine.command`` says) at the pod's loopback IP, and the real ``openai`` client streams
+through ``baton gateway --model-deployment``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from baton.processes import eventually, free_port, stop_process, wait_healthy
+from tests.k8s.helpers import apply, pods, wait_ready
+
+pytestmark = pytest.mark.usefixtures("controller")
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen]]:
+    started: list[subprocess.Popen] = []
+    yield started
+    for process in started:
+        stop_process(process)
+
+
+def test_gateway_routes_to_the_endpoints_the_deployment_publishes(
+    api, namespace, rack, control_plane, processes, tmp_path: Path
+) -> None:
+    apply(
+        api,
+        namespace,
+        "dsv4",
+        {
+            "servedModelName": "dsv4",
+            "engine": {
+                "command": [sys.executable, "-m", "baton.cli", "sim"],
+                "args": ["--profile", "instant"],
+            },
+            "cell": {"decode": {"dep": 4, "spareTrays": 0}, "prefill": {"instances": 1}},
+        },
+    )
+    wait_ready(api, namespace, "dsv4")
+    for name, pod in pods(api, namespace).items():
+        ip = pod.status.pod_ip
+        assert ip.startswith("127.64.")  # kwok's loopback pod range: servable here
+        container = pod.spec.containers[0]
+        env = {e.name: e.value for e in container.env if e.value is not None}
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = ip  # what the fieldRef gives a real pod
+        log = tmp_path / f"{name}.log"
+        engine = subprocess.Popen(
+            [*container.command, "--host", ip],
+            env={**os.environ, **env},
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        processes.append(engine)
+        wait_healthy(f"http://{ip}:8000", engine, log)
+
+    port = free_port()
+    gateway_log = tmp_path / "gateway.log"
+    gateway = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "baton.cli",
+            "gateway",
+            "--model-deployment",
+            f"{namespace}/dsv4",
+            f"--kubeconfig={control_plane.kubeconfig}",
+            f"--port={port}",
+            "--health-interval=0.5",
+            "--pd-threshold-tokens=0",
+        ],
+        stdout=gateway_log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    processes.append(gateway)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, gateway, gateway_log)
+    eventually(lambda: httpx.get(f"{url}/ready", timeout=1).status_code == 200, timeout=30)
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["dsv4"]
+    stream = client.chat.completions.create(
+        model="dsv4",
+        messages=[{"role": "user", "content": "Plan the rollout of the new cell."}],
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+    # Both legs ran: the prefill engine served a KV handoff.
+    prefill_ip = pods(api, namespace, "prefill")["dsv4-cell-0-prefill-0"].status.pod_ip
+    metrics = httpx.get(f"http://{prefill_ip}:8000/metrics", timeout=5).text
+    assert "pool from ModelDeployment" in gateway_log.read_text()
+    served = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("vllm:request_success_total") and not line.endswith(" 0.0")
+    ]
+    assert served, metrics[:2000]
