@@ -1,10 +1,13 @@
 """The ModelDeployment CRD, generated from the pydantic models in ``baton/api.py``.
 
-``baton crd`` prints it; ``deploy/crds/baton.dev_modeldeployments.yaml`` is its checked-in copy
-and ``tests/unit/test_crd.py`` fails when the two differ. The conversion turns pydantic's JSON
-Schema into a Kubernetes structural schema: references inlined, ``Optional`` as ``nullable``,
-``const`` as a one-value ``enum``, JSON Schema 2020's numeric ``exclusiveMinimum`` as OpenAPI
-3.0's ``minimum`` plus ``exclusiveMinimum: true``, titles dropped.
+``baton crd`` prints it; ``helm/baton/crds/baton.dev_modeldeployments.yaml`` is its checked-in
+copy (the chart's CRD directory, which Helm installs before any template; without Helm,
+``kubectl apply -f`` it) and ``tests/unit/test_crd.py`` fails when the two differ.
+
+The conversion turns pydantic's JSON Schema into a Kubernetes structural schema: references
+inlined, ``Optional`` as ``nullable``, ``const`` as a one-value ``enum``, JSON Schema 2020's
+numeric ``exclusiveMinimum`` as OpenAPI 3.0's ``minimum`` plus ``exclusiveMinimum: true``,
+titles dropped.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from baton.api import GROUP, KIND, VERSION, ModelDeploymentSpec, ModelDeployment
 
 __all__ = ["CRD_PATH", "generate_crd", "main"]
 
-CRD_PATH = "deploy/crds/baton.dev_modeldeployments.yaml"
+CRD_PATH = "helm/baton/crds/baton.dev_modeldeployments.yaml"
 _DESCRIPTION = (
     "A model served with P/D disaggregation and wide EP, in cells of one decode "
     "group and its prefill instances per NVLink domain."

@@ -35,6 +35,7 @@ __all__ = [
     "install_crd",
     "remove_trays",
     "start_control_plane",
+    "write_kubeconfig",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,10 +101,11 @@ def _wait(plane: ControlPlane, check: Callable[[], bool], timeout: float) -> Non
     raise TimeoutError(f"the control plane was not ready within {timeout} s")
 
 
-def _write_kubeconfig(plane: ControlPlane) -> None:
+def write_kubeconfig(plane: ControlPlane, path: Path, token: str) -> Path:
+    """A kubeconfig for ``plane`` that authenticates with ``token``."""
     # The API server writes a self-signed serving certificate into --cert-dir; trust it.
     ca = plane.directory / "certs" / "apiserver.crt"
-    plane.kubeconfig.write_text(
+    path.write_text(
         yaml.safe_dump(
             {
                 "apiVersion": "v1",
@@ -114,12 +116,13 @@ def _write_kubeconfig(plane: ControlPlane) -> None:
                         "cluster": {"server": plane.server, "certificate-authority": str(ca)},
                     }
                 ],
-                "users": [{"name": "admin", "user": {"token": TOKEN}}],
-                "contexts": [{"name": "test", "context": {"cluster": "test", "user": "admin"}}],
+                "users": [{"name": "user", "user": {"token": token}}],
+                "contexts": [{"name": "test", "context": {"cluster": "test", "user": "user"}}],
                 "current-context": "test",
             }
         )
     )
+    return path
 
 
 def start_control_plane(directory: Path, bin_dir: Path) -> ControlPlane:
@@ -182,7 +185,7 @@ def start_control_plane(directory: Path, bin_dir: Path) -> ControlPlane:
             return response.status_code == 200
 
         _wait(plane, api_ready, 120)
-        _write_kubeconfig(plane)
+        write_kubeconfig(plane, plane.kubeconfig, TOKEN)
         common = [f"--kubeconfig={plane.kubeconfig}", "--leader-elect=false"]
         _spawn(
             plane, "kube-scheduler", [str(bin_dir / "kube-scheduler"), *common, "--secure-port=0"]

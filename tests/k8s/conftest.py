@@ -67,7 +67,10 @@ def rack(api: client.ApiClient, namespace: str) -> Iterator[list[dict[str, Any]]
     # Owner references would remove the pods too, once the garbage collector has discovered
     # the CRD (up to 30 s after it appears); the test need not wait for that.
     core.delete_collection_namespaced_pod(namespace, label_selector=DEPLOYMENT_LABEL)
-    eventually(lambda: not core.list_namespaced_pod(namespace).items, timeout=60)
+    eventually(
+        lambda: not core.list_namespaced_pod(namespace, label_selector=DEPLOYMENT_LABEL).items,
+        timeout=60,
+    )
     remove_trays(api, nodes)
 
 

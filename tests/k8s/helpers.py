@@ -14,8 +14,16 @@ from baton.labels import DEPLOYMENT_LABEL, ROLE_LABEL
 from baton.processes import eventually, free_port
 
 
-def start_controller(plane: ControlPlane, identity: str, lease: str) -> subprocess.Popen:
-    """``baton controller`` against the test cluster, logging to ``<identity>.log``."""
+def start_controller(
+    plane: ControlPlane,
+    identity: str,
+    lease: str,
+    *,
+    kubeconfig: Path | None = None,
+    lease_namespace: str = "default",
+) -> subprocess.Popen:
+    """``baton controller`` against the test cluster (as admin unless ``kubeconfig`` says
+    otherwise), logging to ``<identity>.log``."""
     log = (plane.directory / f"{identity}.log").open("ab")
     return subprocess.Popen(
         [
@@ -23,8 +31,9 @@ def start_controller(plane: ControlPlane, identity: str, lease: str) -> subproce
             "-m",
             "baton.cli",
             "controller",
-            f"--kubeconfig={plane.kubeconfig}",
+            f"--kubeconfig={kubeconfig or plane.kubeconfig}",
             f"--lease-name={lease}",
+            f"--lease-namespace={lease_namespace}",
             f"--identity={identity}",
             f"--metrics-port={free_port()}",
             "--metrics-host=127.0.0.1",
