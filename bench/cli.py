@@ -20,6 +20,7 @@ BENCHMARKS = {
     "gateway": "bench.gateway",
     "placement": "bench.placement",
     "eplb": "bench.eplb",
+    "controller": "bench.controller",
 }
 
 
