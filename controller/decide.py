@@ -678,13 +678,14 @@ def decide(observed: Observed, policy: RestartPolicy | None = None) -> Decision:
         status.cells = cells
         status.endpoints = endpoints
         status.decode_ranks = sum(c.decode.ready_ranks for c in cells)
-        target = status.eplb.get("target")
-        status.balance = f"{target.balance:.3f}" if target and target.balance is not None else ""
         quarantined = sorted(t.name for t in topology.trays if t.quarantined)
         _conditions(status, plan, deployment, outcomes, prefill_wanted, quarantined, now)
         status.observed_generation = deployment.generation
         if status != deployment.status:
-            decision.status[name] = status.model_dump(by_alias=True, exclude_none=True)
+            # eplb and balance belong to the EPLB service: a merge patch without them keeps them.
+            decision.status[name] = status.model_dump(
+                by_alias=True, exclude_none=True, exclude={"eplb", "balance"}
+            )
     nodes = {node["metadata"]["name"]: node for node in observed.nodes}
     for tray, (count, culprit) in sorted(failures.items()):
         node = nodes.get(tray)

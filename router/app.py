@@ -31,7 +31,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from router.discovery import DeploymentRef, DeploymentWatch, watch_pool_file
+from baton.follow import DeploymentRef
+from router.discovery import DeploymentWatch, watch_pool_file
 from router.errors import (
     GatewayError,
     InvalidRequest,

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from baton.follow import DeploymentRef
 from router.app import GatewayConfig, create_gateway
-from router.discovery import DeploymentRef
 from router.handoff import Timeouts
 from router.policy import PrefillPolicy, RoutingPolicy
 from router.pool import CellSpec, PoolSpec, load_pool_file, parse_decode_flag

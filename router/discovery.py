@@ -9,23 +9,18 @@ in one cell; a cell whose decode group is not ready has no decode endpoints and 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client, config, watch
-from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
-from urllib3.exceptions import HTTPError as Urllib3Error
 
-from baton.api import GROUP, VERSION, Endpoints
+from baton.api import Endpoints
+from baton.follow import DeploymentRef, ModelDeploymentFollower
 from router.pool import CellSpec, DecodeServerSpec, Pool, load_pool_file
 
-__all__ = ["DeploymentRef", "DeploymentWatch", "cells_from_status", "watch_pool_file"]
+__all__ = ["DeploymentWatch", "cells_from_status", "watch_pool_file"]
 
 log = logging.getLogger("baton.gateway.discovery")
 
@@ -57,22 +52,6 @@ async def watch_pool_file(path: Path, pool: Pool, interval_s: float = 1.0) -> No
         )
 
 
-@dataclass(frozen=True, slots=True)
-class DeploymentRef:
-    namespace: str
-    name: str
-    kubeconfig: Path | None = None  # None: the pod's service account
-
-    @classmethod
-    def parse(cls, value: str, kubeconfig: Path | None) -> DeploymentRef:
-        namespace, slash, name = value.partition("/")
-        if not slash or not namespace or not name:
-            raise ValueError(
-                f"--model-deployment {value}: expected NAMESPACE/NAME, e.g. serving/dsv4"
-            )
-        return cls(namespace, name, kubeconfig)
-
-
 def cells_from_status(status: Mapping[str, Any] | None) -> tuple[CellSpec, ...]:
     """The routable cells of a ModelDeployment status (cells without ready decode left out)."""
     endpoints = Endpoints.model_validate((status or {}).get("endpoints") or {})
@@ -88,28 +67,19 @@ def cells_from_status(status: Mapping[str, Any] | None) -> tuple[CellSpec, ...]:
 
 
 class DeploymentWatch:
-    """Follows one ModelDeployment in a daemon thread (the kubernetes client blocks) and hands
-    each changed set of cells to the pool on the gateway's event loop."""
+    """Hands each changed set of a ModelDeployment's ready cells to the pool, on the gateway's
+    event loop (the follower runs in a thread)."""
 
     def __init__(self, ref: DeploymentRef, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
         self.ref, self.pool, self.loop = ref, pool, loop
-        self._stop = threading.Event()
         self._applied: tuple[CellSpec, ...] | None = None
-        self._thread = threading.Thread(target=self._run, name="mdep-watch", daemon=True)
+        self._follower = ModelDeploymentFollower(ref, self._apply)
 
     def start(self) -> None:
-        self._thread.start()
+        self._follower.start()
 
     def stop(self) -> None:
-        self._stop.set()
-
-    def _api(self) -> client.CustomObjectsApi:
-        if self.ref.kubeconfig is not None:
-            return client.CustomObjectsApi(
-                config.new_client_from_config(config_file=str(self.ref.kubeconfig))
-            )
-        config.load_incluster_config()
-        return client.CustomObjectsApi()
+        self._follower.stop()
 
     def _apply(self, obj: Mapping[str, Any]) -> None:
         try:
@@ -129,41 +99,3 @@ class DeploymentWatch:
             sum(len(c.prefill) for c in cells),
             sum(len(c.decode) for c in cells),
         )
-
-    def _run(self) -> None:
-        api = self._api()
-        selector = f"metadata.name={self.ref.name}"
-        while not self._stop.is_set():
-            try:
-                listing = json.loads(
-                    api.list_namespaced_custom_object(
-                        GROUP,
-                        VERSION,
-                        self.ref.namespace,
-                        "modeldeployments",
-                        field_selector=selector,
-                        _preload_content=False,
-                    ).data
-                )
-                for item in listing["items"]:
-                    self._apply(item)
-                stream = watch.Watch().stream(
-                    api.list_namespaced_custom_object,
-                    GROUP,
-                    VERSION,
-                    self.ref.namespace,
-                    "modeldeployments",
-                    field_selector=selector,
-                    resource_version=listing["metadata"]["resourceVersion"],
-                    timeout_seconds=30,
-                )
-                for event in stream:
-                    if self._stop.is_set():
-                        return
-                    if event["type"] in ("ADDED", "MODIFIED"):
-                        self._apply(event["raw_object"])
-                    elif event["type"] == "DELETED":
-                        self._apply({})
-            except (ApiException, Urllib3Error, OSError, ValueError) as exc:
-                log.warning("watching ModelDeployment %s: %s", self.ref.name, exc)
-                self._stop.wait(1.0)

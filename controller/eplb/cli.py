@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -12,8 +13,10 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from baton.follow import DeploymentRef
 from baton.secrets import read_token
-from controller.eplb.config import EplbServiceConfig, StaticGroups, load_config
+from controller.eplb.config import EplbServiceConfig, GroupSource, StaticGroups, load_config
+from controller.eplb.discovery import ModelDeploymentGroups, publish_status
 from controller.eplb.metrics import EplbMetrics
 from controller.eplb.service import EplbService
 
@@ -29,6 +32,18 @@ def build_parser() -> argparse.ArgumentParser:
         "placement switches for every decode group (docs/eplb.md).",
     )
     parser.add_argument("--config", required=True, help="YAML: groups, agents, cadence")
+    parser.add_argument(
+        "--model-deployment",
+        metavar="NAMESPACE/NAME",
+        help="take the decode groups from this ModelDeployment's status (watched) and write "
+        "the measured balance back into it; the config then lists no groups",
+    )
+    parser.add_argument(
+        "--kubeconfig",
+        type=Path,
+        default=os.environ.get("KUBECONFIG"),
+        help="with --model-deployment (default: $KUBECONFIG, else the service account)",
+    )
     parser.add_argument("--metrics-port", type=int, default=None, help="serve /metrics here")
     parser.add_argument(
         "--metrics-host", default="127.0.0.1", help="address of /metrics (default 127.0.0.1)"
@@ -43,15 +58,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _serve(service: EplbService) -> None:
-    task = asyncio.create_task(service.run())
+async def _serve(
+    config: EplbServiceConfig,
+    metrics: EplbMetrics,
+    deployment: DeploymentRef | None,
+    token: str | None,
+    tls_ca: bytes | None,
+) -> None:
     loop = asyncio.get_running_loop()
+    source: GroupSource = StaticGroups(config.groups)
+    follower = None
+    if deployment is not None:
+        follower = ModelDeploymentGroups(deployment, loop)
+        follower.start()
+        source = follower
+    service = EplbService(config, source, metrics, token=token, tls_ca=tls_ca)
+    task = asyncio.create_task(service.run())
+    publisher = None
+    if deployment is not None:
+        publisher = asyncio.create_task(publish_status(service, deployment))
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     try:
         await task
     except asyncio.CancelledError:
         log.info("baton eplb stopping")
+    finally:
+        if publisher is not None:
+            publisher.cancel()
+        if follower is not None:
+            follower.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,6 +97,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         config: EplbServiceConfig = load_config(args.config)
+        deployment = None
+        if args.model_deployment is not None:
+            if config.groups:
+                raise ValueError(
+                    f"{args.config}: field 'groups': leave it out with --model-deployment "
+                    "(the groups come from the ModelDeployment's status)"
+                )
+            deployment = DeploymentRef.parse(args.model_deployment, args.kubeconfig)
+        elif not config.groups:
+            raise ValueError(
+                f"{args.config}: field 'groups': list the decode groups and their agents, "
+                "or pass --model-deployment NAMESPACE/NAME"
+            )
         token = read_token(args.token_file) if args.token_file else None
         tls_ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
     except ValueError as exc:
@@ -73,6 +122,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = EplbMetrics(registry, per_layer=config.per_layer_metrics)
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=registry)
-    service = EplbService(config, StaticGroups(config.groups), metrics, token=token, tls_ca=tls_ca)
-    asyncio.run(_serve(service))
+    asyncio.run(_serve(config, metrics, deployment, token, tls_ca))
     return 0

@@ -19,12 +19,14 @@
       - name: cell-0
         agents: ["10.0.0.5:50100"]   # every agent of the decode group (host:port)
 
-Static groups are the only source today; ``ModelDeployment`` status is the planned one (the
-service takes its groups from a :class:`GroupSource`).
+With ``baton eplb --model-deployment NAMESPACE/NAME`` the groups come from that
+ModelDeployment's status instead (every cell's decode group and its agents), and ``groups`` is
+left out.
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Protocol
 
@@ -106,9 +108,14 @@ def load_config(path: str | Path) -> EplbServiceConfig:
 
 
 class GroupSource(Protocol):
-    """Where the decode groups come from (a static file now; ModelDeployment status later)."""
+    """Where the decode groups come from: the configuration file, or a ModelDeployment's
+    status (``controller/eplb/discovery.py``)."""
 
     def decode_groups(self) -> tuple[GroupSpec, ...]: ...
+
+    async def changed(self) -> None:
+        """Return once the groups may have changed."""
+        ...
 
 
 class StaticGroups:
@@ -117,3 +124,6 @@ class StaticGroups:
 
     def decode_groups(self) -> tuple[GroupSpec, ...]:
         return self._groups
+
+    async def changed(self) -> None:
+        await asyncio.Event().wait()  # a file's groups never change while running

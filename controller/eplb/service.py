@@ -27,6 +27,7 @@ Every decision and switch is logged, counted (``controller.eplb.metrics``) and k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -116,6 +117,10 @@ class GroupRunner:
         self.tracks: dict[str, _ModelTrack] = {}
         self.records: list[SwitchRecord] = []
         self.achieved: dict[str, float] = {}
+        # Latest window balance per model (at each decision, then as achieved after a
+        # switch) and the step the last switch took effect: what status reports.
+        self.balance: dict[str, float] = {}
+        self.last_rebalance_step: dict[str, int] = {}
         self._incarnations: dict[str, str] = {}
         self._failing = False
         self.synced = asyncio.Event()
@@ -264,6 +269,7 @@ class GroupRunner:
         if window.steps:
             self.metrics.step_balance.labels(*labels).set(window.step_balance)
             self._set_layer_balance(track, window.load)
+            self.balance[track.name] = decision.balance_before
         if decision.outcome is not Outcome.REBALANCE:
             self._record(SwitchRecord(self.spec.name, track.name, decision, decision.outcome))
             log.info(
@@ -325,6 +331,7 @@ class GroupRunner:
         round_trip = time.perf_counter() - started
         applied_at = max(step for step in committed if isinstance(step, int))
         track.placement, track.version = decision.placement, track.version + 1
+        self.last_rebalance_step[track.name] = applied_at
         track.awaiting.append(
             _Achievement(
                 switch_id, track.version, applied_at, decision.balance_after, decision.placement
@@ -407,6 +414,7 @@ class GroupRunner:
                 continue
             achieved = balance(window.load, awaiting.placement)
             self.achieved[awaiting.switch_id] = achieved
+            self.balance[track.name] = achieved
             self.metrics.balance.labels(self.spec.name, track.name, "achieved").set(achieved)
             log.info(
                 "group %s %s: switch %s achieved window balance %.4f over [%d, %d) "
@@ -449,7 +457,9 @@ def _agreed_placements(group: str, states: list[pb.PlacementState]) -> dict[str,
 
 
 class EplbService:
-    """Every decode group's runner, with agent clients built from the configuration."""
+    """Every decode group's runner, kept in step with the groups its source lists: a new group
+    gets a runner, a group whose agents changed (a recreated decode group) a fresh one, a group
+    gone has its runner stopped. One group's failures never stop another's."""
 
     def __init__(
         self,
@@ -460,23 +470,43 @@ class EplbService:
         token: str | None = None,
         tls_ca: bytes | None = None,
     ) -> None:
-        self.runners = {
-            spec.name: GroupRunner(
-                spec,
-                config,
-                [AgentClient(address, token=token, tls_ca=tls_ca) for address in spec.agents],
-                metrics,
-            )
-            for spec in source.decode_groups()
-        }
+        self.config, self.source, self.metrics = config, source, metrics
+        self._token, self._tls_ca = token, tls_ca
+        self.runners: dict[str, GroupRunner] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def run(self) -> None:
-        """Run every group until cancelled; a group's failures never stop another's."""
+        """Follow the source until cancelled."""
         try:
-            async with asyncio.TaskGroup() as tasks:
-                for name, runner in self.runners.items():
-                    tasks.create_task(runner.run(), name=f"eplb-group-{name}")
+            while True:
+                await self._update(self.source.decode_groups())
+                await self.source.changed()
         finally:
-            for runner in self.runners.values():
-                for client in runner.clients:
-                    await client.close()
+            for name in list(self.runners):
+                await self._stop(name)
+
+    async def _update(self, groups: tuple[GroupSpec, ...]) -> None:
+        wanted = {spec.name: spec for spec in groups}
+        for name, runner in list(self.runners.items()):
+            if wanted.get(name) != runner.spec:
+                log.info("group %s: %s", name, "agents changed" if name in wanted else "gone")
+                await self._stop(name)
+        for name, spec in wanted.items():
+            if name in self.runners:
+                continue
+            clients = [
+                AgentClient(address, token=self._token, tls_ca=self._tls_ca)
+                for address in spec.agents
+            ]
+            runner = GroupRunner(spec, self.config, clients, self.metrics)
+            self.runners[name] = runner
+            self._tasks[name] = asyncio.create_task(runner.run(), name=f"eplb-group-{name}")
+
+    async def _stop(self, name: str) -> None:
+        runner = self.runners.pop(name)
+        task = self._tasks.pop(name)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for client in runner.clients:
+            await client.close()

@@ -1,7 +1,8 @@
-"""The gateway finds its engines in a ModelDeployment's status: the controller places a small
-cell on kwok trays, the test runs each pod's own command line (``baton sim``, as
-``engine.command`` says) at the pod's loopback IP, and the real ``openai`` client streams
-through ``baton gateway --model-deployment``."""
+"""The gateway and the EPLB service find their engines in a ModelDeployment's status: the
+controller places a small cell on kwok trays, the test runs each pod's own command line
+(``baton sim``, as ``engine.command`` says) at the pod's loopback IP, the real ``openai`` client
+streams through ``baton gateway --model-deployment``, and ``baton eplb --model-deployment``
+balances the decode group and writes its balance back into the status."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from kubernetes import client as kube
 
 from baton.processes import eventually, free_port, stop_process, wait_healthy
-from tests.k8s.helpers import apply, pods, wait_ready
+from tests.k8s.helpers import apply, pods, read, wait_ready
 
 pytestmark = pytest.mark.usefixtures("controller")
 
@@ -29,7 +31,7 @@ def processes() -> Iterator[list[subprocess.Popen]]:
         stop_process(process)
 
 
-def test_gateway_routes_to_the_endpoints_the_deployment_publishes(
+def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
     api, namespace, rack, control_plane, processes, tmp_path: Path
 ) -> None:
     apply(
@@ -40,7 +42,7 @@ def test_gateway_routes_to_the_endpoints_the_deployment_publishes(
             "servedModelName": "dsv4",
             "engine": {
                 "command": [sys.executable, "-m", "baton.cli", "sim"],
-                "args": ["--profile", "instant"],
+                "args": ["--profile", "instant", "--eplb-agent-port", "50100"],
             },
             "cell": {"decode": {"dep": 4, "spareTrays": 0}, "prefill": {"instances": 1}},
         },
@@ -108,3 +110,50 @@ def test_gateway_routes_to_the_endpoints_the_deployment_publishes(
         if line.startswith("vllm:request_success_total") and not line.endswith(" 0.0")
     ]
     assert served, metrics[:2000]
+
+    # The EPLB service: its group from status.endpoints, its balance back into status.
+    config = tmp_path / "eplb.yaml"
+    config.write_text("windowSize: 40\nstepInterval: 40\nstepsPerReport: 10\napplyMarginSteps: 5\n")
+    eplb_log = tmp_path / "eplb.log"
+    processes.append(
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "baton.cli",
+                "eplb",
+                f"--config={config}",
+                "--model-deployment",
+                f"{namespace}/dsv4",
+                f"--kubeconfig={control_plane.kubeconfig}",
+            ],
+            stdout=eplb_log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+    )
+    eventually(lambda: "group dsv4-cell-0: 4 ranks" in eplb_log.read_text(), timeout=30)
+
+    def balanced() -> bool:
+        client.completions.create(model="dsv4", prompt="Rebalance the experts.", max_tokens=120)
+        status = read(api, namespace, "dsv4")["status"]
+        return "target" in status.get("eplb", {}) and bool(status.get("balance"))
+
+    eventually(balanced, timeout=60, interval=0.5)
+    status = read(api, namespace, "dsv4")["status"]
+    assert 0 < status["eplb"]["target"]["balance"] <= 1
+    assert status["balance"] == f"{status['eplb']['target']['balance']:.3f}"
+    # The controller's status writes leave the EPLB service's figures alone.
+    kube.CustomObjectsApi(api).patch_namespaced_custom_object(
+        "baton.dev",
+        "v1alpha1",
+        namespace,
+        "modeldeployments",
+        "dsv4",
+        {"spec": {"cell": {"prefill": {"instances": 2}}}},
+    )
+    eventually(
+        lambda: read(api, namespace, "dsv4")["status"].get("observedGeneration") == 2, timeout=30
+    )
+    after = read(api, namespace, "dsv4")["status"]
+    assert "target" in after["eplb"] and after["balance"]
+    assert after["prefillReady"].endswith("/2")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.discovery import DeploymentRef, cells_from_status
+from baton.follow import DeploymentRef
+from router.discovery import cells_from_status
 from router.pool import CellSpec, DecodeServerSpec
 
 

@@ -1,0 +1,98 @@
+"""Following one ModelDeployment on the Kubernetes API: what the gateway and the EPLB service
+use to learn their endpoints from its status (``status.endpoints``, written by the controller).
+
+The official kubernetes client blocks, so the follower runs in a daemon thread: list the object
+(by field selector), then watch it from that resourceVersion; a watch that ends or fails starts
+over after a second. Every version seen is handed to ``on_object`` (``{}`` once deleted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config, watch
+from kubernetes.client.rest import ApiException
+from urllib3.exceptions import HTTPError as Urllib3Error
+
+from baton.api import GROUP, VERSION
+
+__all__ = ["DeploymentRef", "ModelDeploymentFollower", "custom_objects_api"]
+
+log = logging.getLogger("baton.follow")
+PLURAL = "modeldeployments"
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentRef:
+    namespace: str
+    name: str
+    kubeconfig: Path | None = None  # None: the pod's service account
+
+    @classmethod
+    def parse(cls, value: str, kubeconfig: Path | None) -> DeploymentRef:
+        namespace, slash, name = value.partition("/")
+        if not slash or not namespace or not name:
+            raise ValueError(
+                f"--model-deployment {value}: expected NAMESPACE/NAME, e.g. serving/dsv4"
+            )
+        return cls(namespace, name, kubeconfig)
+
+
+def custom_objects_api(ref: DeploymentRef) -> client.CustomObjectsApi:
+    if ref.kubeconfig is not None:
+        return client.CustomObjectsApi(
+            config.new_client_from_config(config_file=str(ref.kubeconfig))
+        )
+    config.load_incluster_config()
+    return client.CustomObjectsApi()
+
+
+class ModelDeploymentFollower:
+    def __init__(self, ref: DeploymentRef, on_object: Callable[[Mapping[str, Any]], None]) -> None:
+        self.ref = ref
+        self.on_object = on_object
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mdep-follower", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        api = custom_objects_api(self.ref)
+        where = (GROUP, VERSION, self.ref.namespace, PLURAL)
+        selector = f"metadata.name={self.ref.name}"
+        while not self._stop.is_set():
+            try:
+                listing = json.loads(
+                    api.list_namespaced_custom_object(
+                        *where, field_selector=selector, _preload_content=False
+                    ).data
+                )
+                for item in listing["items"]:
+                    self.on_object(item)
+                stream = watch.Watch().stream(
+                    api.list_namespaced_custom_object,
+                    *where,
+                    field_selector=selector,
+                    resource_version=listing["metadata"]["resourceVersion"],
+                    timeout_seconds=30,
+                )
+                for event in stream:
+                    if self._stop.is_set():
+                        return
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        self.on_object(event["raw_object"])
+                    elif event["type"] == "DELETED":
+                        self.on_object({})
+            except (ApiException, Urllib3Error, OSError, ValueError) as exc:
+                log.warning("following ModelDeployment %s: %s", self.ref.name, exc)
+                self._stop.wait(1.0)

@@ -1,0 +1,126 @@
+"""The EPLB service and a ModelDeployment: its decode groups come from the status the
+controller writes (every ready cell's ``eplbAgents``), and the balance it measures goes back
+into that status (``status.eplb.<model>``, and the BALANCE printer column for the target model).
+
+A deployment's figure per model is its worst cell's latest window balance: the cell that limits
+decode throughput. Status is patched only when a figure changed, at most every
+``interval_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes.client.rest import ApiException
+from pydantic import ValidationError
+from urllib3.exceptions import HTTPError as Urllib3Error
+
+from baton.api import GROUP, VERSION, Endpoints
+from baton.follow import PLURAL, DeploymentRef, ModelDeploymentFollower, custom_objects_api
+from controller.eplb.config import GroupSpec
+from controller.eplb.service import EplbService
+
+__all__ = [
+    "ModelDeploymentGroups",
+    "deployment_eplb_status",
+    "groups_from_status",
+    "publish_status",
+]
+
+log = logging.getLogger("baton.eplb")
+
+
+def groups_from_status(status: Mapping[str, Any] | None) -> tuple[GroupSpec, ...]:
+    """One group per cell whose decode group is ready (it lists its agents)."""
+    endpoints = Endpoints.model_validate((status or {}).get("endpoints") or {})
+    return tuple(
+        GroupSpec(name=cell.name, agents=tuple(cell.eplb_agents))
+        for cell in endpoints.cells
+        if cell.eplb_agents
+    )
+
+
+class ModelDeploymentGroups:
+    """A :class:`~controller.eplb.config.GroupSource` following a ModelDeployment's status."""
+
+    def __init__(self, ref: DeploymentRef, loop: asyncio.AbstractEventLoop) -> None:
+        self.ref, self.loop = ref, loop
+        self._groups: tuple[GroupSpec, ...] = ()
+        self._changed = asyncio.Event()
+        self._follower = ModelDeploymentFollower(ref, self._seen)
+
+    def start(self) -> None:
+        self._follower.start()
+
+    def stop(self) -> None:
+        self._follower.stop()
+
+    def decode_groups(self) -> tuple[GroupSpec, ...]:
+        return self._groups
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+        self._changed.clear()
+
+    def _seen(self, obj: Mapping[str, Any]) -> None:
+        try:
+            groups = groups_from_status(obj.get("status"))
+        except ValidationError as exc:
+            log.error("status of %s/%s not understood: %s", self.ref.namespace, self.ref.name, exc)
+            return
+        self.loop.call_soon_threadsafe(self._take, groups)
+
+    def _take(self, groups: tuple[GroupSpec, ...]) -> None:
+        if groups != self._groups:
+            self._groups = groups
+            self._changed.set()
+
+
+def deployment_eplb_status(service: EplbService) -> dict[str, Any]:
+    """``status.eplb`` and the ``balance`` summary for the service's groups (empty: no figure)."""
+    models: dict[str, dict[str, Any]] = {}
+    for runner in service.runners.values():
+        for model, balance in runner.balance.items():
+            entry = models.setdefault(model, {"balance": balance})
+            entry["balance"] = min(entry["balance"], balance)
+            step = runner.last_rebalance_step.get(model)
+            if step is not None:
+                entry["lastRebalanceStep"] = max(entry.get("lastRebalanceStep", step), step)
+    if not models:
+        return {}
+    for entry in models.values():
+        entry["balance"] = round(entry["balance"], 4)
+    status: dict[str, Any] = {"eplb": models}
+    if "target" in models:
+        status["balance"] = f"{models['target']['balance']:.3f}"
+    return status
+
+
+async def publish_status(
+    service: EplbService, ref: DeploymentRef, interval_s: float = 10.0
+) -> None:
+    """Patch the ModelDeployment's status with the service's figures whenever they change."""
+    api = await asyncio.to_thread(custom_objects_api, ref)
+    published: dict[str, Any] = {}
+    while True:
+        await asyncio.sleep(interval_s)
+        status = deployment_eplb_status(service)
+        if not status or status == published:
+            continue
+        try:
+            await asyncio.to_thread(
+                api.patch_namespaced_custom_object_status,
+                GROUP,
+                VERSION,
+                ref.namespace,
+                PLURAL,
+                ref.name,
+                {"status": status},
+            )
+        except (ApiException, Urllib3Error, OSError) as exc:
+            log.warning("balance not written to %s/%s: %s", ref.namespace, ref.name, exc)
+            continue
+        published = status

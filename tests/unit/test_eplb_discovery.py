@@ -1,0 +1,96 @@
+"""controller/eplb/discovery.py and the service's group supervision: groups from a
+ModelDeployment's status, runners kept in step with them, balance figures for status."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry
+
+from controller.eplb.config import EplbServiceConfig, GroupSpec
+from controller.eplb.discovery import deployment_eplb_status, groups_from_status
+from controller.eplb.metrics import EplbMetrics
+from controller.eplb.service import EplbService, GroupRunner
+
+
+def test_every_ready_cell_is_a_group_with_its_agents() -> None:
+    status = {
+        "endpoints": {
+            "cells": [
+                {"name": "dsv4-cell-0", "eplbAgents": ["10.0.0.1:50100", "10.0.0.2:50100"]},
+                {"name": "dsv4-cell-1", "eplbAgents": []},  # decode group not ready
+            ]
+        }
+    }
+    assert groups_from_status(status) == (
+        GroupSpec(name="dsv4-cell-0", agents=("10.0.0.1:50100", "10.0.0.2:50100")),
+    )
+    assert groups_from_status({}) == ()
+
+
+class Groups:
+    """A GroupSource whose groups the test sets."""
+
+    def __init__(self, groups: tuple[GroupSpec, ...]) -> None:
+        self.groups = groups
+        self.event = asyncio.Event()
+
+    def decode_groups(self) -> tuple[GroupSpec, ...]:
+        return self.groups
+
+    async def changed(self) -> None:
+        await self.event.wait()
+        self.event.clear()
+
+    def set(self, *groups: GroupSpec) -> None:
+        self.groups = groups
+        self.event.set()
+
+
+async def until(check) -> None:
+    """Poll state another task owns: at most 500 looks, 10 ms apart."""
+    for _ in range(500):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in 5 s")
+
+
+async def test_runners_follow_the_groups_their_source_lists() -> None:
+    a = GroupSpec(name="cell-0", agents=("127.0.0.1:9",))
+    source = Groups((a,))
+    config = EplbServiceConfig(reconnect_seconds=0.05)
+    service = EplbService(config, source, EplbMetrics(CollectorRegistry()))
+    task = asyncio.create_task(service.run())
+    await until(lambda: set(service.runners) == {"cell-0"})
+    first = service.runners["cell-0"]
+    moved = GroupSpec(name="cell-0", agents=("127.0.0.1:10",))  # the group was recreated
+    b = GroupSpec(name="cell-1", agents=("127.0.0.1:11",))
+    source.set(moved, b)
+    await until(lambda: set(service.runners) == {"cell-0", "cell-1"})
+    await until(lambda: service.runners["cell-0"] is not first)
+    assert service.runners["cell-0"].spec == moved
+    source.set()
+    await until(lambda: not service.runners)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def test_status_reports_each_models_worst_cell_and_the_last_rebalance() -> None:
+    source = Groups(())
+    service = EplbService(EplbServiceConfig(), source, EplbMetrics(CollectorRegistry()))
+    assert deployment_eplb_status(service) == {}
+    config = EplbServiceConfig()
+    for name, target, draft, step in (("c0", 0.91, 0.88, 3000), ("c1", 0.87, 0.93, None)):
+        runner = GroupRunner(GroupSpec(name=name, agents=("h:1",)), config, [], service.metrics)
+        runner.balance = {"target": target, "draft": draft}
+        if step is not None:
+            runner.last_rebalance_step = {"target": step}
+        service.runners[name] = runner
+    assert deployment_eplb_status(service) == {
+        "eplb": {
+            "target": {"balance": 0.87, "lastRebalanceStep": 3000},
+            "draft": {"balance": 0.88},
+        },
+        "balance": "0.870",
+    }
