@@ -50,6 +50,9 @@ class _Spec(BaseModel):
 class GroupSpec(_Spec):
     name: str = Field(min_length=1)
     agents: tuple[str, ...] = Field(min_length=1)
+    # The group's own cadence (a ModelDeployment's spec.eplb); unset: the service's.
+    window_size: int | None = Field(default=None, gt=0)
+    step_interval: int | None = Field(default=None, gt=0)
 
 
 class EplbServiceConfig(_Spec):
@@ -97,6 +100,16 @@ class EplbServiceConfig(_Spec):
             num_nodes=self.num_nodes,
             num_groups=self.num_groups,
         )
+
+    def for_group(self, group: GroupSpec) -> EplbServiceConfig:
+        """This configuration with the group's own cadence, checked again."""
+        cadence = {
+            "window_size": group.window_size or self.window_size,
+            "step_interval": group.step_interval or self.step_interval,
+        }
+        if cadence == {"window_size": self.window_size, "step_interval": self.step_interval}:
+            return self
+        return EplbServiceConfig.model_validate(self.model_dump(exclude={"groups"}) | cadence)
 
     def expert_bytes_of(self, model: str) -> float:
         return self.expert_bytes.get(model, DEFAULT_EXPERT_BYTES)

@@ -1,6 +1,8 @@
 """The EPLB service and a ModelDeployment: its decode groups come from the status the
-controller writes (every ready cell's ``eplbAgents``), and the balance it measures goes back
-into that status (``status.eplb.<model>``, and the BALANCE printer column for the target model).
+controller writes (every ready cell's ``eplbAgents``), with the cadence of ``spec.eplb``
+(``stepInterval``, ``windowSize``; none when ``enabled`` is false), and the balance it measures
+goes back into that status (``status.eplb.<model>``, and the BALANCE printer column for the
+target model).
 
 A deployment's figure per model is its worst cell's latest window balance: the cell that limits
 decode throughput. Status is patched only when a figure changed, at most every
@@ -18,7 +20,7 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from baton.api import GROUP, VERSION, Endpoints
+from baton.api import GROUP, VERSION, Endpoints, EplbSpec
 from baton.follow import PLURAL, DeploymentRef, ModelDeploymentFollower, custom_objects_api
 from controller.eplb.config import GroupSpec
 from controller.eplb.service import EplbService
@@ -26,18 +28,27 @@ from controller.eplb.service import EplbService
 __all__ = [
     "ModelDeploymentGroups",
     "deployment_eplb_status",
-    "groups_from_status",
+    "groups_from_deployment",
     "publish_status",
 ]
 
 log = logging.getLogger("baton.eplb")
 
 
-def groups_from_status(status: Mapping[str, Any] | None) -> tuple[GroupSpec, ...]:
-    """One group per cell whose decode group is ready (it lists its agents)."""
-    endpoints = Endpoints.model_validate((status or {}).get("endpoints") or {})
+def groups_from_deployment(obj: Mapping[str, Any]) -> tuple[GroupSpec, ...]:
+    """One group per cell whose decode group is ready (it lists its agents), at the cadence
+    of the deployment's ``spec.eplb``."""
+    eplb = EplbSpec.model_validate((obj.get("spec") or {}).get("eplb") or {})
+    if not eplb.enabled:
+        return ()
+    endpoints = Endpoints.model_validate((obj.get("status") or {}).get("endpoints") or {})
     return tuple(
-        GroupSpec(name=cell.name, agents=tuple(cell.eplb_agents))
+        GroupSpec(
+            name=cell.name,
+            agents=tuple(cell.eplb_agents),
+            window_size=eplb.window_size,
+            step_interval=eplb.step_interval,
+        )
         for cell in endpoints.cells
         if cell.eplb_agents
     )
@@ -67,7 +78,7 @@ class ModelDeploymentGroups:
 
     def _seen(self, obj: Mapping[str, Any]) -> None:
         try:
-            groups = groups_from_status(obj.get("status"))
+            groups = groups_from_deployment(obj)
         except ValidationError as exc:
             log.error("status of %s/%s not understood: %s", self.ref.namespace, self.ref.name, exc)
             return

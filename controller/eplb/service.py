@@ -498,7 +498,7 @@ class EplbService:
                 AgentClient(address, token=self._token, tls_ca=self._tls_ca)
                 for address in spec.agents
             ]
-            runner = GroupRunner(spec, self.config, clients, self.metrics)
+            runner = GroupRunner(spec, self.config.for_group(spec), clients, self.metrics)
             self.runners[name] = runner
             self._tasks[name] = asyncio.create_task(runner.run(), name=f"eplb-group-{name}")
 

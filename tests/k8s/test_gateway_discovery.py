@@ -45,6 +45,7 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
                 "args": ["--profile", "instant", "--eplb-agent-port", "50100"],
             },
             "cell": {"decode": {"dep": 4, "spareTrays": 0}, "prefill": {"instances": 1}},
+            "eplb": {"stepInterval": 40, "windowSize": 40},  # decisions within seconds here
         },
     )
     wait_ready(api, namespace, "dsv4")
@@ -113,7 +114,7 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
 
     # The EPLB service: its group from status.endpoints, its balance back into status.
     config = tmp_path / "eplb.yaml"
-    config.write_text("windowSize: 40\nstepInterval: 40\nstepsPerReport: 10\napplyMarginSteps: 5\n")
+    config.write_text("stepsPerReport: 10\napplyMarginSteps: 5\n")  # cadence: the spec's
     eplb_log = tmp_path / "eplb.log"
     processes.append(
         subprocess.Popen(

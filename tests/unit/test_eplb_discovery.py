@@ -8,24 +8,42 @@ import asyncio
 from prometheus_client import CollectorRegistry
 
 from controller.eplb.config import EplbServiceConfig, GroupSpec
-from controller.eplb.discovery import deployment_eplb_status, groups_from_status
+from controller.eplb.discovery import deployment_eplb_status, groups_from_deployment
 from controller.eplb.metrics import EplbMetrics
 from controller.eplb.service import EplbService, GroupRunner
 
 
-def test_every_ready_cell_is_a_group_with_its_agents() -> None:
-    status = {
-        "endpoints": {
-            "cells": [
-                {"name": "dsv4-cell-0", "eplbAgents": ["10.0.0.1:50100", "10.0.0.2:50100"]},
-                {"name": "dsv4-cell-1", "eplbAgents": []},  # decode group not ready
-            ]
-        }
+def test_every_ready_cell_is_a_group_with_its_agents_at_the_specs_cadence() -> None:
+    deployment = {
+        "spec": {"model": "m", "eplb": {"stepInterval": 600, "windowSize": 200}},
+        "status": {
+            "endpoints": {
+                "cells": [
+                    {"name": "dsv4-cell-0", "eplbAgents": ["10.0.0.1:50100", "10.0.0.2:50100"]},
+                    {"name": "dsv4-cell-1", "eplbAgents": []},  # decode group not ready
+                ]
+            }
+        },
     }
-    assert groups_from_status(status) == (
-        GroupSpec(name="dsv4-cell-0", agents=("10.0.0.1:50100", "10.0.0.2:50100")),
+    [group] = groups_from_deployment(deployment)
+    assert group == GroupSpec(
+        name="dsv4-cell-0",
+        agents=("10.0.0.1:50100", "10.0.0.2:50100"),
+        window_size=200,
+        step_interval=600,
     )
-    assert groups_from_status({}) == ()
+    config = EplbServiceConfig().for_group(group)
+    assert (config.policy.window_size, config.policy.step_interval) == (200, 600)
+    deployment["spec"]["eplb"]["enabled"] = False
+    assert groups_from_deployment(deployment) == ()
+    assert groups_from_deployment({}) == ()
+
+
+def test_the_crd_default_cadence_is_the_studys() -> None:
+    [group] = groups_from_deployment(
+        {"status": {"endpoints": {"cells": [{"name": "c", "eplbAgents": ["h:1"]}]}}}
+    )
+    assert (group.step_interval, group.window_size) == (3000, 1000)
 
 
 class Groups:
