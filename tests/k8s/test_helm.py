@@ -1,6 +1,7 @@
 """The Helm chart: lint, a clear failure without its one required value, every rendered object
-accepted by the real API server, and its RBAC enough for the controller to run a deployment as
-its ServiceAccount (and no more for the gateway than reading ModelDeployments)."""
+accepted by the real API server, its RBAC enough for the controller to run a deployment as its
+ServiceAccount, no more for the gateway than reading ModelDeployments and for the EPLB service
+than that and writing their status; its EPLB configuration accepted by the service."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kubernetes.client.rest import ApiException
 
 from baton.devcluster import ROOT, ControlPlane, binaries_dir, write_kubeconfig
 from baton.processes import stop_process
+from controller.eplb.config import load_config
 from tests.k8s.helpers import apply, controller_log, start_controller, wait_ready
 
 CHART = ROOT / "helm" / "baton"
@@ -95,6 +97,7 @@ def test_controller_runs_a_deployment_with_the_charts_rbac_alone(
     assert kinds == [
         "ClusterRole",
         "ClusterRoleBinding",
+        "ConfigMap",
         "Deployment",
         "Role",
         "RoleBinding",
@@ -127,3 +130,19 @@ def test_controller_runs_a_deployment_with_the_charts_rbac_alone(
     pods = client.V1ResourceAttributes(resource="pods", verb="create", namespace=namespace)
     assert allowed(api, gateway, deployments)
     assert not allowed(api, gateway, pods)
+    eplb = token_for(api, namespace, f"b-{namespace}-baton-eplb")
+    status = client.V1ResourceAttributes(
+        group="baton.dev",
+        resource="modeldeployments",
+        subresource="status",
+        verb="patch",
+        namespace=namespace,
+    )
+    assert allowed(api, eplb, deployments) and allowed(api, eplb, status)
+    assert not allowed(api, gateway, status) and not allowed(api, eplb, pods)
+
+    # The EPLB service's configuration as rendered is one it accepts.
+    [config_map] = [obj for obj in release if obj["kind"] == "ConfigMap"]
+    config = tmp_path / "eplb.yaml"
+    config.write_text(config_map["data"]["eplb.yaml"])
+    assert load_config(config).apply_margin_steps == 50
