@@ -25,6 +25,7 @@ from kubernetes.client.rest import ApiException
 
 from baton.api import KIND
 from baton.crd import CRD_PATH
+from baton.labels import HOSTNAME_LABEL
 from baton.processes import eventually, free_port, stop_process
 from baton.topology import synthetic_nodes
 
@@ -225,13 +226,25 @@ def start_control_plane(directory: Path, bin_dir: Path) -> ControlPlane:
 
 
 def add_trays(
-    api: client.ApiClient, racks: int, *, trays_per_rack: int = 18, timeout: float = 120
+    api: client.ApiClient,
+    racks: int,
+    *,
+    trays_per_rack: int = 18,
+    name_prefix: str = "",
+    timeout: float = 120,
 ) -> list[dict[str, Any]]:
-    """Create ``racks`` synthetic GB300 racks as kwok nodes and wait until all are Ready."""
+    """Create ``racks`` synthetic GB300 racks as kwok nodes and wait until all are Ready.
+
+    ``name_prefix`` keeps node names unique across tests: a pod of an earlier test that is
+    still terminating names its node, and must not count against a new tray of that name.
+    """
     core = client.CoreV1Api(api)
     nodes = synthetic_nodes(racks, trays_per_rack=trays_per_rack)
     for node in nodes:
-        node["metadata"]["annotations"][KWOK_ANNOTATION] = "fake"  # type: ignore[index]
+        meta = node["metadata"]
+        meta["name"] = name_prefix + meta["name"]  # type: ignore[index,operator]
+        meta["labels"][HOSTNAME_LABEL] = meta["name"]  # type: ignore[index]
+        meta["annotations"][KWOK_ANNOTATION] = "fake"  # type: ignore[index]
         status = node["status"]
         for field_name in ("allocatable", "capacity"):
             status[field_name].update(TRAY_RESOURCES)  # type: ignore[index]

@@ -24,6 +24,8 @@ plan into actions:
 - A tray on which Baton pods failed ``quarantine_after`` times is quarantined (annotation); the
   topology then keeps placement off it.
 - Pods of cells no longer wanted or no longer placeable are deleted: no partial cell stays.
+- Where the cluster serves NVIDIA's ComputeDomain API, each cell gets its ComputeDomain and its
+  decode pods claim the domain's IMEX channel (``controller/podspec.py``).
 """
 
 from __future__ import annotations
@@ -67,7 +69,14 @@ from controller.placement import (
     plan_placement,
     prefill_pod_name,
 )
-from controller.podspec import API_PORT, EPLB_AGENT_PORT, decode_service, render_cell
+from controller.podspec import (
+    API_PORT,
+    EPLB_AGENT_PORT,
+    compute_domain,
+    compute_domain_name,
+    decode_service,
+    render_cell,
+)
 from controller.status import placement_conditions, set_condition
 
 __all__ = [
@@ -124,6 +133,8 @@ class Observed:
     pods: Sequence[Mapping[str, Any]]  # every pod of the cluster: GPUs held by others count
     services: Sequence[Mapping[str, Any]]  # the namespace's services
     now: datetime
+    # The namespace's ComputeDomains; None when the cluster does not serve the API.
+    compute_domains: Sequence[Mapping[str, Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +159,7 @@ class Decision:
     create: list[Manifest] = field(default_factory=list)
     delete_pods: list[str] = field(default_factory=list)
     delete_services: list[str] = field(default_factory=list)
+    delete_compute_domains: list[str] = field(default_factory=list)
     ungate: list[str] = field(default_factory=list)
     trays: list[TrayMark] = field(default_factory=list)
     status: dict[str, dict[str, Any]] = field(default_factory=dict)  # deployment -> new status
@@ -359,17 +371,26 @@ def _cell_actions(
     failures: dict[str, tuple[int, str]],
 ) -> _CellOutcome:
     name = deployment.model.name
+    imex = observed.compute_domains is not None
     manifests = render_cell(
         deployment.model.spec,
         cell,
         deployment=name,
         uid=deployment.uid,
         namespace=observed.namespace,
+        compute_domain=imex,
     )
     service, wanted = manifests[0], {m["metadata"]["name"]: m for m in manifests[1:]}
     services = {s["metadata"]["name"] for s in observed.services}
     if service["metadata"]["name"] not in services:
         decision.create.append(service)
+    domains = {d["metadata"]["name"] for d in observed.compute_domains or ()}
+    if imex and compute_domain_name(cell.name) not in domains:
+        decision.create.append(
+            compute_domain(
+                cell.name, deployment=name, uid=deployment.uid, namespace=observed.namespace
+            )
+        )
     record = next((c for c in deployment.status.cells if c.name == cell.name), None)
     outcome = _CellOutcome(restarts=list(record.restarts) if record else [])
     now = observed.now
@@ -670,6 +691,14 @@ def decide(observed: Observed, policy: RestartPolicy | None = None) -> Decision:
                 and cell_name not in live_cells
             ):
                 decision.delete_services.append(service["metadata"]["name"])
+        for domain in observed.compute_domains or ():
+            cell_name = _labels(domain).get(CELL_LABEL)
+            if (
+                _labels(domain).get(DEPLOYMENT_LABEL) == name
+                and cell_name not in planned
+                and cell_name not in live_cells
+            ):
+                decision.delete_compute_domains.append(domain["metadata"]["name"])
         if spec.cell.prefill.instances is None:  # as many as fit
             prefill_wanted = sum(len(c.prefill) for c in plan.cells if c.deployment == name)
         else:

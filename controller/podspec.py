@@ -10,6 +10,13 @@ pod over its local ranks; rank 0's pod leads, reached through the cell's headles
       --data-parallel-rpc-port 5555 --data-parallel-hybrid-lb --enable-expert-parallel
       --kv-transfer-config {NixlConnector} [--enable-eplb --eplb-config {...}] <args>
 
+When the cluster serves NVIDIA's ComputeDomain API, each cell gets one ComputeDomain (its IMEX
+domain) and every decode pod claims its channel through the domain's ResourceClaimTemplate: the
+DEP32 group's all-to-all crosses trays over the NVLink fabric, which needs IMEX. One decode pod
+per tray keeps to the driver's one channel claim per node. Prefill pods claim no channel: a DEP2
+instance stays on one tray, and two of them share a tray, which one claim per node forbids
+(k8s-dra-driver-gpu#309).
+
 Prefill instances run their DEP2 line on their planned GPUs of a tray. Every pod is created
 behind the ``baton.dev/cell`` scheduling gate with a required node affinity to its tray, carries
 the deployment, cell, role and rank labels and an owner reference, asks for its GPUs, and learns
@@ -36,9 +43,13 @@ from controller.placement import CellPlacement, decode_pod_name, prefill_pod_nam
 
 __all__ = [
     "API_PORT",
+    "COMPUTE_DOMAIN_API",
     "DP_RPC_PORT",
     "EPLB_AGENT_PORT",
     "NIXL_PORT",
+    "channel_template_name",
+    "compute_domain",
+    "compute_domain_name",
     "decode_command",
     "decode_service",
     "prefill_command",
@@ -50,6 +61,8 @@ NIXL_PORT = 5600
 DP_RPC_PORT = 5555
 EPLB_AGENT_PORT = 50100  # Baton's EPLB agent beside a decode engine (docs/eplb-protocol.md)
 Manifest = dict[str, Any]
+COMPUTE_DOMAIN_API = ("resource.nvidia.com", "v1beta1", "computedomains")
+_CHANNEL_CLAIM = "imex-channel"
 
 
 def _kv_transfer(spec: ModelDeploymentSpec) -> str:
@@ -69,6 +82,48 @@ def _common_flags(spec: ModelDeploymentSpec) -> list[str]:
 
 def decode_service(cell: str) -> str:
     return f"{cell}-decode"
+
+
+def compute_domain_name(cell: str) -> str:
+    return f"{cell}-imex"
+
+
+def channel_template_name(cell: str) -> str:
+    """The ResourceClaimTemplate NVIDIA's ComputeDomain controller creates for the domain."""
+    return f"{cell}-imex-channel"
+
+
+def _owner(deployment: str, uid: str) -> Manifest:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": deployment,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def compute_domain(cell: str, *, deployment: str, uid: str, namespace: str) -> Manifest:
+    """The cell's ComputeDomain: its IMEX domain, living as long as the cell."""
+    group, version, _ = COMPUTE_DOMAIN_API
+    return {
+        "apiVersion": f"{group}/{version}",
+        "kind": "ComputeDomain",
+        "metadata": {
+            "name": compute_domain_name(cell),
+            "namespace": namespace,
+            "labels": {DEPLOYMENT_LABEL: deployment, CELL_LABEL: cell},
+            "ownerReferences": [_owner(deployment, uid)],
+        },
+        "spec": {
+            "numNodes": 0,  # deprecated by the driver; IMEX daemons start as pods arrive
+            "channel": {
+                "resourceClaimTemplate": {"name": channel_template_name(cell)},
+                "allocationMode": "Single",
+            },
+        },
+    }
 
 
 def decode_command(spec: ModelDeploymentSpec, cell: str, index: int, namespace: str) -> list[str]:
@@ -158,16 +213,7 @@ def _pod(
                 ROLE_LABEL: role,
                 RANK_LABEL: str(rank),
             },
-            "ownerReferences": [
-                {
-                    "apiVersion": API_VERSION,
-                    "kind": KIND,
-                    "name": deployment,
-                    "uid": uid,
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
+            "ownerReferences": [_owner(deployment, uid)],
         },
         "spec": {
             "schedulingGates": [{"name": CELL_GATE}],
@@ -208,9 +254,16 @@ def _pod(
 
 
 def render_cell(
-    spec: ModelDeploymentSpec, cell: CellPlacement, *, deployment: str, uid: str, namespace: str
+    spec: ModelDeploymentSpec,
+    cell: CellPlacement,
+    *,
+    deployment: str,
+    uid: str,
+    namespace: str,
+    compute_domain: bool = False,
 ) -> list[Manifest]:
-    """The headless Service and every pod of ``cell``, in creation order."""
+    """The headless Service and every pod of ``cell``, in creation order; with
+    ``compute_domain`` (the cluster serves the API), decode pods claim the cell's IMEX channel."""
     gpu_resource = spec.topology.gpu_resource
     decode = spec.cell.decode
     service: Manifest = {
@@ -220,15 +273,7 @@ def render_cell(
             "name": decode_service(cell.name),
             "namespace": namespace,
             "labels": {DEPLOYMENT_LABEL: deployment, CELL_LABEL: cell.name},
-            "ownerReferences": [
-                {
-                    "apiVersion": API_VERSION,
-                    "kind": KIND,
-                    "name": deployment,
-                    "uid": uid,
-                    "controller": True,
-                }
-            ],
+            "ownerReferences": [_owner(deployment, uid)],
         },
         "spec": {
             "clusterIP": "None",
@@ -256,6 +301,14 @@ def render_cell(
         # hostname + subdomain give rank 0's pod the DNS name the others dial
         pod["spec"]["hostname"] = decode_pod_name(cell.name, index)
         pod["spec"]["subdomain"] = decode_service(cell.name)
+        if compute_domain:
+            pod["spec"]["resourceClaims"] = [
+                {
+                    "name": _CHANNEL_CLAIM,
+                    "resourceClaimTemplateName": channel_template_name(cell.name),
+                }
+            ]
+            pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": _CHANNEL_CLAIM}]
         manifests.append(pod)
     manifests.extend(
         _pod(

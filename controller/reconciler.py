@@ -15,6 +15,7 @@ namespaces count as GPUs held by others.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -37,6 +38,7 @@ from baton.labels import (
 )
 from controller.decide import Decision, Event, Observed, RestartPolicy, decide, rfc3339
 from controller.leader import LeaseElector
+from controller.podspec import COMPUTE_DOMAIN_API
 from controller.runtime import Informer, WorkQueue
 
 __all__ = ["Controller", "ControllerMetrics"]
@@ -115,6 +117,7 @@ class Controller:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._events_sent: dict[tuple[str, str, str, str], float] = {}
+        self._no_compute_domains_until = 0.0
         self.deployments = Informer(
             "modeldeployments",
             lambda **kw: self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, **kw),
@@ -221,6 +224,23 @@ class Controller:
 
     # --- one reconcile ---------------------------------------------------------------------------
 
+    def _compute_domains(self, namespace: str) -> list[dict[str, Any]] | None:
+        """The namespace's ComputeDomains, or None while the cluster does not serve the API
+        (checked again every minute: NVIDIA's DRA driver may be installed later)."""
+        if time.monotonic() < self._no_compute_domains_until:
+            return None
+        group, version, plural = COMPUTE_DOMAIN_API
+        try:
+            response = self.custom.list_namespaced_custom_object(
+                group, version, namespace, plural, _preload_content=False
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            self._no_compute_domains_until = time.monotonic() + 60.0
+            return None
+        return json.loads(response.data)["items"]
+
     def observe(self, namespace: str) -> Observed:
         return Observed(
             namespace=namespace,
@@ -231,6 +251,7 @@ class Controller:
             pods=self.pods.items(),
             services=[s for s in self.services.items() if s["metadata"]["namespace"] == namespace],
             now=datetime.now(UTC),
+            compute_domains=self._compute_domains(namespace),
         )
 
     def reconcile(self, namespace: str) -> Decision:
@@ -264,6 +285,8 @@ class Controller:
             }
             for manifest in decision.create:
                 name = manifest["metadata"]["name"]
+                if manifest["kind"] == "ComputeDomain":
+                    continue  # not cached: listed afresh by every reconcile
                 if name not in (services if manifest["kind"] == "Service" else pods):
                     return f"created {manifest['kind']} {name}"
             for name in decision.delete_pods:
@@ -290,6 +313,15 @@ class Controller:
 
     def _act(self, namespace: str, decision: Decision) -> dict[str, str]:
         """Perform ``decision``; the resourceVersion of each status written."""
+        if decision.create or decision.delete_pods or decision.ungate or decision.trays:
+            log.info(
+                "%s: create %s; delete %s; ungate %d pods; trays %s",
+                namespace,
+                [m["metadata"]["name"] for m in decision.create] or "nothing",
+                decision.delete_pods + decision.delete_services or "nothing",
+                len(decision.ungate),
+                [(m.node, m.failures, m.quarantine) for m in decision.trays] or "unchanged",
+            )
         for mark in decision.trays:
             annotations = {TRAY_FAILURES_ANNOTATION: str(mark.failures)}
             if mark.quarantine is not None:
@@ -302,15 +334,36 @@ class Controller:
         for name in decision.delete_services:
             self._count("delete", "services")
             _ignore(404, self.core.delete_namespaced_service, name, namespace)
+        group, version, plural = COMPUTE_DOMAIN_API
+        for name in decision.delete_compute_domains:
+            self._count("delete", plural)
+            _ignore(
+                404,
+                self.custom.delete_namespaced_custom_object,
+                group,
+                version,
+                namespace,
+                plural,
+                name,
+            )
         for manifest in decision.create:
             kind = manifest["kind"]
             self._count("create", kind.lower() + "s")
-            create = (
-                self.core.create_namespaced_service
-                if kind == "Service"
-                else self.core.create_namespaced_pod
-            )
-            _ignore(409, create, namespace, manifest)  # already there: the cache lagged
+            # already there: the cache lagged (409)
+            if kind == "ComputeDomain":
+                _ignore(
+                    409,
+                    self.custom.create_namespaced_custom_object,
+                    group,
+                    version,
+                    namespace,
+                    plural,
+                    manifest,
+                )
+            elif kind == "Service":
+                _ignore(409, self.core.create_namespaced_service, namespace, manifest)
+            else:
+                _ignore(409, self.core.create_namespaced_pod, namespace, manifest)
         for name in decision.ungate:
             self._ungate(namespace, name)
         versions: dict[str, str] = {}
@@ -364,6 +417,14 @@ class Controller:
             if now - self._events_sent.get(key, -_EVENT_REPEAT_S) < _EVENT_REPEAT_S:
                 continue
             self._events_sent[key] = now
+            log.log(
+                logging.WARNING if event.type == "Warning" else logging.INFO,
+                "%s/%s: %s: %s",
+                namespace,
+                event.deployment,
+                event.reason,
+                event.message,
+            )
             owner = owners.get(event.deployment)
             if owner is None:
                 continue

@@ -57,7 +57,7 @@ def namespace(api: client.ApiClient) -> Iterator[str]:
 def rack(api: client.ApiClient, namespace: str) -> Iterator[list[dict[str, Any]]]:
     """One NVL72 rack of 18 kwok trays; removed after the test's deployments are gone."""
     install_crd(api)
-    nodes = add_trays(api, 1)
+    nodes = add_trays(api, 1, name_prefix=f"{namespace}-")
     yield nodes
     custom = client.CustomObjectsApi(api)
     core = client.CoreV1Api(api)

@@ -15,7 +15,7 @@ from controller.podspec import render_cell
 
 def test_gated_cell_pods_run_on_their_planned_trays_once_lifted(api, namespace) -> None:
     core = client.CoreV1Api(api)
-    nodes = add_trays(api, 1)
+    nodes = add_trays(api, 1, name_prefix=f"{namespace}-")
     try:
         install_crd(api)
         manifest = {

@@ -8,7 +8,7 @@ controller through a whole story; tests/k8s runs the same stories on a real cont
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -220,3 +220,17 @@ def test_nothing_changes_once_the_cell_is_ready() -> None:
         [],
         {},
     )
+
+
+def test_where_the_api_is_served_each_cell_gets_its_compute_domain_once() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    observed = w.observe()
+    with_api = decide(replace(observed, compute_domains=[]))
+    domains = [m for m in with_api.create if m["kind"] == "ComputeDomain"]
+    assert [d["metadata"]["name"] for d in domains] == ["dsv4-cell-0-imex"]
+    decode = [m for m in with_api.create if "decode" in m["metadata"]["name"]]
+    assert all("resourceClaims" in m["spec"] for m in decode if m["kind"] == "Pod")
+    existing = decide(replace(observed, compute_domains=domains))
+    assert not [m for m in existing.create if m["kind"] == "ComputeDomain"]
+    without_api = decide(observed)
+    assert not [m for m in without_api.create if m["kind"] == "ComputeDomain"]

@@ -10,7 +10,7 @@ from baton.api import ModelDeployment
 from baton.labels import CELL_GATE, CELL_LABEL, DEPLOYMENT_LABEL, RANK_LABEL, ROLE_LABEL
 from baton.topology import synthetic_topology
 from controller.placement import plan_placement
-from controller.podspec import render_cell
+from controller.podspec import compute_domain, render_cell
 from sim.cli import build_parser, config_from_args, split_unknown_flags
 
 
@@ -122,3 +122,31 @@ def test_the_same_pods_run_baton_sim_when_engine_command_says_so(role: str) -> N
     else:
         assert config.data_parallel_size == 2 and list(config.local_ranks) == [0, 1]
     assert config.kv_transfer.nixl
+
+
+def test_with_compute_domains_decode_pods_claim_the_cells_imex_channel_and_prefill_none() -> None:
+    deployment = ModelDeployment.model_validate(
+        {"metadata": {"name": "dsv4"}, "spec": {"model": "deepseek-ai/DeepSeek-V4.1-Flash"}}
+    )
+    cell = plan_placement([deployment.shape()], synthetic_topology(1)).cells[0]
+    manifests = render_cell(
+        deployment.spec,
+        cell,
+        deployment="dsv4",
+        uid="u-1",
+        namespace="serving",
+        compute_domain=True,
+    )
+    for pod in pods(manifests, "decode"):
+        assert pod["spec"]["resourceClaims"] == [
+            {"name": "imex-channel", "resourceClaimTemplateName": "dsv4-cell-0-imex-channel"}
+        ]
+        assert pod["spec"]["containers"][0]["resources"]["claims"] == [{"name": "imex-channel"}]
+    for pod in pods(manifests, "prefill"):  # two share a tray: one channel claim per node
+        assert "resourceClaims" not in pod["spec"]
+    domain = compute_domain("dsv4-cell-0", deployment="dsv4", uid="u-1", namespace="serving")
+    assert domain["spec"]["channel"] == {
+        "resourceClaimTemplate": {"name": "dsv4-cell-0-imex-channel"},
+        "allocationMode": "Single",
+    }
+    assert domain["metadata"]["ownerReferences"][0]["uid"] == "u-1"

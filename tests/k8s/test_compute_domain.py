@@ -1,0 +1,97 @@
+"""Where the cluster serves NVIDIA's ComputeDomain API (here its CRD, as the DRA driver's chart
+installs it; the driver itself needs GPUs), every cell gets one ComputeDomain and its decode pods
+claim the domain's IMEX channel; prefill pods claim none."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from baton.processes import eventually
+from tests.k8s.helpers import apply, pods
+
+COMPUTE_DOMAIN_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "computedomains.resource.nvidia.com"},
+    "spec": {
+        "group": "resource.nvidia.com",
+        "scope": "Namespaced",
+        "names": {
+            "kind": "ComputeDomain",
+            "plural": "computedomains",
+            "singular": "computedomain",
+            "listKind": "ComputeDomainList",
+        },
+        "versions": [
+            {
+                "name": "v1beta1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def compute_domain_api(api: client.ApiClient) -> Iterator[None]:
+    extensions = client.ApiextensionsV1Api(api)
+    extensions.create_custom_resource_definition(COMPUTE_DOMAIN_CRD)
+    custom = client.CustomObjectsApi(api)
+    eventually(
+        lambda: custom.list_cluster_custom_object(
+            "resource.nvidia.com", "v1beta1", "computedomains"
+        ),
+        timeout=30,
+    )
+    yield
+    extensions.delete_custom_resource_definition(COMPUTE_DOMAIN_CRD["metadata"]["name"])
+
+    def gone() -> bool:
+        try:
+            custom.list_cluster_custom_object("resource.nvidia.com", "v1beta1", "computedomains")
+        except ApiException as exc:
+            return exc.status == 404
+        return False
+
+    eventually(gone, timeout=60)  # later modules' controllers must find the API absent
+
+
+pytestmark = pytest.mark.usefixtures("compute_domain_api", "controller")
+
+
+def test_each_cell_gets_a_compute_domain_and_its_decode_pods_the_channel(
+    api, namespace, rack
+) -> None:
+    apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
+    custom = client.CustomObjectsApi(api)
+
+    def domain() -> dict:
+        return custom.get_namespaced_custom_object(
+            "resource.nvidia.com", "v1beta1", namespace, "computedomains", "dsv4-cell-0-imex"
+        )
+
+    created = eventually(domain, timeout=30)
+    assert created["spec"]["channel"] == {
+        "resourceClaimTemplate": {"name": "dsv4-cell-0-imex-channel"},
+        "allocationMode": "Single",
+    }
+    assert created["metadata"]["ownerReferences"][0]["name"] == "dsv4"
+    eventually(lambda: len(pods(api, namespace)) == 8 + 2, timeout=30)
+    for pod in pods(api, namespace, "decode").values():
+        [claim] = pod.spec.resource_claims
+        assert claim.resource_claim_template_name == "dsv4-cell-0-imex-channel"
+        assert [c.name for c in pod.spec.containers[0].resources.claims] == [claim.name]
+    for pod in pods(api, namespace, "prefill").values():
+        assert not pod.spec.resource_claims
