@@ -66,12 +66,74 @@ class GatewayConfig:
     model_deployment: DeploymentRef | None = None
 
 
+class _UvicornWriter:
+    """Writes a relay's bytes to uvicorn's transport as it would (HTTP/1.1 chunked), without
+    a coroutine per chunk: the engine connection's callback writes to the client at once.
+    Used only when uvicorn's response cycle is what sends (``_uvicorn_cycle``)."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    def write_now(self, data: bytes) -> None:
+        cycle = self._cycle
+        if not cycle.disconnected:  # the disconnect watcher ends the relay
+            cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def blocked(self) -> bool:
+        return self._cycle.flow.write_paused
+
+    async def drain(self) -> None:
+        cycle = self._cycle
+        if cycle.flow.write_paused and not cycle.disconnected:
+            await cycle.flow.drain()
+
+
+class _AsgiWriter:
+    """Any other ASGI server (Ray Serve's proxy, test clients): bytes are buffered and sent
+    by the relaying task, one ``send`` per received segment."""
+
+    __slots__ = ("_buffer", "_send")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self._buffer = bytearray()
+
+    def write_now(self, data: bytes) -> None:
+        self._buffer += data
+
+    def blocked(self) -> bool:
+        return bool(self._buffer)
+
+    async def drain(self) -> None:
+        if self._buffer:
+            data = bytes(self._buffer)
+            self._buffer.clear()
+            await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+def _uvicorn_cycle(send: Send) -> Any | None:
+    """uvicorn's response cycle behind ``send``, once it has started a chunked response."""
+    cycle = getattr(send, "__self__", None)
+    if (
+        getattr(cycle, "chunked_encoding", None) is True
+        and hasattr(cycle, "transport")
+        and hasattr(cycle, "flow")
+        and hasattr(cycle, "disconnected")
+    ):
+        return cycle
+    return None
+
+
 class RelayResponse(Response):
     """The SSE response of a decode relay, written straight to the ASGI server.
 
     Starlette's StreamingResponse would add an async generator and a task group per request;
-    here each upstream read becomes one ``send``. A watcher ends the relay when the client
-    disconnects, which closes the upstream request so the engines abort it.
+    here, under uvicorn, each segment the engine sends is written to the client from the
+    engine connection's callback (no task wakes per chunk); elsewhere each becomes one
+    ``send``. A watcher ends the relay when the client disconnects, which closes the upstream
+    request so the engines abort it.
     """
 
     media_type = "text/event-stream"
@@ -89,6 +151,7 @@ class RelayResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        server_send = scope.get(_SERVER_SEND, send)
         pump = asyncio.current_task()
         assert pump is not None
         disconnected = False
@@ -100,15 +163,12 @@ class RelayResponse(Response):
             disconnected = True
             pump.cancel()
 
-        server_send = scope.get(_SERVER_SEND, send)
-
-        async def write(data: bytes) -> None:
-            await server_send({"type": "http.response.body", "body": data, "more_body": True})
-
+        cycle = _uvicorn_cycle(server_send)
+        client = _UvicornWriter(cycle) if cycle is not None else _AsgiWriter(server_send)
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await self.relay.pump(write)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self.relay.pump(client)
+            await server_send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not disconnected:
                 raise

@@ -25,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import orjson
 
@@ -52,9 +53,9 @@ from router.policy import (
 )
 from router.pool import Pool
 from router.stream import DecodeStream, FirstToken, StreamState, error_event
-from router.upstream import UpstreamPool, UpstreamResponse
+from router.upstream import Sink, UpstreamPool, UpstreamResponse
 
-__all__ = ["DecodeRelay", "Handoff", "JsonReply", "Timeouts"]
+__all__ = ["ClientWriter", "DecodeRelay", "Handoff", "JsonReply", "Timeouts"]
 
 log = logging.getLogger("baton.gateway.handoff")
 
@@ -85,13 +86,43 @@ class JsonReply:
     request_id: str
 
 
+class ClientWriter(Protocol):
+    """The client's side of a relay: a synchronous write (called from the engine connection's
+    protocol callback), whether the client is keeping up, and a wait until it has."""
+
+    def write_now(self, data: bytes) -> None: ...
+
+    def blocked(self) -> bool: ...
+
+    async def drain(self) -> None: ...
+
+
+class _StreamSink(Sink):
+    """Engine bytes -> the usage-frame watcher -> the client, with no task in between."""
+
+    __slots__ = ("_client", "_stream")
+
+    def __init__(self, stream: DecodeStream, client: ClientWriter) -> None:
+        self._stream = stream
+        self._client = client
+
+    def write(self, data: bytes) -> None:
+        out = self._stream.feed(data)
+        if out:
+            self._client.write_now(out)
+
+    def blocked(self) -> bool:
+        return self._client.blocked()
+
+
 class DecodeRelay:
     """An open decode stream whose first token has arrived; nothing is retried from here on.
 
-    ``pump`` forwards the engine's bytes as they arrive (whatever is buffered, in one write),
-    looking only for the usage frame; a broken upstream ends the client's stream with an SSE error
-    event and ``[DONE]``. Closing the upstream response on any exit (client disconnect included)
-    makes the engine abort the request and free its KV.
+    ``pump`` forwards the engine's bytes as they arrive (each received segment in one write,
+    from the connection's callback: ``UpstreamResponse.relay``), looking only for the usage
+    frame; a broken upstream ends the client's stream with an SSE error event and ``[DONE]``.
+    Closing the upstream response on any exit (client disconnect included) makes the engine
+    abort the request and free its KV.
     """
 
     __slots__ = (
@@ -125,29 +156,30 @@ class DecodeRelay:
         self._first_token = first_token
         self._started = started
 
-    async def pump(self, write: Callable[[bytes], Awaitable[None]]) -> None:
-        response = self._response
+    async def pump(self, client: ClientWriter) -> None:
         stream = self._stream
+        sink = _StreamSink(stream, client)
         ended = "ok"
         try:
-            await write(stream.feed(self._head))
-            while chunk := await response.read_some():
-                out = stream.feed(chunk)
-                if out:
-                    await write(out)
+            sink.write(self._head)
+            await self._response.relay(sink, client.drain)
             tail = stream.finish()
             if tail:
-                await write(tail)
+                client.write_now(tail)
             if not stream.done:
                 ended = "truncated"
-                await write(error_event("the decode engine ended the stream early"))
+                client.write_now(error_event("the decode engine ended the stream early"))
+            await client.drain()
         except UpstreamError as exc:
             ended = "upstream"
             log.warning(
                 "decode on %s failed mid-stream (%s); ending the stream", self._rank.name, exc
             )
             self._handoff.pool.failed(self._rank.name)
-            await write(error_event(f"the decode engine failed mid-stream: {type(exc).__name__}"))
+            client.write_now(
+                error_event(f"the decode engine failed mid-stream: {type(exc).__name__}")
+            )
+            await client.drain()
         except asyncio.CancelledError:
             # A client that hangs up right after [DONE] got everything: not an abort.
             ended = "ok" if stream.done else "client_disconnect"
