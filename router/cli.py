@@ -9,6 +9,7 @@ API keys come from ``--api-key`` (repeatable), ``BATON_API_KEYS`` (comma-separat
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -156,6 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import uvicorn
 
+    # The cyclic GC took ~5% of the gateway's CPU under load (perf), rescanning long-lived
+    # objects for cycles the relay never makes: freeze what startup built, collect less often.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     uvicorn.run(
         create_gateway(config),
         host=args.host,

@@ -51,6 +51,8 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, key: tuple[str, int]) -> None:
         self.key = key
+        # asyncio.get_running_loop() costs a getpid() syscall per call: look it up once.
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
@@ -151,7 +153,7 @@ class _Connection(asyncio.Protocol):
             raise self.error
         if self.body or self.complete:
             return
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self.waiter = waiter = loop.create_future()
         timer = loop.call_later(within_s, self._timeout, waiter)
         try:
@@ -171,7 +173,7 @@ class _Connection(asyncio.Protocol):
             raise self.error
         if self.complete or self.paused:
             return
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self.waiter = waiter = loop.create_future()
         timer = loop.call_later(within_s, self._idle_check, waiter, self.segments, within_s)
         self._idle_timer = timer
@@ -187,7 +189,7 @@ class _Connection(asyncio.Protocol):
         if self.segments == seen:
             self._timeout(waiter)
             return
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self._idle_timer = loop.call_later(
             within_s, self._idle_check, waiter, self.segments, within_s
         )
@@ -301,7 +303,7 @@ class UpstreamPool:
 
     @staticmethod
     async def _headers(conn: _Connection, within_s: float) -> None:
-        loop = asyncio.get_running_loop()
+        loop = conn.loop
         deadline = loop.time() + within_s
         while not conn.status:
             if conn.error is not None:
