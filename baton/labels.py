@@ -21,6 +21,7 @@ __all__ = [
     "QUARANTINED_ANNOTATION",
     "RANK_LABEL",
     "ROLE_LABEL",
+    "TEMPLATE_HASH_ANNOTATION",
     "TRAY_FAILURES_ANNOTATION",
 ]
 
@@ -55,6 +56,10 @@ DEPLOYMENT_LABEL = "baton.dev/deployment"
 CELL_LABEL = "baton.dev/cell"
 ROLE_LABEL = "baton.dev/role"  # "decode" or "prefill"
 RANK_LABEL = "baton.dev/rank"  # decode: the pod's index in its group; prefill: the instance
+
+# Pod annotation: a hash of what the controller rendered for the pod (its spec without the
+# scheduling gate, and its labels); a pod whose hash differs from the current one is replaced.
+TEMPLATE_HASH_ANNOTATION = "baton.dev/pod-template-hash"
 
 # Pod scheduling gate: held until every pod of the cell exists, then lifted for the whole cell.
 CELL_GATE = "baton.dev/cell"

@@ -21,6 +21,10 @@ plan into actions:
   Degraded, until old restarts age out of the window.
 - A prefill instance restarts alone; changing the prefill count creates or deletes prefill pods
   and never touches the decode group.
+- Every pod carries a hash of the spec it was rendered from. When the ModelDeployment's spec
+  changes what a pod would be (image, flags, env), the decode group is restarted as a whole on
+  the new spec (a planned restart: no backoff, no budget) and prefill instances are replaced one
+  at a time while the others serve.
 - A tray on which Baton pods failed ``quarantine_after`` times is quarantined (annotation); the
   topology then keeps placement off it.
 - Pods of cells no longer wanted or no longer placeable are deleted: no partial cell stays.
@@ -58,6 +62,7 @@ from baton.labels import (
     HOSTNAME_LABEL,
     QUARANTINED_ANNOTATION,
     ROLE_LABEL,
+    TEMPLATE_HASH_ANNOTATION,
     TRAY_FAILURES_ANNOTATION,
 )
 from baton.topology import Topology, parse_topology
@@ -223,6 +228,12 @@ def _ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
+def _outdated(pod: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    """The pod was rendered from another spec than the current one."""
+    have = (pod.get("metadata", {}).get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION)
+    return have != wanted["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION]
+
+
 def _owned_by(pod: Mapping[str, Any], uid: str) -> bool:
     owners = pod.get("metadata", {}).get("ownerReferences") or []
     return any(owner.get("uid") == uid for owner in owners)
@@ -354,6 +365,7 @@ class _CellOutcome:
     decode_ready: bool = False
     prefill_ready: int = 0
     restarting: bool = False
+    updating: bool = False
     backoff: bool = False
     exhausted: bool = False
     pending: bool = False
@@ -440,13 +452,30 @@ def _cell_actions(
                     f"trays {', '.join(cell.decode_trays)}",
                 )
             )
+    elif (
+        live_decode and not broken and any(_outdated(p, wanted[n]) for n, p in live_decode.items())
+    ):
+        # The spec changed (image, flags, shape): a planned restart of the whole group on the
+        # new pods, outside the failure backoff and budget.
+        outcome.updating = True
+        decision.delete_pods.extend(sorted(live_decode))
+        decision.events.append(
+            Event(
+                name,
+                "Normal",
+                Reason.GROUP_UPDATING,
+                f"decode group of {cell.name} restarts as a whole on the updated pod spec",
+            )
+        )
     elif (not live_decode or not launched) and not any(
         n in pods and _terminating(pods[n]) for n in decode_names
     ):
         # Not launched yet, or every old pod gone (new pods reuse the names): create the rest.
         decision.create.extend(wanted[n] for n in decode_names if n not in live)
     outcome.ready_decode_pods = sum(
-        1 for n in decode_names if n in live and _ready(live[n]) and not outcome.restarting
+        1
+        for n in decode_names
+        if n in live and _ready(live[n]) and not (outcome.restarting or outcome.updating)
     )
     outcome.decode_ready = outcome.ready_decode_pods == len(decode_names)
 
@@ -471,6 +500,27 @@ def _cell_actions(
                     f"prefill {pod_name} on {tray} restarts",
                 )
             )
+    # Prefill on an updated spec: one instance at a time while every other one serves; an
+    # outdated instance that is not ready serves nothing and goes at once.
+    deleting = set(decision.delete_pods)
+    outdated = [
+        n
+        for n in prefill_names
+        if n in live and n not in deleting and _outdated(live[n], wanted[n])
+    ]
+    serving = all(n in live and _ready(live[n]) for n in prefill_names)
+    replace = [n for n in outdated if not _ready(live[n])] or (outdated[:1] if serving else [])
+    for pod_name in replace:
+        decision.delete_pods.append(pod_name)
+        decision.events.append(
+            Event(
+                name,
+                "Normal",
+                Reason.PREFILL_UPDATING,
+                f"prefill {pod_name} replaced on the updated pod spec",
+            )
+        )
+    outcome.updating = outcome.updating or bool(outdated)
     for pod_name in prefill_names:
         if pod_name not in pods:
             decision.create.append(wanted[pod_name])
@@ -569,10 +619,13 @@ def _conditions(
     ready_cells = [c.name for c in placed if outcomes[c.name].decode_ready]
     prefill_ready = sum(o.prefill_ready for o in outcomes.values())
     restarting = [c for c, o in outcomes.items() if o.restarting]
+    updating = [c for c, o in outcomes.items() if o.updating]
     backoff = [c for c, o in outcomes.items() if o.backoff]
     exhausted = [c for c, o in outcomes.items() if o.exhausted]
     pending = [c for c, o in outcomes.items() if o.pending or not o.decode_ready]
-    all_ready = len(ready_cells) == wanted and prefill_ready == prefill_wanted and not pending
+    all_ready = (
+        len(ready_cells) == wanted and prefill_ready == prefill_wanted and not pending
+    ) and not updating
     if all_ready:
         put(ConditionType.READY, True, Reason.ALL_READY, f"{wanted} cells ready")
     else:
@@ -590,6 +643,13 @@ def _conditions(
                 True,
                 Reason.GROUP_RESTARTING,
                 f"decode group restarting: {', '.join(restarting + backoff)}",
+            )
+        elif updating:
+            put(
+                ConditionType.PROGRESSING,
+                True,
+                Reason.UPDATING,
+                f"pods replaced on the updated spec: {', '.join(updating)}",
             )
         elif all_ready:
             put(ConditionType.PROGRESSING, False, Reason.ALL_READY, "every pod is ready")

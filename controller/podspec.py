@@ -26,6 +26,7 @@ its NIXL side-channel host from its pod IP. The same pods run ``baton sim`` when
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -38,6 +39,7 @@ from baton.labels import (
     HOSTNAME_LABEL,
     RANK_LABEL,
     ROLE_LABEL,
+    TEMPLATE_HASH_ANNOTATION,
 )
 from controller.placement import CellPlacement, decode_pod_name, prefill_pod_name
 
@@ -253,6 +255,17 @@ def _pod(
     }
 
 
+def _stamp(pod: Manifest) -> Manifest:
+    """Annotate ``pod`` with the hash of what was rendered for it (the gate aside)."""
+    spec = {key: value for key, value in pod["spec"].items() if key != "schedulingGates"}
+    rendered = json.dumps(
+        {"labels": pod["metadata"]["labels"], "spec": spec}, sort_keys=True, separators=(",", ":")
+    )
+    digest = hashlib.sha256(rendered.encode()).hexdigest()[:16]
+    pod["metadata"].setdefault("annotations", {})[TEMPLATE_HASH_ANNOTATION] = digest
+    return pod
+
+
 def render_cell(
     spec: ModelDeploymentSpec,
     cell: CellPlacement,
@@ -309,21 +322,23 @@ def render_cell(
                 }
             ]
             pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": _CHANNEL_CLAIM}]
-        manifests.append(pod)
+        manifests.append(_stamp(pod))
     manifests.extend(
-        _pod(
-            prefill_pod_name(cell.name, instance.index),
-            deployment=deployment,
-            uid=uid,
-            namespace=namespace,
-            cell=cell.name,
-            role="prefill",
-            rank=instance.index,
-            tray=instance.tray,
-            gpus=len(instance.gpus),
-            command=prefill_command(spec),
-            spec=spec,
-            gpu_resource=gpu_resource,
+        _stamp(
+            _pod(
+                prefill_pod_name(cell.name, instance.index),
+                deployment=deployment,
+                uid=uid,
+                namespace=namespace,
+                cell=cell.name,
+                role="prefill",
+                rank=instance.index,
+                tray=instance.tray,
+                gpus=len(instance.gpus),
+                command=prefill_command(spec),
+                spec=spec,
+                gpu_resource=gpu_resource,
+            )
         )
         for instance in cell.prefill
     )

@@ -164,3 +164,32 @@ def test_prefill_scales_up_and_down_without_touching_decode(api, namespace, rack
         assert obj["status"]["prefillReady"] == f"{instances}/{instances}"
         now = {name: p.metadata.uid for name, p in pods(api, namespace, "decode").items()}
         assert now == decode
+
+
+def test_a_changed_engine_spec_rolls_out_to_every_pod(api, namespace, rack) -> None:
+    apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
+    wait_ready(api, namespace, "dsv4")
+    before = {name: p.metadata.uid for name, p in pods(api, namespace).items()}
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(
+        "baton.dev",
+        "v1alpha1",
+        namespace,
+        "modeldeployments",
+        "dsv4",
+        {"spec": {"engine": {"args": ["--max-num-seqs", "512"]}}},
+    )
+
+    def rolled_out() -> bool:
+        now = pods(api, namespace)
+        return len(now) == 10 and all(
+            "--max-num-seqs" in p.spec.containers[0].command
+            and p.metadata.uid != before[name]
+            and p.status.phase == "Running"
+            for name, p in now.items()
+        )
+
+    eventually(rolled_out, timeout=90, interval=0.5)
+    obj = wait_ready(api, namespace, "dsv4")
+    assert obj["status"]["cells"][0]["restarts"] == []  # a planned restart, not a failure
+    reasons = [e.reason for e in client.CoreV1Api(api).list_namespaced_event(namespace).items]
+    assert "GroupUpdating" in reasons and "PrefillUpdating" in reasons

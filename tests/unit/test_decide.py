@@ -234,3 +234,36 @@ def test_where_the_api_is_served_each_cell_gets_its_compute_domain_once() -> Non
     assert not [m for m in existing.create if m["kind"] == "ComputeDomain"]
     without_api = decide(observed)
     assert not [m for m in without_api.create if m["kind"] == "ComputeDomain"]
+
+
+def hashes(w: World, role: str) -> set[str]:
+    return {
+        p["metadata"]["annotations"]["baton.dev/pod-template-hash"]
+        for n, p in w.pods.items()
+        if f"-{role}-" in n
+    }
+
+
+def test_a_new_engine_spec_restarts_decode_once_and_replaces_prefill_one_at_a_time() -> None:
+    w = world(cell={"prefill": {"instances": 4}})
+    w.settle()
+    old_decode, old_prefill = hashes(w, "decode"), hashes(w, "prefill")
+    w.deployment["spec"]["engine"] = {"args": ["--max-num-seqs", "512"]}
+    w.deployment["metadata"]["generation"] = 2
+    first = w.step()
+    assert set(first.delete_pods) >= names("decode", 8)
+    assert [e.reason for e in first.events].count("GroupUpdating") == 1
+    assert w.condition("Progressing")["reason"] == "Updating"
+    prefill_deleted = [n for n in first.delete_pods if "prefill" in n]
+    for _ in range(20):
+        decision = w.step()
+        prefill_deleted.append([n for n in decision.delete_pods if "prefill" in n])
+        assert len(prefill_deleted[-1]) <= 1  # one prefill instance at a time
+        assert not [n for n in decision.delete_pods if "decode" in n]  # decode restarted once
+        if not (decision.create or decision.delete_pods or decision.ungate):
+            break
+    assert hashes(w, "decode").isdisjoint(old_decode) and len(hashes(w, "decode")) == 8
+    assert hashes(w, "prefill").isdisjoint(old_prefill) and len(w.pods) == 12
+    assert w.condition("Ready")["status"] == "True"
+    assert w.deployment["status"]["cells"][0]["restarts"] == []  # not a failure
+    assert "--max-num-seqs" in w.pods["dsv4-cell-0-prefill-0"]["spec"]["containers"][0]["command"]
