@@ -7,8 +7,10 @@ pool-file reloads), so the request path is the same code as ``baton gateway``'s.
 :func:`build_app` (also exported as ``app``) is a Serve application builder. It runs where the
 application is built (``serve run``, or the controller for a config file), reads the pool file
 named by the ``pool_file`` argument or else by ``BATON_POOL_FILE``, and ships the parsed pool to the
-replicas; each replica also watches that path for changes, so it must be readable there too. API
-keys come from ``BATON_API_KEYS`` (comma-separated), never from arguments, which Serve logs.
+replicas; each replica also watches that path for changes, so it must be readable there too.
+With ``model_deployment=NAMESPACE/NAME`` instead, each replica follows that ModelDeployment's
+status (KubeRay: the replica's service account, or ``kubeconfig=PATH``). API keys come from
+``BATON_API_KEYS`` (comma-separated), never from arguments, which Serve logs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ray import serve
 from ray.serve import Application
 
 from baton.files import describe_errors
+from baton.follow import DeploymentRef
 from router.app import GatewayConfig, create_app
 from router.handoff import Timeouts
 from router.policy import PrefillPolicy, RoutingPolicy
@@ -44,6 +47,8 @@ class ServeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     pool_file: Path | None = None  # default: $BATON_POOL_FILE
+    model_deployment: str | None = None  # NAMESPACE/NAME: the pool from its status instead
+    kubeconfig: Path | None = None  # with model_deployment; default: the service account
     policy: PrefillPolicy = PrefillPolicy.AFFINITY
     pd_threshold_tokens: int = 256
     imbalance_tokens: int = 8192
@@ -62,14 +67,20 @@ def config_from_serve_args(args: Mapping[str, object], environ: Mapping[str, str
         raise ValueError(f"router.serve:app: {describe_errors(exc, 'argument')}") from exc
     from_env = environ.get(POOL_FILE_ENV)
     pool_file = parsed.pool_file or (Path(from_env) if from_env else None)
-    if pool_file is None:
+    deployment = None
+    if parsed.model_deployment is not None:
+        if parsed.pool_file is not None:
+            raise ValueError("router.serve:app: pass pool_file or model_deployment, not both")
+        deployment = DeploymentRef.parse(parsed.model_deployment, parsed.kubeconfig)
+        pool_file = None
+    elif pool_file is None:
         raise ValueError(
-            f"router.serve:app: no pool; pass pool_file=PATH to `serve run router.serve:app` "
-            f"or set {POOL_FILE_ENV}"
+            f"router.serve:app: no pool; pass pool_file=PATH or model_deployment=NAMESPACE/NAME "
+            f"to `serve run router.serve:app`, or set {POOL_FILE_ENV}"
         )
     keys = tuple(k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip())
     return GatewayConfig(
-        pool=load_pool_file(pool_file),
+        pool=load_pool_file(pool_file) if pool_file is not None else None,
         api_keys=keys,
         policy=RoutingPolicy(
             prefill=parsed.policy,
@@ -85,6 +96,7 @@ def config_from_serve_args(args: Mapping[str, object], environ: Mapping[str, str
         health_interval_s=parsed.health_interval_s,
         load_sync_interval_s=parsed.health_interval_s,
         pool_file=pool_file,
+        model_deployment=deployment,
     )
 
 

@@ -14,6 +14,7 @@ import openai
 import pytest
 import yaml
 
+from baton.follow import DeploymentRef
 from tests.helpers import SimHandle, free_port
 
 # Ray's own pydantic models use deprecated Field arguments: not ours to fix, and not an error here.
@@ -95,9 +96,21 @@ def test_serve_args_pool_file_wins_over_the_environment(tmp_path: Path) -> None:
     assert config.api_keys == ("k1", "k2")
 
 
-def test_serve_args_without_a_pool_name_both_ways_to_give_one() -> None:
-    with pytest.raises(ValueError, match=f"pass pool_file=PATH .* or set {POOL_FILE_ENV}"):
+def test_serve_args_without_a_pool_name_every_way_to_give_one() -> None:
+    wanted = f"pass pool_file=PATH or model_deployment=NAMESPACE/NAME .* or set {POOL_FILE_ENV}"
+    with pytest.raises(ValueError, match=wanted):
         config_from_serve_args({}, {})
+
+
+def test_serve_args_can_follow_a_model_deployment_instead_of_a_pool_file(tmp_path: Path) -> None:
+    config = config_from_serve_args(
+        {"model_deployment": "serving/dsv4", "kubeconfig": str(tmp_path / "kubeconfig")},
+        {POOL_FILE_ENV: str(tmp_path / "ignored.yaml")},
+    )
+    assert config.pool is None and config.pool_file is None
+    assert config.model_deployment == DeploymentRef("serving", "dsv4", tmp_path / "kubeconfig")
+    with pytest.raises(ValueError, match="expected NAMESPACE/NAME"):
+        config_from_serve_args({"model_deployment": "dsv4"}, {})
 
 
 def test_unknown_serve_arg_is_named() -> None:
