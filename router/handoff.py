@@ -215,6 +215,9 @@ class Handoff:
         # Every wait for bytes is bounded; before the first token the (longer) first-token
         # bound applies to the whole wait as well.
         self._read_timeout = max(timeouts.idle_s, timeouts.first_token_s)
+        # Deadlines are on the event loop's clock, the one its timers run on; built in the
+        # app's lifespan, where the loop runs.
+        self._clock = asyncio.get_running_loop().time
 
     async def serve(
         self,
@@ -306,15 +309,13 @@ class Handoff:
     ) -> tuple[bytes, int]:
         """One non-streamed call: the whole answer within ``within_s``, or UpstreamError."""
         response: UpstreamResponse | None = None
+        deadline = self._clock() + within_s
         try:
-            async with asyncio.timeout(within_s):
-                response = await self.upstream.post(url, route, payload, headers, within_s)
-                data = await response.read_all()
-        except BaseException as exc:
+            response = await self.upstream.post(url, route, payload, headers, within_s, deadline)
+            data = await response.read_all(deadline)
+        except BaseException:
             if response is not None:
                 response.close()  # the engine sees the request go away and aborts it
-            if isinstance(exc, TimeoutError) and not isinstance(exc, UpstreamError):
-                raise UpstreamTimeout("upstream", f"no complete answer in {within_s} s") from exc
             raise
         response.release()
         return data, response.status
@@ -428,22 +429,27 @@ class Handoff:
         """Open the decode stream and read up to its first token; raise if it fails first."""
         self.pool.begin_decode(rank.name)
         response: UpstreamResponse | None = None
+        deadline = self._clock() + self.timeouts.first_token_s
         try:
-            async with asyncio.timeout(self.timeouts.first_token_s):
-                response = await self.upstream.post(
-                    rank.url, route, payload, _headers(request_id, rank.dp_rank), self._read_timeout
-                )
-                if response.status != 200:
-                    raise UpstreamStatus("decode", response.status, await response.read_all())
-                head = FirstToken()
-                while head.state is StreamState.PENDING:
-                    chunk = await response.read_some()
-                    if not chunk:
-                        raise UpstreamUnavailable("decode", "stream ended before a token")
-                    head.feed(chunk)
-                if head.state is StreamState.ERROR:
-                    raise UpstreamStatus("decode", 500, head.error)
-        except TimeoutError as exc:
+            response = await self.upstream.post(
+                rank.url,
+                route,
+                payload,
+                _headers(request_id, rank.dp_rank),
+                self._read_timeout,
+                deadline,
+            )
+            if response.status != 200:
+                raise UpstreamStatus("decode", response.status, await response.read_all(deadline))
+            head = FirstToken()
+            while head.state is StreamState.PENDING:
+                chunk = await response.read_some(deadline)
+                if not chunk:
+                    raise UpstreamUnavailable("decode", "stream ended before a token")
+                head.feed(chunk)
+            if head.state is StreamState.ERROR:
+                raise UpstreamStatus("decode", 500, head.error)
+        except UpstreamTimeout as exc:
             if response is not None:
                 response.close()
             self.pool.end_decode(rank.name)

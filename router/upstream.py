@@ -206,10 +206,11 @@ class UpstreamResponse:
         self._read_timeout = read_timeout
         self.status = conn.status
 
-    async def read_some(self) -> bytes:
-        """Every body byte received so far (waiting for some); ``b""`` at the end."""
+    async def read_some(self, deadline: float | None = None) -> bytes:
+        """Every body byte received so far (waiting for some); ``b""`` at the end. A wait
+        ends at the read timeout, or earlier at ``deadline`` (the event loop's clock)."""
         conn = self._conn
-        await conn.wait(self._read_timeout)
+        await conn.wait(_bounded(conn, self._read_timeout, deadline))
         data = bytes(conn.body)
         conn.body.clear()
         conn.resume()
@@ -234,9 +235,9 @@ class UpstreamResponse:
         finally:
             conn.sink = None
 
-    async def read_all(self) -> bytes:
+    async def read_all(self, deadline: float | None = None) -> bytes:
         parts = []
-        while chunk := await self.read_some():
+        while chunk := await self.read_some(deadline):
             parts.append(chunk)
         return b"".join(parts)
 
@@ -263,17 +264,26 @@ class UpstreamPool:
         self.idle: defaultdict[tuple[str, int], list[_Connection]] = defaultdict(list)
 
     async def post(
-        self, base_url: str, path: str, body: bytes, headers: Mapping[str, str], within_s: float
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        within_s: float,
+        deadline: float | None = None,
     ) -> UpstreamResponse:
-        """POST ``body`` (JSON) and wait for the answer's status line and headers; every later
-        wait for body bytes is bounded by ``within_s`` too."""
+        """POST ``body`` (JSON) and wait for the answer's status line and headers, within
+        ``within_s`` and before ``deadline`` (the event loop's clock) when given; every later
+        wait for body bytes is bounded by ``within_s`` too. A phase bounds its whole exchange
+        with one deadline rather than an ``asyncio.timeout`` (a timer and a context per call).
+        """
         key = _key(base_url)
         head = _request_head(key, path, len(body), headers)
         for attempt in (0, 1):
             conn, reused = await self._connection(key)
             conn.transport.write(head + body)  # type: ignore[union-attr]
             try:
-                await self._headers(conn, within_s)
+                await self._headers(conn, _bounded(conn, within_s, deadline))
             except UpstreamUnavailable:
                 # An idle connection the engine closed just as it was reused: one retry on a
                 # fresh one is safe, since the engine received nothing of this request.
@@ -326,6 +336,13 @@ class UpstreamPool:
                 if conn.transport is not None:
                     conn.transport.close()
         self.idle.clear()
+
+
+def _bounded(conn: _Connection, within_s: float, deadline: float | None) -> float:
+    """``within_s``, or less when ``deadline`` comes sooner (never below zero)."""
+    if deadline is None:
+        return within_s
+    return max(min(within_s, deadline - conn.loop.time()), 0.0)
 
 
 def _key(base_url: str) -> tuple[str, int]:
