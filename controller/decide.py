@@ -767,7 +767,11 @@ def decide(observed: Observed, policy: RestartPolicy | None = None) -> Decision:
         status.cells = cells
         status.endpoints = endpoints
         status.decode_ranks = sum(c.decode.ready_ranks for c in cells)
-        quarantined = sorted(t.name for t in topology.trays if t.quarantined)
+        # Quarantined trays in this deployment's domains: the ones that cost it a spare.
+        domains = {c.domain for c in plan.cells if c.deployment == name}
+        quarantined = sorted(
+            t.name for t in topology.trays if t.quarantined and t.domain in domains
+        )
         _conditions(status, plan, deployment, outcomes, prefill_wanted, quarantined, now)
         status.observed_generation = deployment.generation
         if status != deployment.status:

@@ -193,3 +193,35 @@ def test_a_changed_engine_spec_rolls_out_to_every_pod(api, namespace, rack) -> N
     assert obj["status"]["cells"][0]["restarts"] == []  # a planned restart, not a failure
     reasons = [e.reason for e in client.CoreV1Api(api).list_namespaced_event(namespace).items]
     assert "GroupUpdating" in reasons and "PrefillUpdating" in reasons
+
+
+def test_a_tray_whose_pods_keep_failing_is_quarantined_and_its_group_moves(
+    api, namespace, rack
+) -> None:
+    apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
+    cell = wait_ready(api, namespace, "dsv4")["status"]["cells"][0]
+    tray, spare = cell["decode"]["trays"][2], cell["spareTrays"][0]
+    core = client.CoreV1Api(api)
+    # Two earlier failures on record; the engine on this tray now fails a third time.
+    core.patch_node(tray, {"metadata": {"annotations": {"baton.dev/tray-failures": "2"}}})
+    failing = core.read_namespaced_pod_status("dsv4-cell-0-decode-2", namespace)
+    failing.status.phase = "Failed"
+    core.replace_namespaced_pod_status("dsv4-cell-0-decode-2", namespace, failing)
+
+    def quarantined_and_moved() -> bool:
+        annotations = core.read_node(tray).metadata.annotations or {}
+        decode = pods(api, namespace, "decode")
+        return (
+            "baton.dev/quarantined" in annotations
+            and len(decode) == 8
+            and decode["dsv4-cell-0-decode-2"].spec.node_name == spare
+            and all(p.status.phase == "Running" for p in decode.values())
+        )
+
+    eventually(quarantined_and_moved, timeout=60, interval=0.25)
+    assert core.read_node(tray).metadata.annotations["baton.dev/tray-failures"] == "3"
+    obj = wait_ready(api, namespace, "dsv4")
+    degraded = condition(obj, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "TrayQuarantined")
+    reasons = [e.reason for e in core.list_namespaced_event(namespace).items]
+    assert "TrayQuarantined" in reasons and "GroupRestarting" in reasons
