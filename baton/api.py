@@ -58,6 +58,7 @@ class ConditionType(StrEnum):
 
 class Reason(StrEnum):
     PLACED = "Placed"
+    INVALID_SPEC = "InvalidSpec"
     INSUFFICIENT_CAPACITY = "InsufficientCapacity"
     GROUP_RESTARTING = "GroupRestarting"
     TRAY_QUARANTINED = "TrayQuarantined"

@@ -55,6 +55,7 @@ from baton.api import (
     PrefillInstanceStatus,
     Reason,
 )
+from baton.files import describe_errors
 from baton.labels import (
     CELL_GATE,
     CELL_LABEL,
@@ -264,8 +265,11 @@ def _deployments(observed: Observed) -> tuple[list[_Deployment], list[Event]]:
                 {key: obj[key] for key in ("apiVersion", "kind", "metadata", "spec") if key in obj}
             )
         except ValidationError as exc:
-            # The API server validates the schema; this catches rules it cannot express.
-            events.append(Event(meta.get("name", "?"), "Warning", "InvalidSpec", str(exc)))
+            # The API server validates the schema; this catches rules it cannot express
+            # (dep a multiple of gpusPerPod, windowSize <= stepInterval, ...).
+            events.append(
+                Event(meta.get("name", "?"), "Warning", Reason.INVALID_SPEC, describe_errors(exc))
+            )
             continue
         try:
             status = ModelDeploymentStatus.model_validate(obj.get("status") or {})
@@ -683,12 +687,42 @@ def _conditions(
     status.prefill_ready = f"{prefill_ready}/{prefill_wanted}"
 
 
+def _report_invalid(observed: Observed, invalid: Sequence[Event], decision: Decision) -> None:
+    """Placed=False, InvalidSpec, on each deployment the controller cannot act on."""
+    objects = {d.get("metadata", {}).get("name"): d for d in observed.deployments}
+    now = rfc3339(observed.now)
+    for event in invalid:
+        obj = objects.get(event.deployment) or {}
+        try:
+            status = ModelDeploymentStatus.model_validate(obj.get("status") or {})
+        except ValidationError:
+            status = ModelDeploymentStatus()
+        generation = int(obj.get("metadata", {}).get("generation", 0))
+        changed = set_condition(
+            status.conditions,
+            Condition(
+                type=ConditionType.PLACED,
+                status="False",
+                reason=Reason.INVALID_SPEC,
+                message=event.message,
+                last_transition_time=now,
+                observed_generation=generation,
+            ),
+        )
+        if changed or status.observed_generation != generation:
+            status.observed_generation = generation
+            decision.status[event.deployment] = status.model_dump(
+                by_alias=True, exclude_none=True, exclude={"eplb", "balance"}
+            )
+
+
 def decide(observed: Observed, policy: RestartPolicy | None = None) -> Decision:
     """Everything one reconcile of ``observed.namespace`` should do."""
     policy = policy or RestartPolicy()
     decision = Decision()
     deployments, events = _deployments(observed)
     decision.events.extend(events)
+    _report_invalid(observed, events, decision)
     live_cells = {_labels(pod).get(CELL_LABEL) for d in deployments for pod in d.pods.values()}
     if not deployments:
         return decision

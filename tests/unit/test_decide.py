@@ -267,3 +267,13 @@ def test_a_new_engine_spec_restarts_decode_once_and_replaces_prefill_one_at_a_ti
     assert w.condition("Ready")["status"] == "True"
     assert w.deployment["status"]["cells"][0]["restarts"] == []  # not a failure
     assert "--max-num-seqs" in w.pods["dsv4-cell-0-prefill-0"]["spec"]["containers"][0]["command"]
+
+
+def test_a_spec_the_api_server_accepts_but_baton_cannot_run_is_reported_not_placed() -> None:
+    w = world(cell={"decode": {"dep": 30}})  # not a whole number of 4-GPU trays
+    decision = w.step()
+    assert decision.create == []
+    placed = w.condition("Placed")
+    assert (placed["status"], placed["reason"]) == ("False", "InvalidSpec")
+    assert "multiple of gpusPerPod" in placed["message"]
+    assert w.step().status == {}  # reported once, not rewritten every reconcile
