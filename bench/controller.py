@@ -53,16 +53,19 @@ def _counters(url: str) -> dict[str, float]:
 def _watch_running(
     api: client.ApiClient,
     namespace: str,
+    since: str,
     wanted: int,
     done: threading.Event,
     ready: dict[str, float],
 ) -> None:
-    """Record when ``wanted`` pods of the namespace are Running (one watch, no polling)."""
+    """Record when ``wanted`` pods of the namespace are Running: one watch from resourceVersion
+    ``since`` (taken before the apply, so no event is missed), no polling."""
     running: set[str] = set()
     stream = watch.Watch().stream(
         client.CoreV1Api(api).list_namespaced_pod,
         namespace,
         label_selector=DEPLOYMENT_LABEL,
+        resource_version=since,
         timeout_seconds=180,
     )
     for event in stream:
@@ -114,11 +117,13 @@ def _scenario(cells: int, directory: Path) -> dict[str, object]:
         marks: dict[str, float] = {}
         done = threading.Event()
         wanted = cells * PODS_PER_CELL
+        since = core.list_namespaced_pod(namespace, limit=1).metadata.resource_version
         watcher = threading.Thread(
-            target=_watch_running, args=(api, namespace, wanted, done, marks), daemon=True
+            target=_watch_running,
+            args=(api, namespace, since, wanted, done, marks),
+            daemon=True,
         )
         watcher.start()
-        time.sleep(0.2)  # the watch is open before the apply
         started = time.monotonic()
         custom.create_namespaced_custom_object(
             "baton.dev",

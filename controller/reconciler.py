@@ -118,6 +118,7 @@ class Controller:
         self._threads: list[threading.Thread] = []
         self._events_sent: dict[tuple[str, str, str, str], float] = {}
         self._no_compute_domains_until = 0.0
+        self._cache_changed = threading.Condition()
         self.deployments = Informer(
             "modeldeployments",
             lambda **kw: self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, **kw),
@@ -138,12 +139,19 @@ class Controller:
         obj = new or old
         if obj is not None:
             self.queue.add(obj["metadata"]["namespace"])
+        self._notify_seen()
 
     def _on_pod(self, kind: str, old: dict | None, new: dict | None) -> None:
         obj = new or old
         labels = (obj or {}).get("metadata", {}).get("labels") or {}
         if obj is not None and DEPLOYMENT_LABEL in labels:
             self.queue.add(obj["metadata"]["namespace"])
+        self._notify_seen()
+
+    def _notify_seen(self) -> None:
+        """Wake a reconcile waiting for the caches to show its writes."""
+        with self._cache_changed:
+            self._cache_changed.notify_all()
 
     def _on_node(self, kind: str, old: dict | None, new: dict | None) -> None:
         if _placement_fingerprint(old) != _placement_fingerprint(new):
@@ -181,6 +189,7 @@ class Controller:
     def stop(self) -> None:
         self._stop.set()
         self.queue.close()
+        self._notify_seen()
         for informer in (self.deployments, self.nodes, self.pods, self.services):
             informer.stop()
         for thread in self._threads:
@@ -302,11 +311,15 @@ class Controller:
             return None
 
         deadline = time.monotonic() + 5.0
-        while (missing := unseen()) is not None and not self._stop.is_set():
-            if time.monotonic() > deadline:
-                log.warning("%s: the cache has not seen the %s yet; going on", namespace, missing)
-                break
-            time.sleep(0.01)
+        with self._cache_changed:  # the pod and deployment informers notify on every event
+            while (missing := unseen()) is not None and not self._stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.warning(
+                        "%s: the cache has not seen the %s yet; going on", namespace, missing
+                    )
+                    break
+                self._cache_changed.wait(remaining)
 
     def _count(self, verb: str, resource: str) -> None:
         self.metrics.api_requests.labels(verb, resource).inc()

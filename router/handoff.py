@@ -53,7 +53,7 @@ from router.policy import (
 )
 from router.pool import Pool
 from router.stream import DecodeStream, FirstToken, StreamState, error_event
-from router.upstream import Sink, UpstreamPool, UpstreamResponse
+from router.upstream import UpstreamPool, UpstreamResponse
 
 __all__ = ["ClientWriter", "DecodeRelay", "Handoff", "JsonReply", "Timeouts"]
 
@@ -97,7 +97,7 @@ class ClientWriter(Protocol):
     async def drain(self) -> None: ...
 
 
-class _StreamSink(Sink):
+class _StreamSink:
     """Engine bytes -> the usage-frame watcher -> the client, with no task in between."""
 
     __slots__ = ("_client", "_stream")

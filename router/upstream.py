@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import httptools
@@ -32,18 +33,16 @@ __all__ = ["Sink", "UpstreamPool", "UpstreamResponse"]
 _HIGH_WATER = 1 << 20  # pause reading an engine whose bytes the client is not taking
 
 
-class Sink:
+class Sink(Protocol):
     """Where a relayed body goes, synchronously, from the connection's protocol callback."""
-
-    __slots__ = ()
 
     def write(self, data: bytes) -> None:
         """Take ``data`` (whole received segments' body bytes); must not raise."""
-        raise NotImplementedError
+        ...
 
     def blocked(self) -> bool:
         """True while the client is not taking bytes: reading from the engine pauses."""
-        raise NotImplementedError
+        ...
 
 
 class _Connection(asyncio.Protocol):
