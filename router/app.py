@@ -397,6 +397,8 @@ def create_app(
         for name, count in services.pool.in_flight().items():
             role = "prefill" if name in services.pool.prefill else "decode"
             metrics.in_flight.labels(role, name).set(count)
+        for name, count in services.pool.peer_in_flight().items():
+            metrics.peer_in_flight.labels(name).set(count)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(GatewayError)

@@ -165,6 +165,13 @@ class GatewayMetrics:
             ["role", "target"],
             registry=r,
         )
+        self.peer_in_flight = Gauge(
+            "baton_gateway_peer_in_flight_requests",
+            "Requests other gateway replicas hold per decode rank, estimated from the engines'"
+            " metrics at the last load sync.",
+            ["target"],
+            registry=r,
+        )
         # children bound once: handlers never look labels up on the hot path
         self.cached_tokens = self.prompt_tokens.labels("cached")
         self.uncached_tokens = self.prompt_tokens.labels("uncached")

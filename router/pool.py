@@ -2,9 +2,10 @@
 
 The pool owns every piece of mutable routing state: which targets are healthy (active checks of
 ``/health`` plus passive ejection by a circuit breaker), how many requests and uncached prompt
-tokens this gateway has in flight at each target, and the decode load corrected every few seconds
-from the engines' own ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` (so several
-gateway replicas converge on the same view). It hands out immutable :class:`PoolSnapshot` objects
+tokens this gateway has in flight at each target, and every few seconds the decode load other
+gateway replicas put on each rank: the engines' own ``vllm:num_requests_running`` plus
+``vllm:num_requests_waiting`` less this gateway's share (so several replicas converge on the same
+view while each keeps its own count exact). It hands out immutable :class:`PoolSnapshot` objects
 for the pure policy to choose over.
 
 Targets come as cells: from flags or a YAML pool file (:class:`PoolSpec`, reloaded when it
@@ -135,7 +136,8 @@ class _Target:
     cell: str
     breaker: Breaker
     up: bool = True  # the last active health check answered 200
-    in_flight: int = 0
+    in_flight: int = 0  # this gateway's requests, exact
+    others: int = 0  # decode only: other replicas' requests, estimated at the last load sync
     outstanding_tokens: int = 0
     dp_rank: int = -1  # decode only: the X-data-parallel-rank value, -1 for none
 
@@ -212,7 +214,9 @@ class Pool:
                 for t in self.prefill.values()
             ),
             decode=tuple(
-                DecodeRankView(t.name, t.url, t.cell, t.dp_rank, t.healthy(now), t.in_flight)
+                DecodeRankView(
+                    t.name, t.url, t.cell, t.dp_rank, t.healthy(now), t.in_flight + t.others
+                )
                 for t in self.decode.values()
             ),
         )
@@ -266,8 +270,13 @@ class Pool:
             target.breaker.failure(time.monotonic())
 
     def in_flight(self) -> dict[str, int]:
-        """In-flight requests per target (prefill and decode), for metrics and leak checks."""
+        """This gateway's in-flight requests per target (prefill and decode), for metrics and
+        leak checks."""
         return {t.name: t.in_flight for t in [*self.prefill.values(), *self.decode.values()]}
+
+    def peer_in_flight(self) -> dict[str, int]:
+        """Requests other gateway replicas hold per decode rank, as of the last load sync."""
+        return {t.name: t.others for t in self.decode.values()}
 
     # ---- background: health and load
 
@@ -317,7 +326,9 @@ class Pool:
             target.up = up
 
     async def sync_decode_load(self) -> None:
-        """Correct the decode in-flight view from what the engines themselves report."""
+        """Estimate the load other gateway replicas put on each decode rank from what the engines
+        report. The engines' count lags this gateway's (a request in handoff is not there yet), so
+        it only adds to this gateway's exact count, never replaces it."""
         urls = {t.url for t in self.decode.values() if t.dp_rank >= 0 and t.up}
         await asyncio.gather(*(self._sync_server(url) for url in urls))
 
@@ -335,7 +346,7 @@ class Pool:
         server = self._servers.get(url)
         for target in server.targets if server is not None else ():
             if target.name in self.decode and 0 <= target.dp_rank < len(ranks):
-                target.in_flight = load[ranks[target.dp_rank]]
+                target.others = max(0, load[ranks[target.dp_rank]] - target.in_flight)
 
 
 def _engine_load(text: str) -> dict[str, int]:

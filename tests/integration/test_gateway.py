@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+from openai.types import Completion
 
 from tests.helpers import NIXL, SimHandle, eventually, free_port_block, scrape, scrape_by
 
@@ -199,35 +200,90 @@ def test_session_header_pins_prefill(stack: Stack) -> None:
     assert sorted(served) == [0, 6]
 
 
+def _stream_until(client: openai.OpenAI, stop: threading.Event, prompt: str) -> None:
+    while not stop.is_set():
+        for _ in client.completions.create(
+            model=MODEL, prompt=prompt, stream=True, max_tokens=300, extra_body={"ignore_eos": True}
+        ):
+            pass
+
+
+def _decode_in_flight(gateway: SimHandle, decode: SimHandle) -> list[float]:
+    """A gateway's own in-flight requests per decode rank, from one scrape (one consistent view)."""
+    in_flight = scrape_by(gateway.url, "baton_gateway_in_flight_requests", "target")
+    return [v for name, v in in_flight.items() if name.startswith(decode.url)]
+
+
 def test_decode_ranks_stay_balanced_under_steady_load(stack: Stack) -> None:
     client = stack.client()
     stop = threading.Event()
-
-    def stream(i: int) -> None:
-        while not stop.is_set():
-            for _ in client.completions.create(
-                model=MODEL,
-                prompt=f"{i} {LONG}",
-                stream=True,
-                max_tokens=300,
-                extra_body={"ignore_eos": True},
-            ):
-                pass
-
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(stream, i) for i in range(16)]
-        samples = []
-        for _ in range(20):
-            eventually(lambda: scrape(stack.decode.url, "vllm:num_requests_running") >= 14)
-            # the gateway's view of in-flight requests per decode rank, in one scrape
-            in_flight = scrape_by(stack.gateway.url, "baton_gateway_in_flight_requests", "target")
-            ranks = [v for name, v in in_flight.items() if name.startswith(stack.decode.url)]
-            assert len(ranks) == 4
-            samples.append(max(ranks) - min(ranks))
-        stop.set()
+        futures = [pool.submit(_stream_until, client, stop, f"{i} {LONG}") for i in range(16)]
+        samples: list[float] = []
+        try:
+            for _ in range(20):
+                # a moment when all 16 streams are in their decode leg: between those moments a
+                # stream is in prefill and the rank it left is short until it comes back
+                ranks = eventually(
+                    lambda: (
+                        (r := _decode_in_flight(stack.gateway, stack.decode)) and sum(r) == 16 and r
+                    )
+                )
+                assert len(ranks) == 4
+                samples.append(max(ranks) - min(ranks))
+        finally:
+            stop.set()
         for future in futures:
             future.result()
     assert max(samples) <= 1, samples
+
+
+def test_a_second_gateway_routes_around_the_first_ones_load(
+    stack: Stack, start_gateway: Callable[..., SimHandle]
+) -> None:
+    """Replicas share no state: each learns the others' load from the engines' metrics."""
+    other = start_gateway(
+        "--api-key", "k", f"--decode={stack.decode.url}@0-3", "--health-interval", "0.2"
+    )
+
+    def open_stream(
+        client: openai.OpenAI, prompt: str, max_tokens: int
+    ) -> openai.Stream[Completion]:
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            stream=True,
+            max_tokens=max_tokens,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))
+        return stream
+
+    # the first gateway holds three streams, longer than the test, on three of the four ranks
+    held = [open_stream(stack.client(), f"{i} x", 100_000) for i in range(3)]
+    try:
+        loads = _decode_in_flight(stack.gateway, stack.decode)
+        assert sorted(loads) == [0, 1, 1, 1]
+        idle = loads.index(0)
+        # the second gateway learns that load from the engine ...
+        peers = lambda: scrape_by(other.url, "baton_gateway_peer_in_flight_requests", "target")  # noqa: E731
+        eventually(lambda: sum(peers().values()) == 3)
+        assert list(peers().values())[idle] == 0
+        # ... and sends each of its own requests to the one idle rank
+        second = openai.OpenAI(base_url=f"{other.url}/v1", api_key="k", max_retries=0)
+        for i in range(4):
+            stream = open_stream(second, f"y{i}", 50)
+            assert _decode_in_flight(other, stack.decode)[idle] == 1
+            stream.close()
+            # the engine drops it; wait until a sync has seen that (the estimate lags a sync)
+            eventually(lambda: scrape(stack.decode.url, "vllm:num_requests_running") == 3)
+            eventually(lambda: sum(peers().values()) == 3 and list(peers().values())[idle] == 0)
+    finally:
+        for stream in held:
+            stream.close()
+    # its own count stayed exact throughout: nothing left in flight
+    eventually(lambda: sum(_decode_in_flight(other, stack.decode)) == 0)
+    stack.assert_nothing_leaked()
 
 
 # ---- fault paths: afterwards nothing is left in flight and no prefill KV is held
