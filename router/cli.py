@@ -18,9 +18,8 @@ from pathlib import Path
 
 from baton.follow import DeploymentRef
 from router.app import GatewayConfig, create_gateway
-from router.handoff import Timeouts
-from router.policy import PrefillPolicy, RoutingPolicy
 from router.pool import CellSpec, PoolSpec, load_pool_file, parse_decode_flag
+from router.settings import GatewaySettings
 
 __all__ = ["config_from_args", "main"]
 
@@ -58,29 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY")
     parser.add_argument("--api-key-file", type=Path, metavar="FILE")
-    parser.add_argument(
-        "--policy",
-        default=PrefillPolicy.AFFINITY.value,
-        choices=[p.value for p in PrefillPolicy],
-        help="prefill choice",
-    )
-    parser.add_argument(
-        "--pd-threshold-tokens",
-        type=int,
-        default=256,
-        help="prompts estimated below this many tokens skip prefill",
-    )
-    parser.add_argument(
-        "--imbalance-tokens",
-        type=int,
-        default=8192,
-        help="outstanding-token gap at which affinity spills to the 2nd choice",
-    )
-    parser.add_argument("--prefill-timeout", type=float, default=300.0, metavar="SECONDS")
-    parser.add_argument("--first-token-timeout", type=float, default=300.0, metavar="SECONDS")
-    parser.add_argument("--idle-timeout", type=float, default=120.0, metavar="SECONDS")
-    parser.add_argument("--health-interval", type=float, default=2.0, metavar="SECONDS")
-    parser.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    GatewaySettings.add_flags(parser)
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
@@ -124,24 +101,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             "--decode: at least one decode engine is required "
             "(or --pool FILE, or --model-deployment NAMESPACE/NAME)"
         )
-    return GatewayConfig(
-        pool=pool,
-        api_keys=_api_keys(args),
-        policy=RoutingPolicy(
-            prefill=PrefillPolicy(args.policy),
-            imbalance_tokens=args.imbalance_tokens,
-            pd_threshold_tokens=args.pd_threshold_tokens,
-        ),
-        timeouts=Timeouts(
-            prefill_s=args.prefill_timeout,
-            first_token_s=args.first_token_timeout,
-            idle_s=args.idle_timeout,
-        ),
-        max_body_bytes=args.max_body_bytes,
-        health_interval_s=args.health_interval,
-        load_sync_interval_s=args.health_interval,
-        pool_file=args.pool,
-        model_deployment=deployment,
+    return GatewaySettings.from_flags(args).gateway_config(
+        pool, _api_keys(args), pool_file=args.pool, model_deployment=deployment
     )
 
 

@@ -20,16 +20,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 
 from baton.files import describe_errors
 from baton.follow import DeploymentRef
 from router.app import GatewayConfig, create_app
-from router.handoff import Timeouts
-from router.policy import PrefillPolicy, RoutingPolicy
 from router.pool import load_pool_file
+from router.settings import GatewaySettings
 
 __all__ = ["POOL_FILE_ENV", "ServeArgs", "app", "build_app", "config_from_serve_args"]
 
@@ -41,22 +40,13 @@ DEPLOYMENT_NAME = "BatonGateway"
 MAX_ONGOING_REQUESTS = 4096
 
 
-class ServeArgs(BaseModel):
-    """The application arguments (``serve run router.serve:app key=value ...``); all optional."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class ServeArgs(GatewaySettings):
+    """The application arguments (``serve run router.serve:app key=value ...``); all optional:
+    the gateway's settings plus where its pool comes from."""
 
     pool_file: Path | None = None  # default: $BATON_POOL_FILE
     model_deployment: str | None = None  # NAMESPACE/NAME: the pool from its status instead
     kubeconfig: Path | None = None  # with model_deployment; default: the service account
-    policy: PrefillPolicy = PrefillPolicy.AFFINITY
-    pd_threshold_tokens: int = 256
-    imbalance_tokens: int = 8192
-    prefill_timeout_s: float = 300.0
-    first_token_timeout_s: float = 300.0
-    idle_timeout_s: float = 120.0
-    health_interval_s: float = 2.0
-    max_body_bytes: int = 32 * 1024 * 1024
 
 
 def config_from_serve_args(args: Mapping[str, object], environ: Mapping[str, str]) -> GatewayConfig:
@@ -79,22 +69,9 @@ def config_from_serve_args(args: Mapping[str, object], environ: Mapping[str, str
             f"to `serve run router.serve:app`, or set {POOL_FILE_ENV}"
         )
     keys = tuple(k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip())
-    return GatewayConfig(
-        pool=load_pool_file(pool_file) if pool_file is not None else None,
-        api_keys=keys,
-        policy=RoutingPolicy(
-            prefill=parsed.policy,
-            imbalance_tokens=parsed.imbalance_tokens,
-            pd_threshold_tokens=parsed.pd_threshold_tokens,
-        ),
-        timeouts=Timeouts(
-            prefill_s=parsed.prefill_timeout_s,
-            first_token_s=parsed.first_token_timeout_s,
-            idle_s=parsed.idle_timeout_s,
-        ),
-        max_body_bytes=parsed.max_body_bytes,
-        health_interval_s=parsed.health_interval_s,
-        load_sync_interval_s=parsed.health_interval_s,
+    return parsed.gateway_config(
+        load_pool_file(pool_file) if pool_file is not None else None,
+        keys,
         pool_file=pool_file,
         model_deployment=deployment,
     )

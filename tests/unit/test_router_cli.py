@@ -1,0 +1,66 @@
+"""``baton gateway``'s command line: flags from the shared settings, errors naming the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.cli import build_parser, config_from_args, main
+from router.policy import PrefillPolicy
+from router.settings import GatewaySettings
+
+
+def test_flags_map_onto_the_gateway_config() -> None:
+    args = build_parser().parse_args(
+        [
+            "--prefill=http://127.0.0.1:9001",
+            "--decode=http://127.0.0.1:9002@0-3",
+            "--policy=least_loaded",
+            "--prefill-timeout=7",
+            "--first-token-timeout=8",
+            "--idle-timeout=9",
+            "--health-interval=0.5",
+            "--pd-threshold-tokens=64",
+            "--max-body-bytes=1024",
+        ]
+    )
+    config = config_from_args(args)
+    assert config.policy.prefill is PrefillPolicy.LEAST_LOADED
+    assert config.policy.pd_threshold_tokens == 64
+    assert (config.timeouts.prefill_s, config.timeouts.first_token_s) == (7, 8)
+    assert config.timeouts.idle_s == 9
+    assert config.health_interval_s == config.load_sync_interval_s == 0.5
+    assert config.max_body_bytes == 1024
+    assert config.pool is not None
+    (cell,) = config.pool.cells
+    assert cell.prefill == ("http://127.0.0.1:9001",)
+    assert cell.decode[0].ranks == (0, 1, 2, 3)
+
+
+def test_defaults_are_the_settings_defaults() -> None:
+    config = config_from_args(build_parser().parse_args(["--decode=http://127.0.0.1:9002"]))
+    expected = GatewaySettings().gateway_config(config.pool, ())
+    assert config == expected
+
+
+@pytest.mark.parametrize(
+    ("flag", "named"),
+    [
+        ("--prefill-timeout=0", "--prefill-timeout"),
+        ("--max-body-bytes=-1", "--max-body-bytes"),
+        ("--health-interval=-2", "--health-interval"),
+    ],
+)
+def test_an_out_of_range_value_is_refused_naming_its_flag(
+    flag: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--decode=http://127.0.0.1:9002", flag]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("baton gateway: error: ")
+    assert named in error
+
+
+def test_no_engines_is_refused_with_the_ways_to_name_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([]) == 2
+    assert "--decode" in capsys.readouterr().err
