@@ -216,6 +216,16 @@ class Gateway:
         await response(scope, receive, send)
 
 
+def _header_map(scope: Scope) -> dict[str, str]:
+    """The request's headers as one dict, built once: a handler reads a dozen of them (session
+    headers, key, length, request id), and starlette's Headers scans the list per lookup. The
+    first of a repeated header wins, as with starlette's ``get``."""
+    headers: dict[str, str] = {}
+    for name, value in reversed(scope["headers"]):
+        headers[name.decode("latin-1")] = value.decode("latin-1")
+    return headers
+
+
 def _error(exc: GatewayError) -> Response:
     return Response(exc.body(), status_code=exc.status, media_type="application/json")
 
@@ -285,10 +295,10 @@ def create_app(
     )
     keys = tuple(key.encode() for key in config.api_keys)
 
-    def authenticate(request: Request) -> None:
+    def authenticate(headers: Mapping[str, str]) -> None:
         if not keys:
             return
-        header = request.headers.get("authorization", "")
+        header = headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         presented = token.strip().encode() if scheme.lower() == "bearer" else b""
         # compare against every key (no early exit) in constant time per key
@@ -298,8 +308,10 @@ def create_app(
         if not matched:
             raise Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>'")
 
-    async def read_body(request: Request, model: type[BaseModel]) -> tuple[dict[str, Any], bytes]:
-        declared = request.headers.get("content-length")
+    async def read_body(
+        request: Request, headers: Mapping[str, str], model: type[BaseModel]
+    ) -> tuple[dict[str, Any], bytes]:
+        declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
             raise PayloadTooLarge(f"request body exceeds {config.max_body_bytes} bytes")
         chunks = []
@@ -337,24 +349,25 @@ def create_app(
         return body, raw
 
     async def generate(request: Request, route: str, model: type[BaseModel]) -> Response:
-        authenticate(request)
-        body, raw = await read_body(request, model)
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        headers = _header_map(request.scope)
+        authenticate(headers)
+        body, raw = await read_body(request, headers, model)
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
         requests = metrics.requests
         try:
-            reply = await services.handoff.serve(route, body, raw, request.headers, request_id)
+            reply = await services.handoff.serve(route, body, raw, headers, request_id)
         except GatewayError:
-            requests.labels(route, "error").inc()
+            metrics.child(requests, route, "error").inc()
             raise
         if isinstance(reply, JsonReply):
-            requests.labels(route, "ok" if reply.status == 200 else "engine_error").inc()
+            metrics.child(requests, route, "ok" if reply.status == 200 else "engine_error").inc()
             return Response(
                 reply.body,
                 status_code=reply.status,
                 media_type="application/json",
                 headers={"X-Request-Id": reply.request_id},
             )
-        requests.labels(route, "ok").inc()
+        metrics.child(requests, route, "ok").inc()
         return RelayResponse(reply)
 
     @app.post(
@@ -369,7 +382,7 @@ def create_app(
 
     @app.get("/v1/models", responses=_ERRORS)
     async def models(request: Request) -> Response:
-        authenticate(request)
+        authenticate(request.headers)
         data = [
             {"id": name, "object": "model", "owned_by": "baton"} for name in services.pool.models
         ]

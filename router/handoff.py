@@ -239,8 +239,8 @@ class Handoff:
             choice = choose_prefill(snapshot, key, self.policy)
             if choice is not None:
                 prefill = choice.view
-                self.metrics.affinity.labels(
-                    key.source.value, "miss" if choice.spilled else "hit"
+                self.metrics.child(
+                    self.metrics.affinity, key.source.value, "miss" if choice.spilled else "hit"
                 ).inc()
         if prefill is not None:
             cell = prefill.cell
@@ -300,7 +300,7 @@ class Handoff:
             log.warning(
                 "prefill %s answered without kv_transfer_params; decode prefills alone", target.name
             )
-            self.metrics.fallbacks.labels("no_kv_transfer_params").inc()
+            self.metrics.child(self.metrics.fallbacks, "no_kv_transfer_params").inc()
             return None
         return _Prefilled(params, cached if isinstance(cached, int) else None)
 
@@ -323,7 +323,7 @@ class Handoff:
     def _fall_back(self, target: PrefillView, reason: str, exc: Exception) -> None:
         log.warning("prefill on %s failed (%s); falling back to decode alone", target.name, exc)
         self.pool.failed(target.name)
-        self.metrics.fallbacks.labels(reason).inc()
+        self.metrics.child(self.metrics.fallbacks, reason).inc()
         return None
 
     # ---- decode
@@ -355,9 +355,11 @@ class Handoff:
                 break
             tried.append(rank.name)
             if attempt:
-                self.metrics.retries.labels("decode", last.reason if last else "error").inc()
+                self.metrics.child(
+                    self.metrics.retries, "decode", last.reason if last else "error"
+                ).inc()
                 if prefilled is not None and not with_kv:
-                    self.metrics.fallbacks.labels("decode_retry").inc()
+                    self.metrics.child(self.metrics.fallbacks, "decode_retry").inc()
             payload = _with_kv(raw, prefilled.kv_transfer_params) if with_kv and prefilled else raw
             cached = prefilled.cached_tokens if with_kv and prefilled else None
             try:
@@ -376,7 +378,7 @@ class Handoff:
             self.pool.failed(rank.name)
         if last is None:
             raise NoHealthyTarget("no healthy decode rank can take the request; see /ready")
-        self.metrics.aborts.labels("decode", "exhausted").inc()
+        self.metrics.child(self.metrics.aborts, "decode", "exhausted").inc()
         raise UpstreamFailed(f"every decode attempt failed; last: {last}")
 
     async def _complete(
@@ -480,7 +482,7 @@ class Handoff:
         """Record a finished relay: how it ended, its timings, its tokens."""
         now = time.perf_counter()
         if ended != "ok":
-            self.metrics.aborts.labels("decode", ended).inc()
+            self.metrics.child(self.metrics.aborts, "decode", ended).inc()
         self.metrics.e2e.observe(now - started)
         self.metrics.decode_seconds.observe(now - first_token)
         usage = stream.usage

@@ -6,7 +6,10 @@ No per-request or per-session labels. Per-target gauges are labelled by target a
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 __all__ = ["GatewayMetrics"]
 
@@ -180,3 +183,14 @@ class GatewayMetrics:
         self.decode_seconds = self.phase.labels("decode")
         self.pd_routes = self.routes.labels("pd")
         self.decode_only_routes = self.routes.labels("decode_only")
+        # labels known only per request (route, outcome, key source) are looked up once each
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: prometheus_client's lookup costs microseconds
+        per call, and every request makes a few."""
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child

@@ -173,6 +173,7 @@ class Pool:
         self._servers: dict[str, _Server] = {}
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._models: tuple[str, ...] = ()
         self.update(cells)
 
     # ---- targets
@@ -202,6 +203,7 @@ class Pool:
         for server in servers.values():
             server.targets = [t for t in server.targets if t.name in prefill or t.name in decode]
         self._servers = servers
+        self._refresh_models()
 
     def _target(self, name: str, url: str, cell: str) -> _Target:
         return _Target(name, url, cell, Breaker(self.breaker_threshold, self.breaker_cooldown_s))
@@ -223,12 +225,16 @@ class Pool:
 
     @property
     def models(self) -> tuple[str, ...]:
-        """Model names the healthy engines serve (from their ``/v1/models``)."""
+        """Model names the healthy engines serve (from their ``/v1/models``), as of the last
+        health check or target update: every request checks its model against them."""
+        return self._models
+
+    def _refresh_models(self) -> None:
         names: dict[str, None] = {}
         for server in self._servers.values():
             if any(t.up for t in server.targets):
                 names.update(dict.fromkeys(server.models))
-        return tuple(names)
+        self._models = tuple(names)
 
     def ready(self) -> bool:
         """A healthy decode target whose models are known, and a healthy prefill target when
@@ -304,6 +310,7 @@ class Pool:
 
     async def check_health(self) -> None:
         await asyncio.gather(*(self._probe(server) for server in list(self._servers.values())))
+        self._refresh_models()
 
     async def _probe(self, server: _Server) -> None:
         assert self._session is not None
