@@ -9,6 +9,10 @@ the engines and the load generator share core 0. For each target and scenario:
 - chunks per second received;
 - TTFT p50 / p99 (request sent -> first token event received), and the p50/p99 added over
   going direct to the decode engine (which skips prefill: the limit).
+- TTFT p50 of each stream's first request (all streams start together: a burst) and of its
+  later ones (they start as earlier requests end, so they follow the first turn's spread);
+  for Baton also its own mean prefill and handoff (prefill's answer -> decode's first token)
+  phase times, from its metrics: how much of its TTFT is spent waiting on the engines.
 
 Scenarios: (a) 32 streams with no delay between tokens; (b) 256 streams with 5 ms between
 tokens. vllm-router runs ``--vllm-pd-disaggregation`` with round-robin policies; Baton runs its
@@ -25,11 +29,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from baton.processes import free_port, free_port_block, stop_process, wait_healthy
 from bench.procstat import cpu_seconds, pin
@@ -108,7 +114,11 @@ def _engine(profile: str, role: str) -> tuple[subprocess.Popen[bytes], str]:
 
 
 async def _one(
-    session: aiohttp.ClientSession, url: str, max_tokens: int, ttfts: list[float]
+    session: aiohttp.ClientSession,
+    url: str,
+    max_tokens: int,
+    ttfts: list[tuple[int, float]],
+    turn: int = 0,
 ) -> int:
     body = {
         "model": MODEL,
@@ -124,21 +134,23 @@ async def _one(
             raise RuntimeError(f"{url}: HTTP {response.status}: {await response.text()}")
         async for chunk in response.content.iter_any():
             if not events and b'"text"' in chunk:
-                ttfts.append(time.perf_counter() - sent)
+                ttfts.append((turn, time.perf_counter() - sent))
             events += chunk.count(b"data: {")
     return events
 
 
-async def _load(url: str, scenario: Scenario) -> tuple[float, int, list[float]]:
-    ttfts: list[float] = []
+async def _load(url: str, scenario: Scenario) -> tuple[float, int, list[tuple[int, float]]]:
+    """Elapsed seconds, SSE events received, and (turn, TTFT) per request: turn 0 is each
+    stream's first request (the burst), later turns start as earlier streams end."""
+    ttfts: list[tuple[int, float]] = []
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def stream() -> int:
             total = 0
-            for _ in range(scenario.requests_per_stream):
-                total += await _one(session, url, scenario.max_tokens, ttfts)
+            for turn in range(scenario.requests_per_stream):
+                total += await _one(session, url, scenario.max_tokens, ttfts, turn)
             return total
 
         await _one(session, url, 4, [])  # warm the connection pools
@@ -151,10 +163,13 @@ def _measure(
     target: str, url: str, process: subprocess.Popen[bytes] | None, scenario: Scenario
 ) -> dict[str, object]:
     before = cpu_seconds(process.pid) if process is not None else 0.0
-    elapsed, events, ttfts = asyncio.run(_load(url, scenario))
+    phases_before = _baton_phases(url) if target == "baton" else {}
+    elapsed, events, turns = asyncio.run(_load(url, scenario))
     cpu = cpu_seconds(process.pid) - before if process is not None else 0.0
-    ttfts.sort()
-    return {
+    ttfts = sorted(ttft for _, ttft in turns)
+    first = [ttft for turn, ttft in turns if turn == 0]
+    later = [ttft for turn, ttft in turns if turn > 0]
+    row: dict[str, object] = {
         "target": target,
         "scenario": scenario.name,
         "chunks": events,
@@ -163,7 +178,31 @@ def _measure(
         "router_cpu_us_per_chunk": cpu / events * 1e6 if process is not None else 0.0,
         "ttft_p50_ms": statistics.median(ttfts) * 1000,
         "ttft_p99_ms": ttfts[int(0.99 * (len(ttfts) - 1))] * 1000,
+        "ttft_p50_first_turn_ms": statistics.median(first) * 1000,
+        "ttft_p50_later_turns_ms": statistics.median(later) * 1000 if later else 0.0,
     }
+    if target == "baton":
+        after = _baton_phases(url)
+        for phase in ("prefill", "handoff"):
+            count = after[f"{phase}_count"] - phases_before[f"{phase}_count"]
+            total = after[f"{phase}_sum"] - phases_before[f"{phase}_sum"]
+            row[f"baton_{phase}_mean_ms"] = total / count * 1000 if count else 0.0
+    return row
+
+
+def _baton_phases(url: str) -> dict[str, float]:
+    """Baton's own phase histograms (sum and count per phase) from its /metrics: where its
+    TTFT goes, prefill (request to prefill's answer) and handoff (to decode's first token)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    phases: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "baton_gateway_phase_seconds":
+            for sample in family.samples:
+                kind = sample.name.removeprefix("baton_gateway_phase_seconds_")
+                if kind in ("sum", "count"):
+                    phases[f"{sample.labels['phase']}_{kind}"] = sample.value
+    return phases
 
 
 def _routers(prefill: str, decode: str) -> dict[str, tuple[subprocess.Popen[bytes], str]]:
@@ -249,6 +288,8 @@ def run(quick: bool = False) -> dict[str, object]:
                         "chunks_per_s",
                         "ttft_p50_ms",
                         "ttft_p99_ms",
+                        "ttft_p50_first_turn_ms",
+                        "ttft_p50_later_turns_ms",
                     )
                 }
                 for target in ("direct", "baton", "vllm-router")
@@ -259,6 +300,10 @@ def run(quick: bool = False) -> dict[str, object]:
                 )
                 summary[target]["added_ttft_p99_ms"] = (
                     summary[target]["ttft_p99_ms"] - summary["direct"]["ttft_p99_ms"]
+                )
+            for phase in ("prefill", "handoff"):
+                summary["baton"][f"{phase}_mean_ms"] = _median(
+                    rows, "baton", f"baton_{phase}_mean_ms"
                 )
             baton, vllm = summary["baton"], summary["vllm-router"]
             ratios = {
@@ -309,5 +354,17 @@ def _print(results: list[dict[str, object]]) -> None:
             f"(target <= 0.8x); Baton added TTFT p50 - vllm-router's = "
             f"{ratios['added_ttft_p50_baton_minus_vllm_router_ms']:+.1f} ms "  # type: ignore[index]
             f"(target <= 0)",
+            flush=True,
+        )
+        turns = ", ".join(
+            f"{target} {figures['ttft_p50_first_turn_ms']:.0f}/"  # type: ignore[index]
+            f"{figures['ttft_p50_later_turns_ms']:.0f} ms"  # type: ignore[index]
+            for target, figures in result["median"].items()  # type: ignore[union-attr]
+        )
+        baton = result["median"]["baton"]  # type: ignore[index]
+        print(
+            f"    TTFT p50 of each stream's first request / of its later ones: {turns}; "
+            f"Baton's own means: prefill {baton['prefill_mean_ms']:.1f} ms, "
+            f"handoff to first token {baton['handoff_mean_ms']:.1f} ms",
             flush=True,
         )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,23 @@ def scrape(url: str, sample_name: str, **labels: str) -> float:
     return total
 
 
+def keep_decoding(url: str, requests: int = 64, max_tokens: int = 200_000) -> None:
+    """``requests`` long decodes spread over a 32-rank group's ranks, in daemon threads."""
+
+    def run(index: int) -> None:
+        # The test stops the simulator under these requests when it ends.
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(
+                f"{url}/v1/completions",
+                headers={"X-data-parallel-rank": str(index % 32)},
+                json={"prompt": "load", "max_tokens": max_tokens, "ignore_eos": True},
+                timeout=600,
+            )
+
+    for index in range(requests):
+        threading.Thread(target=run, args=(index,), daemon=True).start()
+
+
 __all__ = [
     "NIXL",
     "ROOT",
@@ -60,6 +79,7 @@ __all__ = [
     "eventually",
     "free_port",
     "free_port_block",
+    "keep_decoding",
     "scrape",
     "scrape_by",
     "stop_process",

@@ -8,7 +8,6 @@ simulator. Windows of 100 steps every 300 steps keep the run short.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from controller.eplb.metrics import EplbMetrics
 from controller.eplb.service import GroupRunner, SwitchRecord
 from controller.eplb.window import Window
 from controller.eplb.wire import decode_placement
-from tests.helpers import ROOT, eventually, free_port, stop_process, wait_healthy
+from tests.helpers import ROOT, eventually, free_port, keep_decoding, stop_process, wait_healthy
 
 TOKEN = "group-secret"
 WINDOW, INTERVAL = 100, 300
@@ -67,23 +66,6 @@ def runner_for(agent: str, token: str | None = TOKEN, **overrides: object) -> Gr
         [AgentClient(agent, token=token)],
         EplbMetrics(CollectorRegistry()),
     )
-
-
-def keep_decoding(url: str, requests: int = 64) -> None:
-    """``requests`` long decodes spread over the 32 ranks, in daemon threads."""
-
-    def run(index: int) -> None:
-        # The simulator stops under these requests at the end of the test.
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.post(
-                f"{url}/v1/completions",
-                headers={"X-data-parallel-rank": str(index % 32)},
-                json={"prompt": "load", "max_tokens": 200_000, "ignore_eos": True},
-                timeout=600,
-            )
-
-    for index in range(requests):
-        threading.Thread(target=run, args=(index,), daemon=True).start()
 
 
 @dataclass

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import threading
-
 import grpc
-import httpx
 import numpy as np
 import pytest
 
@@ -13,7 +10,7 @@ from baton.proto import eplb_agent_pb2 as pb
 from baton.proto import eplb_agent_pb2_grpc as pb_grpc
 from controller.eplb.algorithm import rebalance
 from sim.agent import decode_placement, encode_placement
-from tests.helpers import eventually, free_port
+from tests.helpers import eventually, free_port, keep_decoding
 
 
 @pytest.fixture
@@ -36,21 +33,6 @@ def agent(start_sim):
     channel.close()
 
 
-def keep_decoding(url: str, requests: int = 64) -> None:
-    """Keep ``requests`` long decodes running (one per rank, round robin) in the background."""
-
-    def run(rank: int) -> None:
-        httpx.post(
-            f"{url}/v1/completions",
-            headers={"X-data-parallel-rank": str(rank % 32)},
-            json={"prompt": "load", "max_tokens": 2000, "ignore_eos": True},
-            timeout=120,
-        )
-
-    for index in range(requests):
-        threading.Thread(target=run, args=(index,), daemon=True).start()
-
-
 def test_describe_names_ranks_and_both_models(agent) -> None:
     _, stub = agent
     info = stub.Describe(pb.DescribeRequest())
@@ -63,7 +45,7 @@ def test_describe_names_ranks_and_both_models(agent) -> None:
 
 def test_load_stream_reports_each_ranks_own_slots_per_step(agent) -> None:
     sim, stub = agent
-    keep_decoding(sim.url)
+    keep_decoding(sim.url, max_tokens=2000)
     stream = stub.StreamLoad(pb.StreamLoadRequest(dp_ranks=[0, 31], steps_per_report=10))
     seen: dict[tuple[int, str], list[pb.LoadReport]] = {}
     for report in stream:
@@ -109,7 +91,7 @@ def test_malformed_placement_is_rejected_before_anything_is_staged(agent) -> Non
 
 def test_prepare_then_commit_switches_at_the_agreed_step(agent) -> None:
     sim, stub = agent
-    keep_decoding(sim.url)
+    keep_decoding(sim.url, max_tokens=2000)
     load = np.random.default_rng(0).integers(1, 1000, size=(43, 384))
     new = rebalance(load, 32, 32)
     step = stub.Describe(pb.DescribeRequest()).current_step
