@@ -407,6 +407,9 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        # rebuilt per scrape, so targets that left the pool leave the gauges too
+        metrics.in_flight.clear()
+        metrics.peer_in_flight.clear()
         for name, count in services.pool.in_flight().items():
             role = "prefill" if name in services.pool.prefill else "decode"
             metrics.in_flight.labels(role, name).set(count)

@@ -1,6 +1,7 @@
 """Where the pool's targets come from: flags, a YAML pool file (reloaded when it changes), or a
-ModelDeployment's ``status.endpoints``, watched on the Kubernetes API. All three reach the pool
-through ``Pool.update``.
+ModelDeployment's ``status.endpoints``, watched on the Kubernetes API. Flags set the pool once;
+the two watched sources hand each change to ``Pool.apply``, which health-checks new engines
+before they take traffic.
 
 The controller publishes only ready pods, by cell, so the gateway's two legs of a request stay
 in one cell; a cell whose decode group is not ready has no decode endpoints and is left out.
@@ -40,10 +41,11 @@ async def watch_pool_file(path: Path, pool: Pool, interval_s: float = 1.0) -> No
             continue
         seen = mtime
         try:
-            pool.update((await asyncio.to_thread(load_pool_file, path)).cells)
+            spec = await asyncio.to_thread(load_pool_file, path)
         except ValueError as exc:
             log.error("pool file not reloaded: %s", exc)
             continue
+        await pool.apply(spec.cells)
         log.info(
             "pool reloaded from %s: %d prefill, %d decode targets",
             path,
@@ -90,7 +92,7 @@ class DeploymentWatch:
         if cells == self._applied:
             return
         self._applied = cells
-        self.loop.call_soon_threadsafe(self.pool.update, cells)
+        asyncio.run_coroutine_threadsafe(self.pool.apply(cells), self.loop)
         log.info(
             "pool from ModelDeployment %s/%s: %d cells, %d prefill, %d decode servers",
             self.ref.namespace,

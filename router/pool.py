@@ -9,7 +9,8 @@ view while each keeps its own count exact). It hands out immutable :class:`PoolS
 for the pure policy to choose over.
 
 Targets come as cells: from flags or a YAML pool file (:class:`PoolSpec`, reloaded when it
-changes) or from a ModelDeployment's status (``router/discovery.py``), through one ``update``.
+changes) or from a ModelDeployment's status (``router/discovery.py``): set at start through
+``update``, changed later through ``apply``, which health-checks new engines first.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,6 +153,7 @@ class _Server:
     url: str
     targets: list[_Target] = field(default_factory=list)
     models: tuple[str, ...] = ()
+    up: bool = True  # the last active health check answered 200
 
 
 class Pool:
@@ -174,12 +176,31 @@ class Pool:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._models: tuple[str, ...] = ()
+        self._generation = 0  # of target sets handed to apply(), newest wins
         self.update(cells)
 
     # ---- targets
 
-    def update(self, cells: Sequence[CellSpec]) -> None:
-        """Take a new set of targets; targets that stay keep their load and health."""
+    async def apply(self, cells: Sequence[CellSpec]) -> None:
+        """Take a new set of targets once its new engines have answered a health check (their
+        health and model names known), so a changed pool never serves a moment with engines
+        whose models are unknown. A newer set arriving meanwhile wins."""
+        self._generation += 1
+        generation = self._generation
+        probed: dict[str, _Server] = {}
+        if self._session is not None:
+            urls = {url for cell in cells for url in (*cell.prefill, *(d.url for d in cell.decode))}
+            probed = {url: _Server(url) for url in urls - self._servers.keys()}
+            await asyncio.gather(*(self._probe(server) for server in probed.values()))
+        if generation == self._generation:
+            self.update(cells, probed)
+
+    def update(
+        self, cells: Sequence[CellSpec], probed: Mapping[str, _Server] | None = None
+    ) -> None:
+        """Take a new set of targets; targets that stay keep their load and health, and new
+        targets of a ``probed`` server start with its health."""
+        probed = probed or {}
         prefill: dict[str, _Target] = {}
         decode: dict[str, _Target] = {}
         for cell in cells:
@@ -196,10 +217,13 @@ class Pool:
         servers: dict[str, _Server] = {}
         for target in [*prefill.values(), *decode.values()]:
             server = servers.setdefault(
-                target.url, self._servers.get(target.url) or _Server(target.url)
+                target.url,
+                self._servers.get(target.url) or probed.get(target.url) or _Server(target.url),
             )
             if target not in server.targets:
                 server.targets.append(target)
+                if target.url in probed:
+                    target.up = server.up
         for server in servers.values():
             server.targets = [t for t in server.targets if t.name in prefill or t.name in decode]
         self._servers = servers
@@ -331,6 +355,7 @@ class Pool:
             elif not up and target.up:
                 log.warning("target %s failed its health check; ejected", target.name)
             target.up = up
+        server.up = up
 
     async def sync_decode_load(self) -> None:
         """Estimate the load other gateway replicas put on each decode rank from what the engines

@@ -7,6 +7,7 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -284,6 +285,36 @@ def test_a_second_gateway_routes_around_the_first_ones_load(
     # its own count stayed exact throughout: nothing left in flight
     eventually(lambda: sum(_decode_in_flight(other, stack.decode)) == 0)
     stack.assert_nothing_leaked()
+
+
+def test_an_edited_pool_file_moves_traffic_and_a_bad_edit_keeps_the_last_good_pool(
+    start_sim: Callable[..., SimHandle],
+    start_gateway: Callable[..., SimHandle],
+    tmp_path: Path,
+) -> None:
+    first, second = start_engine(start_sim), start_engine(start_sim)
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(f"cells:\n  - name: c0\n    decode: [{{url: {first.url}}}]\n")
+    gateway = start_gateway("--pool", str(pool))
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0)
+
+    def served_by(engine: SimHandle) -> float:
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+        return scrape(engine.url, "vllm:request_success_total")
+
+    assert served_by(first) == 1
+    pool.write_text(f"cells:\n  - name: c0\n    decode: [{{url: {second.url}}}]\n")
+    eventually(
+        lambda: (
+            first.url not in scrape_by(gateway.url, "baton_gateway_in_flight_requests", "target")
+        )
+    )
+    assert served_by(second) == 1
+    assert scrape(first.url, "vllm:request_success_total") == 1
+    # a broken edit is refused (logged) and the gateway keeps routing to the last good pool
+    pool.write_text("cells:\n  - name: c0\n    decode: []\n")
+    eventually(lambda: "pool file not reloaded" in gateway.log())
+    assert served_by(second) == 2
 
 
 # ---- fault paths: afterwards nothing is left in flight and no prefill KV is held
