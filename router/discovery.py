@@ -92,7 +92,12 @@ class DeploymentWatch:
         if cells == self._applied:
             return
         self._applied = cells
-        asyncio.run_coroutine_threadsafe(self.pool.apply(cells), self.loop)
+        change = self.pool.apply(cells)
+        try:
+            asyncio.run_coroutine_threadsafe(change, self.loop)
+        except RuntimeError:  # the loop closed under us: the gateway is shutting down
+            change.close()
+            return
         log.info(
             "pool from ModelDeployment %s/%s: %d cells, %d prefill, %d decode servers",
             self.ref.namespace,
