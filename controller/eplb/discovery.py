@@ -82,7 +82,10 @@ class ModelDeploymentGroups:
         except ValidationError as exc:
             log.error("status of %s/%s not understood: %s", self.ref.namespace, self.ref.name, exc)
             return
-        self.loop.call_soon_threadsafe(self._take, groups)
+        try:
+            self.loop.call_soon_threadsafe(self._take, groups)
+        except RuntimeError:  # the loop closed under us: the service is shutting down
+            return
 
     def _take(self, groups: tuple[GroupSpec, ...]) -> None:
         if groups != self._groups:
