@@ -23,6 +23,7 @@ __all__ = [
     "API_VERSION",
     "GROUP",
     "KIND",
+    "PLURAL",
     "CellEndpoints",
     "CellSpec",
     "CellStatus",
@@ -46,6 +47,7 @@ GROUP = "baton.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "ModelDeployment"
+PLURAL = "modeldeployments"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from baton.api import GROUP, KIND, VERSION, ModelDeploymentSpec, ModelDeploymentStatus
+from baton.api import GROUP, KIND, PLURAL, VERSION, ModelDeploymentSpec, ModelDeploymentStatus
 
 __all__ = ["CRD_PATH", "generate_crd", "main"]
 
@@ -90,7 +90,6 @@ def _schema(model: type) -> dict[str, Any]:
 
 
 def generate_crd() -> dict[str, Any]:
-    plural = "modeldeployments"
     columns: Sequence[tuple[str, str, str, str]] = (
         ("Ready", "string", ".status.ready", "ready cells / wanted cells"),
         ("Cells", "integer", ".spec.cells", "cells wanted"),
@@ -102,13 +101,13 @@ def generate_crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{plural}.{GROUP}"},
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
         "spec": {
             "group": GROUP,
             "names": {
                 "kind": KIND,
                 "listKind": f"{KIND}List",
-                "plural": plural,
+                "plural": PLURAL,
                 "singular": KIND.lower(),
                 "shortNames": ["mdep"],
             },

@@ -23,7 +23,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from baton.api import KIND
+from baton.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from baton.crd import CRD_PATH
 from baton.labels import HOSTNAME_LABEL
 from baton.processes import eventually, free_port, stop_process
@@ -33,7 +33,10 @@ __all__ = [
     "ControlPlane",
     "add_trays",
     "binaries_dir",
+    "create_model_deployment",
     "install_crd",
+    "patch_model_deployment_spec",
+    "read_model_deployment",
     "remove_trays",
     "start_control_plane",
     "write_kubeconfig",
@@ -271,6 +274,36 @@ def remove_trays(api: client.ApiClient, nodes: list[dict[str, Any]]) -> None:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+def create_model_deployment(
+    api: client.ApiClient, namespace: str, name: str, spec: dict[str, Any]
+) -> dict[str, Any]:
+    """Create a ModelDeployment with ``spec`` as given (the API server validates it)."""
+    manifest = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+    return client.CustomObjectsApi(api).create_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, manifest
+    )
+
+
+def read_model_deployment(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    return client.CustomObjectsApi(api).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name
+    )
+
+
+def patch_model_deployment_spec(
+    api: client.ApiClient, namespace: str, name: str, spec: dict[str, Any]
+) -> None:
+    """Merge ``spec`` into the ModelDeployment's spec."""
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name, {"spec": spec}
+    )
 
 
 def install_crd(api: client.ApiClient) -> None:

@@ -20,12 +20,11 @@ from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from baton.api import GROUP, VERSION
+from baton.api import GROUP, PLURAL, VERSION
 
 __all__ = ["DeploymentRef", "ModelDeploymentFollower", "custom_objects_api"]
 
 log = logging.getLogger("baton.follow")
-PLURAL = "modeldeployments"
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,14 @@ import httpx
 from kubernetes import client, config, watch
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.devcluster import add_trays, binaries_dir, install_crd, start_control_plane
+from baton.devcluster import (
+    add_trays,
+    binaries_dir,
+    create_model_deployment,
+    install_crd,
+    read_model_deployment,
+    start_control_plane,
+)
 from baton.labels import DEPLOYMENT_LABEL
 from baton.processes import eventually, free_port, stop_process
 from bench.procstat import cpu_seconds
@@ -105,7 +112,6 @@ def _scenario(cells: int, directory: Path) -> dict[str, object]:
         )
         metrics = f"http://127.0.0.1:{port}/metrics"
         eventually(lambda: httpx.get(metrics, timeout=1).status_code == 200, timeout=30)
-        custom = client.CustomObjectsApi(api)
         eventually(
             lambda: client.CoordinationV1Api(api).read_namespaced_lease(
                 "baton-controller", "default"
@@ -125,23 +131,12 @@ def _scenario(cells: int, directory: Path) -> dict[str, object]:
         )
         watcher.start()
         started = time.monotonic()
-        custom.create_namespaced_custom_object(
-            "baton.dev",
-            "v1alpha1",
-            namespace,
-            "modeldeployments",
-            {
-                "apiVersion": "baton.dev/v1alpha1",
-                "kind": "ModelDeployment",
-                "metadata": {"name": "dsv4"},
-                "spec": {"model": "deepseek-ai/DeepSeek-V4.1-Flash", "cells": cells},
-            },
+        create_model_deployment(
+            api, namespace, "dsv4", {"model": "deepseek-ai/DeepSeek-V4.1-Flash", "cells": cells}
         )
 
         def ready() -> bool:
-            obj = custom.get_namespaced_custom_object(
-                "baton.dev", "v1alpha1", namespace, "modeldeployments", "dsv4"
-            )
+            obj = read_model_deployment(api, namespace, "dsv4")
             conditions = obj.get("status", {}).get("conditions", [])
             return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 

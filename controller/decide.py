@@ -184,6 +184,13 @@ def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
     return obj.get("metadata", {}).get("labels") or {}
 
 
+def _left_behind(obj: Mapping[str, Any], deployment: str, kept: set[str | None]) -> bool:
+    """A per-cell object (Service, ComputeDomain) of ``deployment`` whose cell is in none of
+    ``kept`` (neither planned nor still running pods)."""
+    labels = _labels(obj)
+    return labels.get(DEPLOYMENT_LABEL) == deployment and labels.get(CELL_LABEL) not in kept
+
+
 def _planned_tray(pod: Mapping[str, Any]) -> str | None:
     """The node a pod runs on, or the one its required node affinity names."""
     spec = pod.get("spec", {})
@@ -732,6 +739,7 @@ def decide(observed: Observed, policy: RestartPolicy | None = None) -> Decision:
     now = rfc3339(observed.now)
     failures: dict[str, tuple[int, str]] = {}
     planned = {cell.name for cell in plan.cells}
+    kept = planned | live_cells  # cells whose Service and ComputeDomain stay
     for deployment in deployments:
         name = deployment.model.name
         spec = deployment.model.spec
@@ -777,22 +785,14 @@ def decide(observed: Observed, policy: RestartPolicy | None = None) -> Decision:
         for pod_name, pod in sorted(deployment.pods.items()):
             if _labels(pod).get(CELL_LABEL) not in planned and not _terminating(pod):
                 decision.delete_pods.append(pod_name)
-        for service in observed.services:
-            cell_name = _labels(service).get(CELL_LABEL)
-            if (
-                _labels(service).get(DEPLOYMENT_LABEL) == name
-                and cell_name not in planned
-                and cell_name not in live_cells
-            ):
-                decision.delete_services.append(service["metadata"]["name"])
-        for domain in observed.compute_domains or ():
-            cell_name = _labels(domain).get(CELL_LABEL)
-            if (
-                _labels(domain).get(DEPLOYMENT_LABEL) == name
-                and cell_name not in planned
-                and cell_name not in live_cells
-            ):
-                decision.delete_compute_domains.append(domain["metadata"]["name"])
+        decision.delete_services += [
+            s["metadata"]["name"] for s in observed.services if _left_behind(s, name, kept)
+        ]
+        decision.delete_compute_domains += [
+            d["metadata"]["name"]
+            for d in observed.compute_domains or ()
+            if _left_behind(d, name, kept)
+        ]
         if spec.cell.prefill.instances is None:  # as many as fit
             prefill_wanted = sum(len(c.prefill) for c in plan.cells if c.deployment == name)
         else:

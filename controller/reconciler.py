@@ -28,7 +28,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from baton.api import GROUP, KIND, VERSION
+from baton.api import GROUP, KIND, PLURAL, VERSION
 from baton.labels import (
     CELL_GATE,
     CLIQUE_LABEL,
@@ -44,7 +44,6 @@ from controller.runtime import Informer, WorkQueue
 __all__ = ["Controller", "ControllerMetrics"]
 
 log = logging.getLogger("baton.controller")
-PLURAL = "modeldeployments"
 RESYNC_S = 30.0
 _EVENT_REPEAT_S = 600.0  # an identical Event is not emitted again within this
 
@@ -120,7 +119,7 @@ class Controller:
         self._no_compute_domains_until = 0.0
         self._cache_changed = threading.Condition()
         self.deployments = Informer(
-            "modeldeployments",
+            PLURAL,
             lambda **kw: self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, **kw),
             self._on_deployment,
         )

@@ -20,8 +20,8 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from baton.api import GROUP, VERSION, Endpoints, EplbSpec
-from baton.follow import PLURAL, DeploymentRef, ModelDeploymentFollower, custom_objects_api
+from baton.api import GROUP, PLURAL, VERSION, Endpoints, EplbSpec
+from baton.follow import DeploymentRef, ModelDeploymentFollower, custom_objects_api
 from controller.eplb.config import GroupSpec
 from controller.eplb.service import EplbService
 

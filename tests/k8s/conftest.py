@@ -11,6 +11,7 @@ import pytest
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from baton.api import GROUP, PLURAL, VERSION
 from baton.devcluster import (
     ControlPlane,
     add_trays,
@@ -45,7 +46,7 @@ def namespace(api: client.ApiClient) -> Iterator[str]:
     yield name
     try:  # the deployments first: a controller must not place a terminating namespace's cells
         client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(
-            "baton.dev", "v1alpha1", name, "modeldeployments"
+            GROUP, VERSION, name, PLURAL
         )
     except ApiException as exc:
         if exc.status != 404:  # no CRD installed yet
@@ -61,9 +62,7 @@ def rack(api: client.ApiClient, namespace: str) -> Iterator[list[dict[str, Any]]
     yield nodes
     custom = client.CustomObjectsApi(api)
     core = client.CoreV1Api(api)
-    custom.delete_collection_namespaced_custom_object(
-        "baton.dev", "v1alpha1", namespace, "modeldeployments"
-    )
+    custom.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
     # Owner references would remove the pods too, once the garbage collector has discovered
     # the CRD (up to 30 s after it appears); the test need not wait for that.
     core.delete_collection_namespaced_pod(namespace, label_selector=DEPLOYMENT_LABEL)

@@ -9,7 +9,7 @@ from typing import Any
 
 from kubernetes import client
 
-from baton.devcluster import ControlPlane
+from baton.devcluster import ControlPlane, create_model_deployment, read_model_deployment
 from baton.labels import DEPLOYMENT_LABEL, ROLE_LABEL
 from baton.processes import eventually, free_port
 
@@ -51,24 +51,11 @@ MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
 
 
 def apply(api: client.ApiClient, namespace: str, name: str, spec: dict[str, Any]) -> None:
-    client.CustomObjectsApi(api).create_namespaced_custom_object(
-        "baton.dev",
-        "v1alpha1",
-        namespace,
-        "modeldeployments",
-        {
-            "apiVersion": "baton.dev/v1alpha1",
-            "kind": "ModelDeployment",
-            "metadata": {"name": name},
-            "spec": {"model": MODEL, **spec},
-        },
-    )
+    create_model_deployment(api, namespace, name, {"model": MODEL, **spec})
 
 
 def read(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
-    return client.CustomObjectsApi(api).get_namespaced_custom_object(
-        "baton.dev", "v1alpha1", namespace, "modeldeployments", name
-    )
+    return read_model_deployment(api, namespace, name)
 
 
 def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:

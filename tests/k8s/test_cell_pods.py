@@ -6,7 +6,7 @@ from __future__ import annotations
 from kubernetes import client
 
 from baton.api import ModelDeployment
-from baton.devcluster import add_trays, install_crd, remove_trays
+from baton.devcluster import add_trays, create_model_deployment, install_crd, remove_trays
 from baton.processes import eventually
 from baton.topology import parse_topology
 from controller.placement import plan_placement
@@ -18,19 +18,9 @@ def test_gated_cell_pods_run_on_their_planned_trays_once_lifted(api, namespace) 
     nodes = add_trays(api, 1, name_prefix=f"{namespace}-")
     try:
         install_crd(api)
-        manifest = {
-            "apiVersion": "baton.dev/v1alpha1",
-            "kind": "ModelDeployment",
-            "metadata": {"name": "dsv4"},
-            "spec": {
-                "model": "deepseek-ai/DeepSeek-V4.1-Flash",
-                "cell": {"prefill": {"instances": 4}},
-            },
-        }
-        created = client.CustomObjectsApi(api).create_namespaced_custom_object(
-            "baton.dev", "v1alpha1", namespace, "modeldeployments", manifest
-        )
-        deployment = ModelDeployment.model_validate(manifest)
+        spec = {"model": "deepseek-ai/DeepSeek-V4.1-Flash", "cell": {"prefill": {"instances": 4}}}
+        created = create_model_deployment(api, namespace, "dsv4", spec)
+        deployment = ModelDeployment.model_validate(created)
         plan = plan_placement([deployment.shape()], parse_topology({"items": nodes}))
         cell = plan.cells[0]
         manifests = render_cell(

@@ -3,12 +3,15 @@ and the real API server validates ModelDeployments against the generated CRD."""
 
 from __future__ import annotations
 
-import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from baton.crd import CRD_PATH
-from baton.devcluster import KWOK_ANNOTATION, ROOT
+from baton.devcluster import (
+    KWOK_ANNOTATION,
+    create_model_deployment,
+    install_crd,
+    read_model_deployment,
+)
 from baton.labels import CLIQUE_LABEL
 from baton.processes import eventually
 
@@ -71,48 +74,15 @@ def test_kwok_tray_runs_a_pod_that_requests_its_gpus(api, namespace) -> None:
 
 
 def test_api_server_rejects_an_invalid_model_deployment(api, namespace) -> None:
-    extensions = client.ApiextensionsV1Api(api)
-    crd = yaml.safe_load((ROOT / CRD_PATH).read_text())
+    install_crd(api)
     try:
-        extensions.create_custom_resource_definition(crd)
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-    custom = client.CustomObjectsApi(api)
-
-    def create(spec: dict) -> None:
-        custom.create_namespaced_custom_object(
-            "baton.dev",
-            "v1alpha1",
-            namespace,
-            "modeldeployments",
-            {
-                "apiVersion": "baton.dev/v1alpha1",
-                "kind": "ModelDeployment",
-                "metadata": {"name": "dsv4"},
-                "spec": spec,
-            },
-        )
-
-    eventually(
-        lambda: (
-            extensions.read_custom_resource_definition(
-                crd["metadata"]["name"]
-            ).status.accepted_names.kind
-            == "ModelDeployment"
-        ),
-        timeout=30,
-    )
-    try:
-        create({"cells": -1})
+        create_model_deployment(api, namespace, "dsv4", {"cells": -1})
     except ApiException as exc:
         assert exc.status == 422
         assert "spec.model: Required value" in exc.body
         assert "spec.cells" in exc.body
     else:
         raise AssertionError("the API server accepted a ModelDeployment without spec.model")
-    create({"model": "deepseek-ai/DeepSeek-V4.1-Flash"})
-    stored = custom.get_namespaced_custom_object(
-        "baton.dev", "v1alpha1", namespace, "modeldeployments", "dsv4"
-    )
+    create_model_deployment(api, namespace, "dsv4", {"model": "deepseek-ai/DeepSeek-V4.1-Flash"})
+    stored = read_model_deployment(api, namespace, "dsv4")
     assert stored["spec"]["cells"] == 1  # defaulted by the API server from the CRD

@@ -8,6 +8,7 @@ import json
 import pytest
 from kubernetes import client
 
+from baton.devcluster import patch_model_deployment_spec
 from baton.processes import eventually
 from tests.k8s.helpers import (
     apply,
@@ -148,15 +149,9 @@ def test_prefill_scales_up_and_down_without_touching_decode(api, namespace, rack
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     wait_ready(api, namespace, "dsv4")
     decode = {name: p.metadata.uid for name, p in pods(api, namespace, "decode").items()}
-    custom = client.CustomObjectsApi(api)
     for instances in (6, 1):
-        custom.patch_namespaced_custom_object(
-            "baton.dev",
-            "v1alpha1",
-            namespace,
-            "modeldeployments",
-            "dsv4",
-            {"spec": {"cell": {"prefill": {"instances": instances}}}},
+        patch_model_deployment_spec(
+            api, namespace, "dsv4", {"cell": {"prefill": {"instances": instances}}}
         )
         wanted = {f"dsv4-cell-0-prefill-{i}" for i in range(instances)}
         eventually(lambda w=wanted: set(pods(api, namespace, "prefill")) == w, timeout=60)
@@ -170,13 +165,8 @@ def test_a_changed_engine_spec_rolls_out_to_every_pod(api, namespace, rack) -> N
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     wait_ready(api, namespace, "dsv4")
     before = {name: p.metadata.uid for name, p in pods(api, namespace).items()}
-    client.CustomObjectsApi(api).patch_namespaced_custom_object(
-        "baton.dev",
-        "v1alpha1",
-        namespace,
-        "modeldeployments",
-        "dsv4",
-        {"spec": {"engine": {"args": ["--max-num-seqs", "512"]}}},
+    patch_model_deployment_spec(
+        api, namespace, "dsv4", {"engine": {"args": ["--max-num-seqs", "512"]}}
     )
 
     def rolled_out() -> bool:

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from kubernetes import client as kube
 
+from baton.devcluster import patch_model_deployment_spec
 from baton.processes import eventually, free_port, stop_process, wait_healthy
 from tests.k8s.helpers import apply, pods, read, wait_ready
 
@@ -144,14 +144,7 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
     assert 0 < status["eplb"]["target"]["balance"] <= 1
     assert status["balance"] == f"{status['eplb']['target']['balance']:.3f}"
     # The controller's status writes leave the EPLB service's figures alone.
-    kube.CustomObjectsApi(api).patch_namespaced_custom_object(
-        "baton.dev",
-        "v1alpha1",
-        namespace,
-        "modeldeployments",
-        "dsv4",
-        {"spec": {"cell": {"prefill": {"instances": 2}}}},
-    )
+    patch_model_deployment_spec(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     eventually(
         lambda: read(api, namespace, "dsv4")["status"].get("observedGeneration") == 2, timeout=30
     )
