@@ -9,7 +9,6 @@ Everything lives in a temporary directory and stops with :meth:`ControlPlane.sto
 
 from __future__ import annotations
 
-import os
 import ssl
 import subprocess
 import time
@@ -51,14 +50,19 @@ TRAY_RESOURCES = {"cpu": "144", "memory": "960Gi", "pods": "110"}
 
 
 def binaries_dir() -> Path:
-    """Where deploy/dev/build.sh put the binaries (building them when absent)."""
-    override = os.environ.get("BATON_DEV_BIN")
-    if override:
-        return Path(override)
-    built = subprocess.run(
-        [str(ROOT / "deploy/dev/build.sh")], check=True, capture_output=True, text=True
+    """Where ``deploy/dev/build.sh`` put the binaries; they are built by ``make dev-bin`` (a
+    prerequisite of ``make test`` and ``make bench``), never here: a build takes longer than a
+    test may."""
+    where = subprocess.run(
+        [str(ROOT / "deploy/dev/build.sh"), "--where"], check=True, capture_output=True, text=True
     )
-    return Path(built.stdout.strip().splitlines()[-1])
+    directory = Path(where.stdout.strip())
+    if not (directory / ".complete").exists():
+        raise RuntimeError(
+            f"the Kubernetes test binaries are not built in {directory}; run `make dev-bin` "
+            "(deploy/dev/build.sh: 10-20 minutes on a new machine, then cached)"
+        )
+    return directory
 
 
 @dataclass

@@ -1,6 +1,5 @@
 """Properties of the EPLB placement algorithm (controller.eplb.algorithm)."""
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -199,16 +198,16 @@ def test_moves_count_each_expert_new_on_a_rank_once() -> None:
     assert moves(new, new) == 0
 
 
-def test_rebalance_handles_the_target_model_at_dep32_well_within_a_second() -> None:
+def test_rebalance_places_the_target_model_at_dep32_with_its_balance() -> None:
+    # Its time is a benchmark figure (`baton bench eplb`), not a test's.
     rng = np.random.default_rng(0)
     load = rng.lognormal(0.0, 1.5, size=(43, 384))
-    start = time.perf_counter()
     placement = rebalance(load, num_ranks=32, num_redundant=32)
-    rebalance(load * rng.lognormal(0.0, 0.3, size=load.shape), 32, 32, previous=placement)
-    elapsed = time.perf_counter() - start
-    assert placement.phy2log.shape == (43, 416)
+    drifted = load * rng.lognormal(0.0, 0.3, size=load.shape)
+    kept = rebalance(drifted, 32, 32, previous=placement)
+    assert placement.phy2log.shape == kept.phy2log.shape == (43, 416)
     assert balance(load, placement) > 0.95
-    assert elapsed < 0.5
+    assert balance(drifted, kept) >= balance(drifted, rebalance(drifted, 32, 32)) - 0.005
 
 
 @st.composite
