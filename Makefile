@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PROTO_OUT := baton/proto
+PROTO_OUT := baton/core/proto
 PROTOS := $(wildcard protos/*.proto)
 GENERATED := $(patsubst protos/%.proto,$(PROTO_OUT)/%_pb2.py,$(PROTOS))
 
@@ -21,7 +21,7 @@ $(PROTO_OUT)/%_pb2.py: protos/%.proto $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=$(PROTO_OUT) \
 		--grpc_python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) $<
 	# protoc writes absolute imports; the generated modules live in a package
-	sed -i 's/^import \(.*_pb2\) as/from baton.proto import \1 as/' $(PROTO_OUT)/*_grpc.py
+	sed -i 's/^import \(.*_pb2\) as/from baton.core.proto import \1 as/' $(PROTO_OUT)/*_grpc.py
 
 proto: $(GENERATED)
 

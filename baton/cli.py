@@ -25,7 +25,7 @@ def _gateway(argv: Sequence[str]) -> int:
 
 
 def _eplb(argv: Sequence[str]) -> int:
-    from controller.eplb.cli import main as eplb_main
+    from eplb.cli import main as eplb_main
 
     return eplb_main(argv)
 
@@ -55,7 +55,7 @@ def _controller(argv: Sequence[str]) -> int:
 
 
 def _crd(argv: Sequence[str]) -> int:
-    from baton.crd import main as crd_main
+    from baton.core.crd import main as crd_main
 
     return crd_main(argv)
 
@@ -67,7 +67,7 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "eplb": (_eplb, "run the EPLB service (expert load balancing of decode groups)"),
     "bench": (_bench, "run a benchmark and save its JSON"),
     "place": (_place, "dry-run placement of cells on NVL72 trays"),
-    "crd": (_crd, "print the ModelDeployment CRD generated from baton/api.py"),
+    "crd": (_crd, "print the ModelDeployment CRD generated from baton/core/api.py"),
     "up": (_up, "all of Baton on one machine: a simulated rack, engines, gateway"),
 }
 

@@ -32,17 +32,16 @@ from pydantic import (
     model_validator,
 )
 
-from baton.api import ModelDeployment
-from baton.topology import Topology, TopologyError, Tray, parse_topology
+from baton.core.api import ModelDeployment
+from controller.names import decode_pod_name, prefill_pod_name
 from controller.placement import (
     CellPlacement,
     DeploymentShape,
     Plan,
     PrefillInstance,
-    decode_pod_name,
     plan_placement,
-    prefill_pod_name,
 )
+from controller.topology import Topology, TopologyError, Tray, parse_topology
 
 __all__ = [
     "PlaceError",
@@ -416,7 +415,7 @@ def _load_deployments(path: Path) -> list[ModelDeployment]:
             deployments.append(ModelDeployment.model_validate(item))
         except ValidationError as exc:
             raise PlaceError(f"{where}: {_problems(exc)}; {_DEPLOYMENT_FIX}") from exc
-    names = [deployment.shape().name for deployment in deployments]
+    names = [DeploymentShape.of(deployment).name for deployment in deployments]
     if len(set(names)) != len(names):
         raise PlaceError(f"{path}: two ModelDeployments share a name; fix: give each metadata.name")
     topologies = {(d.spec.topology.domain_label, d.spec.topology.gpu_resource) for d in deployments}
@@ -433,7 +432,7 @@ def load_deployment(path: Path) -> DeploymentShape:
     deployments = _load_deployments(path)
     if len(deployments) > 1:
         raise PlaceError(f"{path}: expected one ModelDeployment, found {len(deployments)}")
-    return deployments[0].shape()
+    return DeploymentShape.of(deployments[0])
 
 
 def _load_topology(path: Path, domain_label: str, gpu_resource: str) -> Topology:
@@ -487,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlaceError as exc:
         print(f"baton place: {exc}", file=sys.stderr)
         return 2
-    shapes = [deployment.shape() for deployment in deployments]
+    shapes = [DeploymentShape.of(deployment) for deployment in deployments]
     plan = plan_placement(shapes, topology, current)
     if args.format == "json":
         sys.stdout.write(json.dumps(plan_to_json(plan, topology), indent=2) + "\n")

@@ -29,14 +29,12 @@ from pathlib import Path
 import httpx
 import yaml
 
-from baton.processes import free_port_block, stop_process, wait_healthy
-from baton.topology import synthetic_topology
+from baton.core.model import MODEL, SERVED_MODEL_NAME
 from controller.placement import DeploymentShape, Plan, plan_placement
+from controller.topology import synthetic_topology
+from rigs.processes import free_port_block, stop_process, wait_healthy
 
 __all__ = ["StackLayout", "layout_stack", "main"]
-
-SERVED_MODEL = "deepseek-v4.1-flash"
-MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +96,7 @@ def layout_stack(plan: Plan, *, time_scale: float, gpus_per_tray: int = 4) -> St
         )
     cluster = {
         "model": MODEL,
-        "served_model_name": SERVED_MODEL,
+        "served_model_name": SERVED_MODEL_NAME,
         "host": "127.0.0.1",
         "time_scale": time_scale,
         "decode_groups": decode_groups,
@@ -232,7 +230,7 @@ def _run(plan: Plan, args: argparse.Namespace) -> int:
 def _print_urls(layout: StackLayout, gateway_url: str, eplb_metrics: str) -> None:
     cells = layout.pool["cells"]
     assert isinstance(cells, list)
-    print(f"\nBaton is up: OpenAI API at {gateway_url}/v1 (model {SERVED_MODEL})")
+    print(f"\nBaton is up: OpenAI API at {gateway_url}/v1 (model {SERVED_MODEL_NAME})")
     print(f"  gateway metrics   {gateway_url}/metrics")
     print(f"  EPLB metrics      {eplb_metrics}")
     for cell in cells:

@@ -1,7 +1,7 @@
 """The operator at rack scale, on a real API server, scheduler and kwok trays.
 
 For 1 cell on 1 rack (18 trays) and for 20 cells on 20 racks (360 trays), each on a fresh
-control plane (``baton/devcluster.py``): one ``baton controller`` process, one
+control plane (``rigs/devcluster.py``): one ``baton controller`` process, one
 ModelDeployment with the default cell (DEP32 decode, one spare tray, DEP2 prefill as many as
 fit: 26 pods per cell). Measured:
 
@@ -27,7 +27,9 @@ import httpx
 from kubernetes import client, config, watch
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.devcluster import (
+from baton.core.labels import DEPLOYMENT_LABEL
+from bench.procstat import cpu_seconds
+from rigs.devcluster import (
     add_trays,
     binaries_dir,
     create_model_deployment,
@@ -35,9 +37,7 @@ from baton.devcluster import (
     read_model_deployment,
     start_control_plane,
 )
-from baton.labels import DEPLOYMENT_LABEL
-from baton.processes import eventually, free_port, stop_process
-from bench.procstat import cpu_seconds
+from rigs.processes import eventually, free_port, stop_process
 
 __all__ = ["run"]
 

@@ -20,8 +20,8 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.processes import eventually, free_port, stop_process
-from baton.up import SERVED_MODEL
+from baton.core.model import SERVED_MODEL_NAME
+from rigs.processes import eventually, free_port, stop_process
 
 SESSIONS = 32
 TURNS = 6
@@ -47,7 +47,7 @@ def _session(client: openai.OpenAI, session: int) -> list[Turn]:
     for turn in range(TURNS):
         started = time.perf_counter()
         stream = client.chat.completions.create(
-            model=SERVED_MODEL,
+            model=SERVED_MODEL_NAME,
             messages=messages,
             max_tokens=REPLY_TOKENS,
             stream=True,

@@ -7,7 +7,7 @@
    - no EPLB (vLLM's contiguous placement) and uniform routing: the two ends of the gap;
    - the study's cadence: from scratch every 3,000 steps from the last 1,000, switching at once
      (vLLM's in-engine EPLB);
-   - the service: ``controller.eplb.decide`` every 500 steps from the last 500, experts kept
+   - the service: ``eplb.decide`` every 500 steps from the last 500, experts kept
      where they are within a 0.005 balance tolerance, skipping predicted gains under 0.002, the
      switch landing 150 steps after the boundary (100 steps of report batching + the 50-step
      commit margin);
@@ -34,21 +34,20 @@ from pathlib import Path
 
 import numpy as np
 
-from baton.processes import free_port, stop_process, wait_healthy
-from controller.eplb.algorithm import Placement, balance, balance_per_step, moves, rebalance
-from controller.eplb.client import AgentClient
-from controller.eplb.decide import Outcome, Policy, decide
-from controller.eplb.window import Window
-from controller.eplb.wire import decode_placement, encode_placement
+from baton.core.eplb_wire import decode_placement, encode_placement
+from baton.core.experts import Placement, balance, balance_per_step, moves
+from baton.core.model import DRAFT, TARGET, MoEModel
+from eplb.algorithm import rebalance
+from eplb.client import AgentClient
+from eplb.decide import Outcome, Policy, decide
+from eplb.window import Window
+from rigs.processes import free_port, stop_process, wait_healthy
 from sim.experts import (
     DEP32_DECODE_TOKENS_PER_STEP,
-    DRAFT,
     DRAFT_SKEW,
-    TARGET,
     TARGET_SKEW,
     UNIFORM_ROUTING,
     ExpertPopularity,
-    MoEModel,
     RoutingSkew,
     sample_load,
 )

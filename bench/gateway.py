@@ -37,8 +37,8 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.processes import free_port, free_port_block, stop_process, wait_healthy
 from bench.procstat import cpu_seconds, pin
+from rigs.processes import free_port, free_port_block, stop_process, wait_healthy
 from sim.profile import load_profile
 
 __all__ = ["run"]

@@ -19,8 +19,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from baton.topology import Topology, parse_topology, synthetic_nodes
 from controller.placement import DecodeShape, DeploymentShape, Plan, PrefillShape, plan_placement
+from controller.topology import Topology, parse_topology, synthetic_nodes
 
 __all__ = ["run"]
 

@@ -24,8 +24,8 @@ import time
 
 import aiohttp
 
-from baton.processes import free_port, stop_process, wait_healthy
 from bench.procstat import cpu_seconds, pin
+from rigs.processes import free_port, stop_process, wait_healthy
 from sim.perf import RankBatch, step_seconds
 from sim.profile import DEFAULT_PROFILE, load_profile
 

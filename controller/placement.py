@@ -64,10 +64,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from itertools import count
 
-from baton.topology import NVLinkDomain, Topology, Tray
+from baton.core.api import ModelDeployment, Reason, decode_trays_problem
+from controller.names import cell_name, decode_pod_name, prefill_pod_name
+from controller.topology import NVLinkDomain, Topology, Tray
 
 __all__ = [
     "CellPlacement",
@@ -77,18 +78,9 @@ __all__ = [
     "Plan",
     "PrefillInstance",
     "PrefillShape",
-    "Reason",
     "UnplacedCell",
-    "decode_pod_name",
     "plan_placement",
-    "prefill_pod_name",
 ]
-
-
-class Reason(StrEnum):
-    """Why a wanted cell has no placement."""
-
-    INSUFFICIENT_CAPACITY = "InsufficientCapacity"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,11 +94,9 @@ class DecodeShape:
     def __post_init__(self) -> None:
         if self.dep < 1 or self.gpus_per_pod < 1 or self.spare_trays < 0:
             raise ValueError("decode dep and gpusPerPod must be positive, spareTrays >= 0")
-        if self.dep % self.gpus_per_pod:
-            raise ValueError(
-                f"decode dep ({self.dep}) must be a multiple of gpusPerPod ({self.gpus_per_pod}):"
-                " each decode pod takes a whole tray"
-            )
+        problem = decode_trays_problem(self.dep, self.gpus_per_pod)
+        if problem:
+            raise ValueError(f"decode {problem}")
 
     @property
     def trays(self) -> int:
@@ -138,17 +128,16 @@ class DeploymentShape:
         if not self.name or self.cells < 0:
             raise ValueError("a deployment needs a name and cells >= 0")
 
-    def cell_name(self, index: int) -> str:
-        return f"{self.name}-cell-{index}"
-
-
-def decode_pod_name(cell: str, index: int) -> str:
-    """The decode pod on the cell's ``index``-th decode tray (ranks ``index * gpusPerPod ..``)."""
-    return f"{cell}-decode-{index}"
-
-
-def prefill_pod_name(cell: str, index: int) -> str:
-    return f"{cell}-prefill-{index}"
+    @classmethod
+    def of(cls, deployment: ModelDeployment) -> DeploymentShape:
+        """What placement needs of a ModelDeployment."""
+        cell = deployment.spec.cell
+        return cls(
+            name=deployment.name,
+            cells=deployment.spec.cells,
+            decode=DecodeShape(cell.decode.dep, cell.decode.gpus_per_pod, cell.decode.spare_trays),
+            prefill=PrefillShape(cell.prefill.dep, cell.prefill.instances),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -603,7 +592,7 @@ def plan_placement(
             raise ValueError(f"deployment '{shape.name}' is listed twice")
         names.add(shape.name)
         for index in range(shape.cells):
-            wanted[shape.cell_name(index)] = shape
+            wanted[cell_name(shape.name, index)] = shape
     step = _Pass(topology)
     placed: dict[str, CellPlacement] = {}
     hosted: set[str] = set()

@@ -30,8 +30,8 @@ import hashlib
 import json
 from typing import Any
 
-from baton.api import API_VERSION, KIND, ModelDeploymentSpec
-from baton.labels import (
+from baton.core.api import API_VERSION, KIND, ModelDeploymentSpec
+from baton.core.labels import (
     CELL_GATE,
     CELL_LABEL,
     DEPLOYMENT_LABEL,
@@ -41,7 +41,8 @@ from baton.labels import (
     ROLE_LABEL,
     TEMPLATE_HASH_ANNOTATION,
 )
-from controller.placement import CellPlacement, decode_pod_name, prefill_pod_name
+from controller.names import decode_pod_name, prefill_pod_name
+from controller.placement import CellPlacement
 
 __all__ = [
     "API_PORT",

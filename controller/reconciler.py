@@ -28,17 +28,21 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from baton.api import GROUP, KIND, PLURAL, VERSION
-from baton.labels import (
+from baton.core.api import GROUP, KIND, PLURAL, VERSION
+from baton.core.labels import (
     CELL_GATE,
     CLIQUE_LABEL,
     DEPLOYMENT_LABEL,
+    GPUS_USED_BY_OTHERS_ANNOTATION,
     QUARANTINED_ANNOTATION,
     TRAY_FAILURES_ANNOTATION,
 )
-from controller.decide import Decision, Event, Observed, RestartPolicy, decide, rfc3339
+from controller.actions import Actions, Event
+from controller.decide import decide
 from controller.leader import LeaseElector
+from controller.observe import Observed, rfc3339
 from controller.podspec import COMPUTE_DOMAIN_API
+from controller.restarts import RestartPolicy
 from controller.runtime import Informer, WorkQueue
 
 __all__ = ["Controller", "ControllerMetrics"]
@@ -89,7 +93,7 @@ def _placement_fingerprint(node: dict[str, Any] | None) -> tuple[Any, ...] | Non
         tuple(sorted((status.get("allocatable") or {}).items())),
         tuple(sorted((c.get("type"), c.get("status")) for c in status.get("conditions") or [])),
         annotations.get(QUARANTINED_ANNOTATION),
-        annotations.get("baton.dev/gpus-used-by-others"),
+        annotations.get(GPUS_USED_BY_OTHERS_ANNOTATION),
     )
 
 
@@ -216,7 +220,7 @@ class Controller:
                 continue
             started = time.perf_counter()
             try:
-                decision = self.reconcile(str(namespace))
+                actions = self.reconcile(str(namespace))
             except Exception:  # a reconcile must not kill the worker; the key is retried
                 delay = self.queue.retry(namespace)
                 self.metrics.reconciles.labels("error").inc()
@@ -224,8 +228,8 @@ class Controller:
             else:
                 self.queue.forget(namespace)
                 self.metrics.reconciles.labels("success").inc()
-                if decision.requeue_after is not None:
-                    self.queue.add_after(namespace, decision.requeue_after)
+                if actions.requeue_after is not None:
+                    self.queue.add_after(namespace, actions.requeue_after)
             finally:
                 self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
                 self.queue.done(namespace)
@@ -262,14 +266,14 @@ class Controller:
             compute_domains=self._compute_domains(namespace),
         )
 
-    def reconcile(self, namespace: str) -> Decision:
-        decision = decide(self.observe(namespace), self.policy)
-        written = self._act(namespace, decision)
-        self._await_caches(namespace, decision, written)
-        return decision
+    def reconcile(self, namespace: str) -> Actions:
+        actions = decide(self.observe(namespace), self.policy)
+        written = self._act(namespace, actions)
+        self._await_caches(namespace, actions, written)
+        return actions
 
     def _await_caches(
-        self, namespace: str, decision: Decision, status_versions: dict[str, str]
+        self, namespace: str, actions: Actions, status_versions: dict[str, str]
     ) -> None:
         """Wait (bounded) until the caches show this reconcile's writes, so the next one does
         not act twice on what it has not seen yet (client-go's ReplicaSet keeps
@@ -291,16 +295,16 @@ class Controller:
                 for d in self.deployments.items()
                 if d["metadata"]["namespace"] == namespace
             }
-            for manifest in decision.create:
+            for manifest in actions.create:
                 name = manifest["metadata"]["name"]
                 if manifest["kind"] == "ComputeDomain":
                     continue  # not cached: listed afresh by every reconcile
                 if name not in (services if manifest["kind"] == "Service" else pods):
                     return f"created {manifest['kind']} {name}"
-            for name in decision.delete_pods:
+            for name in actions.delete_pods:
                 if name in pods and not pods[name]["metadata"].get("deletionTimestamp"):
                     return f"deleted pod {name}"
-            for name in decision.ungate:
+            for name in actions.ungate:
                 gates = pods.get(name, {}).get("spec", {}).get("schedulingGates") or []
                 if any(g["name"] == CELL_GATE for g in gates):
                     return f"ungated pod {name}"
@@ -323,31 +327,31 @@ class Controller:
     def _count(self, verb: str, resource: str) -> None:
         self.metrics.api_requests.labels(verb, resource).inc()
 
-    def _act(self, namespace: str, decision: Decision) -> dict[str, str]:
-        """Perform ``decision``; the resourceVersion of each status written."""
-        if decision.create or decision.delete_pods or decision.ungate or decision.trays:
+    def _act(self, namespace: str, actions: Actions) -> dict[str, str]:
+        """Perform ``actions``; the resourceVersion of each status written."""
+        if actions.create or actions.delete_pods or actions.ungate or actions.trays:
             log.info(
                 "%s: create %s; delete %s; ungate %d pods; trays %s",
                 namespace,
-                [m["metadata"]["name"] for m in decision.create] or "nothing",
-                decision.delete_pods + decision.delete_services or "nothing",
-                len(decision.ungate),
-                [(m.node, m.failures, m.quarantine) for m in decision.trays] or "unchanged",
+                [m["metadata"]["name"] for m in actions.create] or "nothing",
+                actions.delete_pods + actions.delete_services or "nothing",
+                len(actions.ungate),
+                [(m.node, m.failures, m.quarantine) for m in actions.trays] or "unchanged",
             )
-        for mark in decision.trays:
+        for mark in actions.trays:
             annotations = {TRAY_FAILURES_ANNOTATION: str(mark.failures)}
             if mark.quarantine is not None:
                 annotations[QUARANTINED_ANNOTATION] = mark.quarantine
             self._count("patch", "nodes")
             self.core.patch_node(mark.node, {"metadata": {"annotations": annotations}})
-        for name in decision.delete_pods:
+        for name in actions.delete_pods:
             self._count("delete", "pods")
             _ignore(404, self.core.delete_namespaced_pod, name, namespace)
-        for name in decision.delete_services:
+        for name in actions.delete_services:
             self._count("delete", "services")
             _ignore(404, self.core.delete_namespaced_service, name, namespace)
         group, version, plural = COMPUTE_DOMAIN_API
-        for name in decision.delete_compute_domains:
+        for name in actions.delete_compute_domains:
             self._count("delete", plural)
             _ignore(
                 404,
@@ -358,7 +362,7 @@ class Controller:
                 plural,
                 name,
             )
-        for manifest in decision.create:
+        for manifest in actions.create:
             kind = manifest["kind"]
             self._count("create", kind.lower() + "s")
             # already there: the cache lagged (409)
@@ -376,10 +380,10 @@ class Controller:
                 _ignore(409, self.core.create_namespaced_service, namespace, manifest)
             else:
                 _ignore(409, self.core.create_namespaced_pod, namespace, manifest)
-        for name in decision.ungate:
+        for name in actions.ungate:
             self._ungate(namespace, name)
         versions: dict[str, str] = {}
-        for deployment, status in decision.status.items():
+        for deployment, status in actions.status.items():
             self._count("patch", "modeldeployments/status")
             try:
                 written = self.custom.patch_namespaced_custom_object_status(
@@ -390,7 +394,7 @@ class Controller:
                     raise
             else:
                 versions[deployment] = written["metadata"]["resourceVersion"]
-        self._emit(namespace, decision.events)
+        self._emit(namespace, actions.events)
         return versions
 
     def _ungate(self, namespace: str, name: str) -> None:

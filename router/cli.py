@@ -16,10 +16,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from baton.follow import DeploymentRef
-from router.app import GatewayConfig, create_gateway
-from router.pool import CellSpec, PoolSpec, load_pool_file, parse_decode_flag
-from router.settings import GatewaySettings
+from baton.core.follow import DeploymentRef
+from router.app import create_gateway
+from router.pool import PoolCell, PoolSpec, load_pool_file, parse_decode_flag
+from router.settings import GatewayConfig, GatewaySettings
 
 __all__ = ["config_from_args", "main"]
 
@@ -94,15 +94,19 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     elif args.decode:
         decode = tuple(parse_decode_flag(value) for value in args.decode)
         pool = PoolSpec(
-            cells=(CellSpec(name="default", prefill=tuple(args.prefill), decode=decode),)
+            cells=(PoolCell(name="default", prefill=tuple(args.prefill), decode=decode),)
         )
     else:
         raise ValueError(
             "--decode: at least one decode engine is required "
             "(or --pool FILE, or --model-deployment NAMESPACE/NAME)"
         )
-    return GatewaySettings.from_flags(args).gateway_config(
-        pool, _api_keys(args), pool_file=args.pool, model_deployment=deployment
+    return GatewayConfig(
+        pool,
+        _api_keys(args),
+        GatewaySettings.from_flags(args),
+        pool_file=args.pool,
+        model_deployment=deployment,
     )
 
 

@@ -15,11 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from baton.api import Endpoints
-from baton.follow import DeploymentRef, ModelDeploymentFollower
-from router.pool import CellSpec, DecodeServerSpec, Pool, load_pool_file
+from baton.core.api import Endpoints
+from baton.core.follow import DeploymentRef, StatusFollower
+from router.pool import DecodeServerSpec, Pool, PoolCell, load_pool_file
 
 __all__ = ["DeploymentWatch", "cells_from_status", "watch_pool_file"]
 
@@ -54,11 +52,11 @@ async def watch_pool_file(path: Path, pool: Pool, interval_s: float = 1.0) -> No
         )
 
 
-def cells_from_status(status: Mapping[str, Any] | None) -> tuple[CellSpec, ...]:
+def cells_from_status(status: Mapping[str, Any] | None) -> tuple[PoolCell, ...]:
     """The routable cells of a ModelDeployment status (cells without ready decode left out)."""
     endpoints = Endpoints.model_validate((status or {}).get("endpoints") or {})
     return tuple(
-        CellSpec(
+        PoolCell(
             name=cell.name,
             prefill=tuple(cell.prefill),
             decode=tuple(DecodeServerSpec(url=d.url, ranks=tuple(d.ranks)) for d in cell.decode),
@@ -70,12 +68,14 @@ def cells_from_status(status: Mapping[str, Any] | None) -> tuple[CellSpec, ...]:
 
 class DeploymentWatch:
     """Hands each changed set of a ModelDeployment's ready cells to the pool, on the gateway's
-    event loop (the follower runs in a thread)."""
+    event loop."""
 
     def __init__(self, ref: DeploymentRef, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
         self.ref, self.pool, self.loop = ref, pool, loop
-        self._applied: tuple[CellSpec, ...] | None = None
-        self._follower = ModelDeploymentFollower(ref, self._apply)
+        self._change: asyncio.Task[None] | None = None  # the newest pool change
+        self._follower = StatusFollower(
+            ref, loop, lambda obj: cells_from_status(obj.get("status")), self._apply
+        )
 
     def start(self) -> None:
         self._follower.start()
@@ -83,21 +83,8 @@ class DeploymentWatch:
     def stop(self) -> None:
         self._follower.stop()
 
-    def _apply(self, obj: Mapping[str, Any]) -> None:
-        try:
-            cells = cells_from_status(obj.get("status"))
-        except ValidationError as exc:
-            log.error("status of %s/%s not understood: %s", self.ref.namespace, self.ref.name, exc)
-            return
-        if cells == self._applied:
-            return
-        self._applied = cells
-        change = self.pool.apply(cells)
-        try:
-            asyncio.run_coroutine_threadsafe(change, self.loop)
-        except RuntimeError:  # the loop closed under us: the gateway is shutting down
-            change.close()
-            return
+    def _apply(self, cells: tuple[PoolCell, ...]) -> None:
+        self._change = self.loop.create_task(self.pool.apply(cells))
         log.info(
             "pool from ModelDeployment %s/%s: %d cells, %d prefill, %d decode servers",
             self.ref.namespace,

@@ -27,7 +27,6 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 import orjson
 
@@ -52,10 +51,11 @@ from router.policy import (
     needs_prefill,
 )
 from router.pool import Pool
-from router.stream import DecodeStream, FirstToken, StreamState, error_event
+from router.relay import DecodeRelay, Timing
+from router.stream import DecodeStream, FirstToken, StreamState
 from router.upstream import UpstreamPool, UpstreamResponse
 
-__all__ = ["ClientWriter", "DecodeRelay", "Handoff", "JsonReply", "Timeouts"]
+__all__ = ["Handoff", "JsonReply", "Timeouts"]
 
 log = logging.getLogger("baton.gateway.handoff")
 
@@ -86,116 +86,26 @@ class JsonReply:
     request_id: str
 
 
-class ClientWriter(Protocol):
-    """The client's side of a relay: a synchronous write (called from the engine connection's
-    protocol callback), whether the client is keeping up, and a wait until it has."""
-
-    def write_now(self, data: bytes) -> None: ...
-
-    def blocked(self) -> bool: ...
-
-    async def drain(self) -> None: ...
-
-
-class _StreamSink:
-    """Engine bytes -> the usage-frame watcher -> the client, with no task in between."""
-
-    __slots__ = ("_client", "_stream")
-
-    def __init__(self, stream: DecodeStream, client: ClientWriter) -> None:
-        self._stream = stream
-        self._client = client
-
-    def write(self, data: bytes) -> None:
-        out = self._stream.feed(data)
-        if out:
-            self._client.write_now(out)
-
-    def blocked(self) -> bool:
-        return self._client.blocked()
-
-
-class DecodeRelay:
-    """An open decode stream whose first token has arrived; nothing is retried from here on.
-
-    ``pump`` forwards the engine's bytes as they arrive (each received segment in one write,
-    from the connection's callback: ``UpstreamResponse.relay``), looking only for the usage
-    frame; a broken upstream ends the client's stream with an SSE error event and ``[DONE]``.
-    Closing the upstream response on any exit (client disconnect included) makes the engine
-    abort the request and free its KV.
-    """
-
-    __slots__ = (
-        "_first_token",
-        "_handoff",
-        "_head",
-        "_rank",
-        "_response",
-        "_started",
-        "_stream",
-        "request_id",
-    )
-
-    def __init__(
-        self,
-        request_id: str,
-        handoff: Handoff,
-        rank: DecodeRankView,
-        response: UpstreamResponse,
-        head: bytes,
-        stream: DecodeStream,
-        first_token: float,
-        started: float,
-    ) -> None:
-        self.request_id = request_id
-        self._handoff = handoff
-        self._rank = rank
-        self._response = response
-        self._head = head
-        self._stream = stream
-        self._first_token = first_token
-        self._started = started
-
-    async def pump(self, client: ClientWriter) -> None:
-        stream = self._stream
-        sink = _StreamSink(stream, client)
-        ended = "ok"
-        try:
-            sink.write(self._head)
-            await self._response.relay(sink, client.drain)
-            tail = stream.finish()
-            if tail:
-                client.write_now(tail)
-            if not stream.done:
-                ended = "truncated"
-                client.write_now(error_event("the decode engine ended the stream early"))
-            await client.drain()
-        except UpstreamError as exc:
-            ended = "upstream"
-            log.warning(
-                "decode on %s failed mid-stream (%s); ending the stream", self._rank.name, exc
-            )
-            self._handoff.pool.failed(self._rank.name)
-            client.write_now(
-                error_event(f"the decode engine failed mid-stream: {type(exc).__name__}")
-            )
-            await client.drain()
-        except asyncio.CancelledError:
-            # A client that hangs up right after [DONE] got everything: not an abort.
-            ended = "ok" if stream.done else "client_disconnect"
-            raise
-        finally:
-            # Back to the pool when read to its end; otherwise the connection is dropped and
-            # the engine aborts the request and frees its KV.
-            self._response.release()
-            self._handoff.pool.end_decode(self._rank.name)
-            self._handoff.finish_stream(stream, ended, self._first_token, self._started)
-
-
 @dataclass(frozen=True, slots=True)
 class _Prefilled:
     kv_transfer_params: Mapping[str, object]  # forwarded verbatim
     cached_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """One validated request as the handoff runs it."""
+
+    route: str
+    body: Mapping[str, object]
+    raw: bytes  # the client's exact bytes: what decode receives
+    request_id: str
+    key: AffinityKey
+    timing: Timing
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
 
 
 class Handoff:
@@ -228,37 +138,34 @@ class Handoff:
         request_id: str,
     ) -> JsonReply | DecodeRelay:
         """Run the P/D sequence for one validated request body (``raw`` is its exact bytes)."""
-        started = time.perf_counter()
+        timing = Timing(started=time.perf_counter())
         key = affinity_key(headers, body, request_id)
-        snapshot = self.pool.snapshot()
+        request = _Request(route, body, raw, request_id, key, timing)
         prompt_tokens = estimate_prompt_tokens(body)
-        prefilled: _Prefilled | None = None
-        cell: str | None = None
         prefill = None
         if needs_prefill(prompt_tokens, self.policy):
-            choice = choose_prefill(snapshot, key, self.policy)
+            choice = choose_prefill(self.pool.snapshot(), key, self.policy)
             if choice is not None:
                 prefill = choice.view
                 self.metrics.child(
                     self.metrics.affinity, key.source.value, "miss" if choice.spilled else "hit"
                 ).inc()
+        prefilled: _Prefilled | None = None
         if prefill is not None:
-            cell = prefill.cell
-            outcome = await self._prefill(prefill, route, body, request_id, prompt_tokens)
+            outcome = await self._prefill(prefill, request, prompt_tokens)
             if isinstance(outcome, JsonReply):
                 return outcome  # prefill's 4xx, as the engine wrote it
             prefilled = outcome
         (self.metrics.pd_routes if prefilled else self.metrics.decode_only_routes).inc()
-        prefill_done = time.perf_counter()
-        return await self._decode(
-            route, body, raw, request_id, key, cell, prefilled, started, prefill_done
-        )
+        timing.prefill_done = time.perf_counter()
+        return await self._decode(request, prefill.cell if prefill else None, prefilled)
 
     # ---- prefill
 
     async def _prefill(
-        self, target: PrefillView, route: str, body: dict[str, object], request_id: str, tokens: int
+        self, target: PrefillView, request: _Request, tokens: int
     ) -> _Prefilled | JsonReply | None:
+        body = request.body
         payload = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
         payload.update(max_tokens=1, stream=False, kv_transfer_params=_PREFILL_KV)
         if "max_completion_tokens" in body:
@@ -268,9 +175,9 @@ class Handoff:
         try:
             data, status = await self._call(
                 target.name,
-                route,
+                request.route,
                 orjson.dumps(payload),
-                _headers(request_id),
+                _headers(request.request_id),
                 self.timeouts.prefill_s,
             )
             if status != 200:
@@ -279,7 +186,7 @@ class Handoff:
         except UpstreamStatus as exc:
             if exc.client_error:
                 self.pool.succeeded(target.name)  # the engine is fine; the request is not
-                return JsonReply(exc.status, exc.body, request_id)
+                return JsonReply(exc.status, exc.body, request.request_id)
             return self._fall_back(target, exc.reason, exc)
         except UpstreamError as exc:
             return self._fall_back(target, exc.reason, exc)
@@ -329,27 +236,22 @@ class Handoff:
     # ---- decode
 
     async def _decode(
-        self,
-        route: str,
-        body: dict[str, object],
-        raw: bytes,
-        request_id: str,
-        key: AffinityKey,
-        cell: str | None,
-        prefilled: _Prefilled | None,
-        started: float,
-        prefill_done: float,
+        self, request: _Request, cell: str | None, prefilled: _Prefilled | None
     ) -> JsonReply | DecodeRelay:
-        stream = bool(body.get("stream"))
         tried: list[str] = []
         last: UpstreamError | None = None
         for attempt in range(_DECODE_ATTEMPTS):
             with_kv = prefilled is not None and attempt < _DECODE_ATTEMPTS - 1
             rank = choose_decode_rank(
-                self.pool.snapshot(), key.digest + request_id.encode(), cell, exclude=tried
+                self.pool.snapshot(),
+                request.key.digest + request.request_id.encode(),
+                cell,
+                exclude=tried,
             )
             if rank is None and cell is not None:  # the cell has no rank left: any cell, alone
-                rank = choose_decode_rank(self.pool.snapshot(), request_id.encode(), None, tried)
+                rank = choose_decode_rank(
+                    self.pool.snapshot(), request.request_id.encode(), None, tried
+                )
                 with_kv = False
             if rank is None:
                 break
@@ -360,17 +262,16 @@ class Handoff:
                 ).inc()
                 if prefilled is not None and not with_kv:
                     self.metrics.child(self.metrics.fallbacks, "decode_retry").inc()
-            payload = _with_kv(raw, prefilled.kv_transfer_params) if with_kv and prefilled else raw
-            cached = prefilled.cached_tokens if with_kv and prefilled else None
+            kv = prefilled if with_kv else None
+            payload = request.raw if kv is None else _with_kv(request.raw, kv.kv_transfer_params)
+            cached = kv.cached_tokens if kv is not None else None
             try:
-                if stream:
-                    return await self._open_stream(
-                        rank, route, payload, request_id, cached, started, prefill_done
-                    )
-                return await self._complete(rank, route, payload, request_id, cached, started)
+                if request.stream:
+                    return await self._open_stream(rank, request, payload, cached)
+                return await self._complete(rank, request, payload, cached)
             except UpstreamStatus as exc:
                 if exc.client_error:
-                    return JsonReply(exc.status, exc.body, request_id)
+                    return JsonReply(exc.status, exc.body, request.request_id)
                 last = exc
             except UpstreamError as exc:
                 last = exc
@@ -382,21 +283,15 @@ class Handoff:
         raise UpstreamFailed(f"every decode attempt failed; last: {last}")
 
     async def _complete(
-        self,
-        rank: DecodeRankView,
-        route: str,
-        payload: bytes,
-        request_id: str,
-        cached: int | None,
-        started: float,
+        self, rank: DecodeRankView, request: _Request, payload: bytes, cached: int | None
     ) -> JsonReply:
         self.pool.begin_decode(rank.name)
         try:
             data, status = await self._call(
                 rank.url,
-                route,
+                request.route,
                 payload,
-                _headers(request_id, rank.dp_rank),
+                _headers(request.request_id, rank.dp_rank),
                 self.timeouts.first_token_s,
             )
             if status != 200:
@@ -414,19 +309,11 @@ class Handoff:
                 }
                 data = orjson.dumps(reply)
             self.metrics.output_tokens.inc(usage.get("completion_tokens") or 0)
-        elapsed = time.perf_counter() - started
-        self.metrics.e2e.observe(elapsed)
-        return JsonReply(200, data, request_id)
+        self.metrics.e2e.observe(time.perf_counter() - request.timing.started)
+        return JsonReply(200, data, request.request_id)
 
     async def _open_stream(
-        self,
-        rank: DecodeRankView,
-        route: str,
-        payload: bytes,
-        request_id: str,
-        cached: int | None,
-        started: float,
-        prefill_done: float,
+        self, rank: DecodeRankView, request: _Request, payload: bytes, cached: int | None
     ) -> DecodeRelay:
         """Open the decode stream and read up to its first token; raise if it fails first."""
         self.pool.begin_decode(rank.name)
@@ -435,9 +322,9 @@ class Handoff:
         try:
             response = await self.upstream.post(
                 rank.url,
-                route,
+                request.route,
                 payload,
-                _headers(request_id, rank.dp_rank),
+                _headers(request.request_id, rank.dp_rank),
                 self._read_timeout,
                 deadline,
             )
@@ -461,37 +348,21 @@ class Handoff:
                 response.close()
             self.pool.end_decode(rank.name)
             raise
-        first_token = time.perf_counter()
-        self.metrics.ttft.observe(first_token - started)
-        self.metrics.handoff_seconds.observe(first_token - prefill_done)
+        timing = request.timing
+        timing.first_token = time.perf_counter()
+        self.metrics.ttft.observe(timing.first_token - timing.started)
+        self.metrics.handoff_seconds.observe(timing.first_token - timing.prefill_done)
         self.pool.succeeded(rank.name)
         return DecodeRelay(
-            request_id,
-            self,
+            request.request_id,
+            timing,
             rank,
             response,
             head.buffered,
             DecodeStream(cached),
-            first_token,
-            started,
+            self.pool,
+            self.metrics,
         )
-
-    def finish_stream(
-        self, stream: DecodeStream, ended: str, first_token: float, started: float
-    ) -> None:
-        """Record a finished relay: how it ended, its timings, its tokens."""
-        now = time.perf_counter()
-        if ended != "ok":
-            self.metrics.child(self.metrics.aborts, "decode", ended).inc()
-        self.metrics.e2e.observe(now - started)
-        self.metrics.decode_seconds.observe(now - first_token)
-        usage = stream.usage
-        if usage is not None:
-            tokens = usage.get("completion_tokens")
-            if isinstance(tokens, int) and tokens:
-                self.metrics.output_tokens.inc(tokens)
-                if tokens > 1:
-                    self.metrics.itl.observe((now - first_token) / (tokens - 1))
 
 
 def _headers(request_id: str, dp_rank: int = -1) -> dict[str, str]:

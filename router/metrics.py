@@ -6,6 +6,7 @@ No per-request or per-session labels. Per-target gauges are labelled by target a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -194,3 +195,24 @@ class GatewayMetrics:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def stream_ended(
+        self,
+        usage: Mapping[str, object] | None,
+        ended: str,
+        *,
+        started: float,
+        first_token: float,
+        now: float,
+    ) -> None:
+        """Record a finished decode stream: how it ended (``ok`` or why not), its timings on the
+        ``perf_counter`` clock, its tokens."""
+        if ended != "ok":
+            self.child(self.aborts, "decode", ended).inc()
+        self.e2e.observe(now - started)
+        self.decode_seconds.observe(now - first_token)
+        tokens = usage.get("completion_tokens") if usage is not None else None
+        if isinstance(tokens, int) and tokens:
+            self.output_tokens.inc(tokens)
+            if tokens > 1:
+                self.itl.observe((now - first_token) / (tokens - 1))

@@ -26,14 +26,14 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from baton.files import load_yaml_model
+from baton.core.files import load_yaml_model
 from router.policy import DecodeRankView, PoolSnapshot, PrefillView
 
 __all__ = [
     "Breaker",
-    "CellSpec",
     "DecodeServerSpec",
     "Pool",
+    "PoolCell",
     "PoolSpec",
     "load_pool_file",
     "parse_decode_flag",
@@ -58,7 +58,7 @@ class DecodeServerSpec(BaseModel):
         return url.rstrip("/")
 
 
-class CellSpec(BaseModel):
+class PoolCell(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
@@ -79,7 +79,7 @@ class PoolSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    cells: tuple[CellSpec, ...] = Field(min_length=1)
+    cells: tuple[PoolCell, ...] = Field(min_length=1)
 
 
 def parse_decode_flag(value: str) -> DecodeServerSpec:
@@ -159,17 +159,15 @@ class _Server:
 class Pool:
     def __init__(
         self,
-        cells: Sequence[CellSpec],
+        cells: Sequence[PoolCell],
         *,
-        health_interval_s: float = 2.0,
-        load_sync_interval_s: float = 2.0,
-        breaker_threshold: int = 3,
-        breaker_cooldown_s: float = 5.0,
+        probe_interval_s: float,
+        breaker: Callable[[], Breaker] = Breaker,
     ) -> None:
-        self.health_interval_s = health_interval_s
-        self.load_sync_interval_s = load_sync_interval_s
-        self.breaker_threshold = breaker_threshold
-        self.breaker_cooldown_s = breaker_cooldown_s
+        """``probe_interval_s``: seconds between health checks, and between decode load syncs;
+        ``breaker`` makes each target's circuit breaker."""
+        self.probe_interval_s = probe_interval_s
+        self._new_breaker = breaker
         self.prefill: dict[str, _Target] = {}
         self.decode: dict[str, _Target] = {}
         self._servers: dict[str, _Server] = {}
@@ -181,7 +179,7 @@ class Pool:
 
     # ---- targets
 
-    async def apply(self, cells: Sequence[CellSpec]) -> None:
+    async def apply(self, cells: Sequence[PoolCell]) -> None:
         """Take a new set of targets once its new engines have answered a health check (their
         health and model names known), so a changed pool never serves a moment with engines
         whose models are unknown. A newer set arriving meanwhile wins."""
@@ -196,7 +194,7 @@ class Pool:
             self.update(cells, probed)
 
     def update(
-        self, cells: Sequence[CellSpec], probed: Mapping[str, _Server] | None = None
+        self, cells: Sequence[PoolCell], probed: Mapping[str, _Server] | None = None
     ) -> None:
         """Take a new set of targets; targets that stay keep their load and health, and new
         targets of a ``probed`` server start with its health."""
@@ -230,7 +228,7 @@ class Pool:
         self._refresh_models()
 
     def _target(self, name: str, url: str, cell: str) -> _Target:
-        return _Target(name, url, cell, Breaker(self.breaker_threshold, self.breaker_cooldown_s))
+        return _Target(name, url, cell, self._new_breaker())
 
     def snapshot(self) -> PoolSnapshot:
         now = time.monotonic()
@@ -315,8 +313,8 @@ class Pool:
         await self.check_health()
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(self._every(self.health_interval_s, self.check_health)),
-            loop.create_task(self._every(self.load_sync_interval_s, self.sync_decode_load)),
+            loop.create_task(self._every(self.probe_interval_s, self.check_health)),
+            loop.create_task(self._every(self.probe_interval_s, self.sync_decode_load)),
         ]
 
     async def stop(self) -> None:
@@ -338,7 +336,7 @@ class Pool:
 
     async def _probe(self, server: _Server) -> None:
         assert self._session is not None
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.health_interval_s))
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.probe_interval_s))
         try:
             async with self._session.get(f"{server.url}/health", timeout=timeout) as response:
                 up = response.status == 200
@@ -367,7 +365,7 @@ class Pool:
     async def _sync_server(self, url: str) -> None:
         assert self._session is not None
         try:
-            timeout = aiohttp.ClientTimeout(total=max(1.0, self.load_sync_interval_s))
+            timeout = aiohttp.ClientTimeout(total=max(1.0, self.probe_interval_s))
             async with self._session.get(f"{url}/metrics", timeout=timeout) as response:
                 text = await response.text()
         except (aiohttp.ClientError, TimeoutError):

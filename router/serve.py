@@ -24,11 +24,11 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 
-from baton.files import describe_errors
-from baton.follow import DeploymentRef
-from router.app import GatewayConfig, create_app
+from baton.core.files import describe_errors
+from baton.core.follow import DeploymentRef
+from router.app import create_app
 from router.pool import load_pool_file
-from router.settings import GatewaySettings
+from router.settings import GatewayConfig, GatewaySettings
 
 __all__ = ["POOL_FILE_ENV", "ServeArgs", "app", "build_app", "config_from_serve_args"]
 
@@ -69,9 +69,11 @@ def config_from_serve_args(args: Mapping[str, object], environ: Mapping[str, str
             f"to `serve run router.serve:app`, or set {POOL_FILE_ENV}"
         )
     keys = tuple(k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip())
-    return parsed.gateway_config(
+    settings = GatewaySettings(**parsed.model_dump(include=set(GatewaySettings.model_fields)))
+    return GatewayConfig(
         load_pool_file(pool_file) if pool_file is not None else None,
         keys,
+        settings,
         pool_file=pool_file,
         model_deployment=deployment,
     )

@@ -1,42 +1,56 @@
-"""The gateway's tunables, in one model that both front ends read.
+"""The gateway's configuration: its tunables, in one model that both front ends read, and
+where its engines come from.
 
-``baton gateway`` derives a flag from each field (``prefill_timeout_s`` is ``--prefill-timeout``),
-and Ray Serve's application arguments extend the model; either way the names, defaults, bounds
-and help live here once, and pydantic checks the values.
+``baton gateway`` derives a flag from each field of :class:`GatewaySettings`
+(``prefill_timeout_s`` is ``--prefill-timeout``), and Ray Serve's application arguments extend
+the model; either way the names, bounds and help live here once, and pydantic checks the values.
+Routing and timeout defaults are those of ``RoutingPolicy`` and ``Timeouts``, the parameters of
+the code that uses them.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from baton.follow import DeploymentRef
-from router.app import GatewayConfig
+from baton.core.follow import DeploymentRef
 from router.handoff import Timeouts
 from router.policy import PrefillPolicy, RoutingPolicy
 from router.pool import PoolSpec
 
-__all__ = ["GatewaySettings"]
+__all__ = ["GatewayConfig", "GatewaySettings"]
+
+_ROUTING = RoutingPolicy()
+_TIMEOUTS = Timeouts()
 
 
 class GatewaySettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    policy: PrefillPolicy = Field(PrefillPolicy.AFFINITY, description="prefill choice")
+    policy: PrefillPolicy = Field(_ROUTING.prefill, description="prefill choice")
     pd_threshold_tokens: int = Field(
-        256, ge=0, description="prompts estimated below this many tokens skip prefill"
+        _ROUTING.pd_threshold_tokens,
+        ge=0,
+        description="prompts estimated below this many tokens skip prefill",
     )
     imbalance_tokens: int = Field(
-        8192, ge=0, description="outstanding-token gap at which affinity spills to the 2nd choice"
+        _ROUTING.imbalance_tokens,
+        ge=0,
+        description="outstanding-token gap at which affinity spills to the 2nd choice",
     )
-    prefill_timeout_s: float = Field(300.0, gt=0, description="seconds for the prefill leg")
+    prefill_timeout_s: float = Field(
+        _TIMEOUTS.prefill_s, gt=0, description="seconds for the prefill leg"
+    )
     first_token_timeout_s: float = Field(
-        300.0, gt=0, description="seconds from the decode request to its first token"
+        _TIMEOUTS.first_token_s,
+        gt=0,
+        description="seconds from the decode request to its first token",
     )
     idle_timeout_s: float = Field(
-        120.0, gt=0, description="seconds a stream may go without bytes from its engine"
+        _TIMEOUTS.idle_s, gt=0, description="seconds a stream may go without bytes from its engine"
     )
     health_interval_s: float = Field(
         2.0, gt=0, description="seconds between health checks and decode load syncs"
@@ -46,16 +60,16 @@ class GatewaySettings(BaseModel):
     @classmethod
     def add_flags(cls, parser: argparse.ArgumentParser) -> None:
         """One flag per field: its name in kebab case without the ``_s`` unit suffix."""
-        for name, field in cls.model_fields.items():
+        for name, info in cls.model_fields.items():
             flag = "--" + name.removesuffix("_s").replace("_", "-")
-            default = field.default
+            default = info.default
             if isinstance(default, PrefillPolicy):
                 parser.add_argument(
                     flag,
                     dest=name,
                     default=default.value,
                     choices=[p.value for p in PrefillPolicy],
-                    help=field.description,
+                    help=info.description,
                 )
             else:
                 unit = name.rsplit("_", 1)[-1]
@@ -66,7 +80,7 @@ class GatewaySettings(BaseModel):
                     type=type(default),
                     default=default,
                     metavar=metavar,
-                    help=f"{field.description} (default: {default})",
+                    help=f"{info.description} (default: {default})",
                 )
 
     @classmethod
@@ -77,33 +91,30 @@ class GatewaySettings(BaseModel):
         except ValidationError as exc:
             raise ValueError(_describe_flags(exc)) from exc
 
-    def gateway_config(
-        self,
-        pool: PoolSpec | None,
-        api_keys: tuple[str, ...],
-        *,
-        pool_file: Path | None = None,
-        model_deployment: DeploymentRef | None = None,
-    ) -> GatewayConfig:
-        return GatewayConfig(
-            pool=pool,
-            api_keys=api_keys,
-            policy=RoutingPolicy(
-                prefill=self.policy,
-                imbalance_tokens=self.imbalance_tokens,
-                pd_threshold_tokens=self.pd_threshold_tokens,
-            ),
-            timeouts=Timeouts(
-                prefill_s=self.prefill_timeout_s,
-                first_token_s=self.first_token_timeout_s,
-                idle_s=self.idle_timeout_s,
-            ),
-            max_body_bytes=self.max_body_bytes,
-            health_interval_s=self.health_interval_s,
-            load_sync_interval_s=self.health_interval_s,
-            pool_file=pool_file,
-            model_deployment=model_deployment,
+    def routing_policy(self) -> RoutingPolicy:
+        return RoutingPolicy(
+            prefill=self.policy,
+            imbalance_tokens=self.imbalance_tokens,
+            pd_threshold_tokens=self.pd_threshold_tokens,
         )
+
+    def timeouts(self) -> Timeouts:
+        return Timeouts(
+            prefill_s=self.prefill_timeout_s,
+            first_token_s=self.first_token_timeout_s,
+            idle_s=self.idle_timeout_s,
+        )
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Where the engines come from, who may call, and the tunables."""
+
+    pool: PoolSpec | None  # None: the pool comes from model_deployment's status
+    api_keys: tuple[str, ...] = ()
+    settings: GatewaySettings = field(default_factory=GatewaySettings)
+    pool_file: Path | None = None  # reloaded when it changes
+    model_deployment: DeploymentRef | None = None
 
 
 def _describe_flags(exc: ValidationError) -> str:

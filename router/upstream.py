@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -34,7 +34,8 @@ _HIGH_WATER = 1 << 20  # pause reading an engine whose bytes the client is not t
 
 
 class Sink(Protocol):
-    """Where a relayed body goes, synchronously, from the connection's protocol callback."""
+    """Where relayed bytes go: written synchronously (from the connection's protocol callback),
+    with a way to wait for a client that is not keeping up."""
 
     def write(self, data: bytes) -> None:
         """Take ``data`` (whole received segments' body bytes); must not raise."""
@@ -42,6 +43,10 @@ class Sink(Protocol):
 
     def blocked(self) -> bool:
         """True while the client is not taking bytes: reading from the engine pauses."""
+        ...
+
+    async def drain(self) -> None:
+        """Return once the client has taken what was written."""
         ...
 
 
@@ -215,9 +220,9 @@ class UpstreamResponse:
         conn.resume()
         return data
 
-    async def relay(self, sink: Sink, drained: Callable[[], Awaitable[None]]) -> None:
+    async def relay(self, sink: Sink) -> None:
         """Hand every body byte to ``sink`` as it arrives, until the end of the body; when
-        the sink is blocked, reading pauses until ``drained()`` (awaitable) returns."""
+        the sink is blocked, reading pauses until ``sink.drain()`` returns."""
         conn = self._conn
         if conn.body:
             data = bytes(conn.body)
@@ -229,7 +234,7 @@ class UpstreamResponse:
             while not conn.complete:
                 await conn.wait_relayed(self._read_timeout)
                 if conn.paused:
-                    await drained()
+                    await sink.drain()
                     conn.resume()
         finally:
             conn.sink = None

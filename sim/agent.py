@@ -26,11 +26,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
+from baton.core.proto import eplb_agent_pb2 as pb
+from baton.core.proto import eplb_agent_pb2_grpc as pb_grpc
 
-from baton.proto import eplb_agent_pb2 as pb
-from baton.proto import eplb_agent_pb2_grpc as pb_grpc
-from controller.eplb.algorithm import Placement, moves_per_rank
-from controller.eplb.wire import decode_placement, encode_placement
+from baton.core.eplb_wire import decode_placement, encode_placement
+from baton.core.experts import Placement, moves_per_rank
 from sim.engine import DPGroup
 from sim.moe import MoERuntime, StagedSwitch
 

@@ -19,8 +19,9 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from pydantic import BaseModel, ValidationError
 
-from baton.files import describe_errors
-from baton.secrets import read_token
+from baton.core.files import describe_errors
+from baton.core.model import MODEL
+from baton.core.secrets import read_token
 from sim.cluster import load_cluster
 from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
 from sim.profile import ProfileError, load_profile
@@ -28,7 +29,6 @@ from sim.runner import SimProcess, start_cluster, start_single
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
-DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
 log = logging.getLogger("baton.sim")
 
 
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         "timed by a performance model calibrated to the DeepSeek-V4.1-Flash study.",
     )
     parser.add_argument(
-        "model", nargs="?", default=DEFAULT_MODEL, help="model name (no weights are loaded)"
+        "model", nargs="?", default=MODEL, help="model name (no weights are loaded)"
     )
     _flag(parser, "--host", default="127.0.0.1")
     _flag(parser, "--port", type=int, default=8000)

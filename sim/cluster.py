@@ -25,7 +25,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from baton.files import load_yaml_model
+from baton.core.files import load_yaml_model
+from baton.core.model import MODEL, SERVED_MODEL_NAME
 from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
 from sim.profile import load_profile
 
@@ -72,8 +73,8 @@ class PrefillSpec(_Spec):
 
 
 class ClusterSpec(_Spec):
-    model: str = "deepseek-ai/DeepSeek-V4.1-Flash"
-    served_model_name: str = "deepseek-v4.1-flash"
+    model: str = MODEL
+    served_model_name: str = SERVED_MODEL_NAME
     host: str = "127.0.0.1"
     time_scale: float = Field(default=1.0, gt=0)
     seed: int = 0

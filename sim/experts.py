@@ -33,44 +33,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.eplb.algorithm import Placement, balance_per_step, rebalance
+from baton.core.experts import Placement, balance_per_step
+from baton.core.model import MoEModel
+from baton.core.vllm_eplb import vllm_rebalance
 
 __all__ = [
     "DEP32_DECODE_TOKENS_PER_STEP",
-    "DRAFT",
     "DRAFT_SKEW",
-    "TARGET",
     "TARGET_SKEW",
     "UNIFORM_ROUTING",
     "EplbSchedule",
     "ExpertPopularity",
-    "MoEModel",
     "RoutingSkew",
     "physical_load",
     "sample_load",
     "simulate_balance",
 ]
 
-
-@dataclass(frozen=True, slots=True)
-class MoEModel:
-    """Shape of one model's routed-expert layers."""
-
-    name: str
-    layers: int
-    experts: int
-    top_k: int
-
-    def __post_init__(self) -> None:
-        if self.layers <= 0 or self.experts <= 0 or not 0 < self.top_k <= self.experts:
-            raise ValueError(f"invalid MoE shape {self}")
-
-
-# DeepSeek-V4.1-Flash: 43 MoE layers, 384 routed experts, top-6.
-TARGET = MoEModel("target", layers=43, experts=384, top_k=6)
-# DSpark is an MTP-style draft: like DeepSeek's MTP module it is a single transformer block, so
-# one MoE layer (128 routed experts, top-3) whose balance is that layer's balance.
-DRAFT = MoEModel("draft", layers=1, experts=128, top_k=3)
 
 # DEP32 decode in the study: 32 ranks x 72 requests per GPU x (1 + 5 draft) tokens per request.
 DEP32_DECODE_TOKENS_PER_STEP = 32 * 72 * 6
@@ -236,7 +215,7 @@ def simulate_balance(
         block = min(_BLOCK_STEPS, steps - step)
         if eplb is not None:
             if step == next_rebalance:
-                placement = rebalance(
+                placement = vllm_rebalance(
                     window_load,
                     num_ranks,
                     eplb.num_redundant_experts,

@@ -6,8 +6,8 @@ and its balance sets the step's MoE time (``sim.perf``).
 
 Who re-places experts:
 - ``--enable-eplb`` alone: the engine does, as vLLM does inside the engine: every
-  ``step_interval`` steps from the load of the last ``window_size`` steps (DeepSeek's algorithm,
-  ``controller.eplb.algorithm.rebalance``), switching at once.
+  ``step_interval`` steps from the load of the last ``window_size`` steps, with vLLM's default
+  policy (``baton.core.vllm_eplb``), switching at once.
 - with ``--eplb-agent-port``: the Baton EPLB service does, through the agent's two-phase
   Prepare/Commit (``sim.agent``); the engine never rebalances on its own.
 
@@ -21,15 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.eplb.algorithm import Placement, rank_load, rebalance
+from baton.core.experts import Placement, rank_load
+from baton.core.model import DRAFT, TARGET, MoEModel
+from baton.core.vllm_eplb import vllm_rebalance
 from sim.config import EngineConfig
 from sim.experts import (
-    DRAFT,
     DRAFT_SKEW,
-    TARGET,
     TARGET_SKEW,
     ExpertPopularity,
-    MoEModel,
     RoutingSkew,
     physical_load,
     sample_load,
@@ -139,7 +138,7 @@ class MoERuntime:
         if state.window is not None:
             state.window += logical
         if position == eplb.step_interval - 1 and state.window is not None:
-            state.placement = rebalance(
+            state.placement = vllm_rebalance(
                 state.window, self.num_ranks, eplb.num_redundant_experts, previous=state.placement
             )
             state.version += 1

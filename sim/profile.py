@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
 
-from baton.files import describe_errors
+from baton.core.files import describe_errors
 
 __all__ = [
     "DEFAULT_PROFILE",

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from baton.secrets import read_token
+from baton.core.secrets import read_token
 from sim.agent import EplbAgentServer
 from sim.cluster import ClusterSpec, engine_configs
 from sim.config import EngineConfig

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from baton.processes import eventually, free_port, free_port_block, stop_process, wait_healthy
+from rigs.processes import eventually, free_port, free_port_block, stop_process, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'

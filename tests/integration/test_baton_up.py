@@ -12,7 +12,7 @@ import openai
 import psutil
 import pytest
 
-from baton.up import SERVED_MODEL
+from baton.core.model import SERVED_MODEL_NAME
 from tests.helpers import ROOT, eventually, free_port, stop_process
 
 
@@ -48,7 +48,7 @@ def test_baton_up_prints_the_rack_map_and_streams_through_the_gateway(stack) -> 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     messages = [{"role": "user", "content": "plan the rack " * 200}]
     stream = client.chat.completions.create(
-        model=SERVED_MODEL,
+        model=SERVED_MODEL_NAME,
         messages=messages,
         stream=True,
         max_tokens=16,

@@ -19,18 +19,18 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from baton.core.proto import eplb_agent_pb2 as pb
 from prometheus_client import CollectorRegistry
 
-from baton.proto import eplb_agent_pb2 as pb
-from controller.eplb.algorithm import Placement
-from controller.eplb.client import AgentClient
-from controller.eplb.config import EplbServiceConfig, GroupSpec
-from controller.eplb.decide import Outcome, decide
-from controller.eplb.errors import AgentRejected, AgentUnauthenticated, AgentUnavailable
-from controller.eplb.metrics import EplbMetrics
-from controller.eplb.service import GroupRunner, SwitchRecord
-from controller.eplb.window import Window
-from controller.eplb.wire import decode_placement
+from baton.core.eplb_wire import decode_placement
+from baton.core.experts import Placement
+from eplb.client import AgentClient
+from eplb.config import EplbServiceConfig, GroupSpec
+from eplb.decide import Outcome, decide
+from eplb.errors import AgentRejected, AgentUnauthenticated, AgentUnavailable
+from eplb.metrics import EplbMetrics
+from eplb.service import GroupRunner, SwitchRecord
+from eplb.window import Window
 from tests.helpers import ROOT, eventually, free_port, keep_decoding, stop_process, wait_healthy
 
 TOKEN = "group-secret"

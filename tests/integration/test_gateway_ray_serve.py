@@ -14,7 +14,7 @@ import openai
 import pytest
 import yaml
 
-from baton.follow import DeploymentRef
+from baton.core.follow import DeploymentRef
 from tests.helpers import SimHandle, free_port
 
 # Ray's own pydantic models use deprecated Field arguments: not ours to fix, and not an error here.
@@ -92,7 +92,7 @@ def test_serve_args_pool_file_wins_over_the_environment(tmp_path: Path) -> None:
     )
     assert config.pool.cells[0].name == "a"
     assert config.pool_file == from_args
-    assert config.policy.pd_threshold_tokens == 64
+    assert config.settings.pd_threshold_tokens == 64
     assert config.api_keys == ("k1", "k2")
 
 

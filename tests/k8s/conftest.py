@@ -1,4 +1,4 @@
-"""Fixtures for tests against a real Kubernetes API server (see baton/devcluster.py)."""
+"""Fixtures for tests against a real Kubernetes API server (see rigs/devcluster.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from baton.api import GROUP, PLURAL, VERSION
-from baton.devcluster import (
+from baton.core.api import GROUP, PLURAL, VERSION
+from baton.core.labels import DEPLOYMENT_LABEL
+from rigs.devcluster import (
     ControlPlane,
     add_trays,
     binaries_dir,
@@ -20,8 +21,7 @@ from baton.devcluster import (
     remove_trays,
     start_control_plane,
 )
-from baton.labels import DEPLOYMENT_LABEL
-from baton.processes import eventually, stop_process
+from rigs.processes import eventually, stop_process
 from tests.k8s.helpers import controller_log, start_controller
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from kubernetes import client
 
-from baton.devcluster import ControlPlane, create_model_deployment, read_model_deployment
-from baton.labels import DEPLOYMENT_LABEL, ROLE_LABEL
-from baton.processes import eventually, free_port
+from baton.core.labels import DEPLOYMENT_LABEL, ROLE_LABEL
+from rigs.devcluster import ControlPlane, create_model_deployment, read_model_deployment
+from rigs.processes import eventually, free_port
 
 
 def start_controller(

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from kubernetes import client
 
-from baton.api import ModelDeployment
-from baton.devcluster import add_trays, create_model_deployment, install_crd, remove_trays
-from baton.processes import eventually
-from baton.topology import parse_topology
-from controller.placement import plan_placement
+from baton.core.api import ModelDeployment
+from controller.placement import DeploymentShape, plan_placement
 from controller.podspec import render_cell
+from controller.topology import parse_topology
+from rigs.devcluster import add_trays, create_model_deployment, install_crd, remove_trays
+from rigs.processes import eventually
 
 
 def test_gated_cell_pods_run_on_their_planned_trays_once_lifted(api, namespace) -> None:
@@ -21,7 +21,7 @@ def test_gated_cell_pods_run_on_their_planned_trays_once_lifted(api, namespace) 
         spec = {"model": "deepseek-ai/DeepSeek-V4.1-Flash", "cell": {"prefill": {"instances": 4}}}
         created = create_model_deployment(api, namespace, "dsv4", spec)
         deployment = ModelDeployment.model_validate(created)
-        plan = plan_placement([deployment.shape()], parse_topology({"items": nodes}))
+        plan = plan_placement([DeploymentShape.of(deployment)], parse_topology({"items": nodes}))
         cell = plan.cells[0]
         manifests = render_cell(
             deployment.spec,

@@ -6,14 +6,14 @@ from __future__ import annotations
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from baton.devcluster import (
+from baton.core.labels import CLIQUE_LABEL
+from rigs.devcluster import (
     KWOK_ANNOTATION,
     create_model_deployment,
     install_crd,
     read_model_deployment,
 )
-from baton.labels import CLIQUE_LABEL
-from baton.processes import eventually
+from rigs.processes import eventually
 
 
 def fake_tray(name: str, clique: str) -> client.V1Node:

@@ -10,7 +10,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from baton.processes import eventually
+from rigs.processes import eventually
 from tests.k8s.helpers import apply, pods
 
 COMPUTE_DOMAIN_CRD = {

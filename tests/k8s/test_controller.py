@@ -8,8 +8,8 @@ import json
 import pytest
 from kubernetes import client
 
-from baton.devcluster import patch_model_deployment_spec
-from baton.processes import eventually
+from rigs.devcluster import patch_model_deployment_spec
+from rigs.processes import eventually
 from tests.k8s.helpers import (
     apply,
     condition,

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from baton.devcluster import patch_model_deployment_spec
-from baton.processes import eventually, free_port, stop_process, wait_healthy
+from rigs.devcluster import patch_model_deployment_spec
+from rigs.processes import eventually, free_port, stop_process, wait_healthy
 from tests.k8s.helpers import apply, pods, read, wait_ready
 
 pytestmark = pytest.mark.usefixtures("controller")

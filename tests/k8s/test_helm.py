@@ -14,9 +14,9 @@ import yaml
 from kubernetes import client, utils
 from kubernetes.client.rest import ApiException
 
-from baton.devcluster import ROOT, ControlPlane, binaries_dir, write_kubeconfig
-from baton.processes import stop_process
-from controller.eplb.config import load_config
+from eplb.config import load_config
+from rigs.devcluster import ROOT, ControlPlane, binaries_dir, write_kubeconfig
+from rigs.processes import stop_process
 from tests.k8s.helpers import apply, controller_log, start_controller, wait_ready
 
 CHART = ROOT / "helm" / "baton"

@@ -7,7 +7,7 @@ import signal
 
 from kubernetes import client
 
-from baton.processes import eventually, stop_process
+from rigs.processes import eventually, stop_process
 from tests.k8s.helpers import apply, controller_log, pods, start_controller, wait_ready
 
 LEASE = "baton-controller-failover"

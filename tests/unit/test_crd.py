@@ -11,8 +11,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from baton.api import ModelDeployment
-from baton.crd import CRD_PATH, generate_crd, render
+from baton.core.api import ModelDeployment
+from baton.core.crd import CRD_PATH, generate_crd, render
+from controller.placement import DeploymentShape
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,7 +61,7 @@ def test_only_model_is_required_and_everything_else_is_the_studys_shape() -> Non
     deployment = ModelDeployment.model_validate(
         {"spec": {"model": "deepseek-ai/DeepSeek-V4.1-Flash"}}
     )
-    shape = deployment.shape()
+    shape = DeploymentShape.of(deployment)
     assert (shape.decode.dep, shape.decode.gpus_per_pod, shape.decode.spare_trays) == (32, 4, 1)
     assert (shape.prefill.dep, shape.prefill.instances, shape.cells) == (2, None, 1)
     assert [m.name for m in deployment.spec.eplb.models] == ["target", "draft"]

@@ -1,4 +1,4 @@
-"""controller/decide.py: one reconcile's actions from observed objects, without an API server.
+"""controller.decide: one reconcile's actions from observed objects, without an API server.
 
 ``World`` plays back each decision the way the API server, scheduler and kubelet would (pods
 created gated, ungated pods bound to their planned tray and Ready), so a test can step the
@@ -12,9 +12,12 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from baton.labels import CELL_GATE, QUARANTINED_ANNOTATION, TRAY_FAILURES_ANNOTATION
-from baton.topology import synthetic_nodes
-from controller.decide import Decision, Observed, RestartPolicy, decide
+from baton.core.labels import CELL_GATE, QUARANTINED_ANNOTATION, TRAY_FAILURES_ANNOTATION
+from controller.actions import Actions
+from controller.decide import decide
+from controller.observe import Observed
+from controller.restarts import RestartPolicy
+from controller.topology import synthetic_nodes
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 NAMESPACE = "serving"
@@ -39,7 +42,7 @@ class World:
             self.now,
         )
 
-    def step(self, policy: RestartPolicy | None = None) -> Decision:
+    def step(self, policy: RestartPolicy | None = None) -> Actions:
         decision = decide(self.observe(), policy)
         for name in decision.delete_pods:
             self.pods.pop(name, None)
@@ -110,7 +113,7 @@ def test_first_reconcile_creates_the_whole_cell_gated_and_records_its_placement(
     kinds = [m["kind"] for m in decision.create]
     assert kinds == ["Service"] + ["Pod"] * 12
     assert all(m["spec"]["schedulingGates"] == [{"name": CELL_GATE}] for m in decision.create[1:])
-    assert decision.ungate == []  # not before every pod of the cell exists
+    assert decision.ungate == ()  # not before every pod of the cell exists
     [cell] = w.deployment["status"]["cells"]
     assert len(cell["decode"]["trays"]) == 8 and len(cell["spareTrays"]) == 1
     assert w.condition("Placed")["status"] == "True"
@@ -123,7 +126,7 @@ def test_gates_of_the_cell_are_lifted_together_once_every_pod_exists() -> None:
     w.step()
     decision = w.step()
     assert sorted(decision.ungate) == sorted(names("decode", 8) | names("prefill", 4))
-    assert decision.create == []
+    assert decision.create == ()
     w.step()
     status = w.deployment["status"]
     assert (status["ready"], status["prefillReady"], status["decodeRanks"]) == ("1/1", "4/4", 32)
@@ -156,7 +159,7 @@ def test_a_second_restart_waits_out_its_backoff() -> None:
     w.now += timedelta(seconds=1)
     w.fail("dsv4-cell-0-decode-1")
     decision = w.step()
-    assert decision.delete_pods == []
+    assert decision.delete_pods == ()
     assert decision.requeue_after is not None and 3.5 < decision.requeue_after <= 4.0
     assert w.condition("Degraded")["reason"] == "RestartBackoff"
     w.now += timedelta(seconds=5)
@@ -196,14 +199,14 @@ def test_scaling_prefill_down_deletes_only_the_highest_prefill_instances() -> No
     w.deployment["metadata"]["generation"] = 2
     decision = w.step()
     assert sorted(decision.delete_pods) == sorted(names("prefill", 4) - names("prefill", 1))
-    assert decision.create == []
+    assert decision.create == ()
     assert w.deployment["status"]["prefillReady"] == "1/1"
 
 
 def test_too_little_capacity_creates_nothing_and_says_what_is_missing() -> None:
     w = world(trays_per_rack=8)
     decision = w.step()
-    assert decision.create == []
+    assert decision.create == ()
     placed = w.condition("Placed")
     assert (placed["status"], placed["reason"]) == ("False", "InsufficientCapacity")
     assert "whole trays" in placed["message"]
@@ -215,9 +218,9 @@ def test_nothing_changes_once_the_cell_is_ready() -> None:
     w.settle()
     decision = w.step()
     assert (decision.create, decision.delete_pods, decision.ungate, decision.status) == (
-        [],
-        [],
-        [],
+        (),
+        (),
+        (),
         {},
     )
 
@@ -272,7 +275,7 @@ def test_a_new_engine_spec_restarts_decode_once_and_replaces_prefill_one_at_a_ti
 def test_a_spec_the_api_server_accepts_but_baton_cannot_run_is_reported_not_placed() -> None:
     w = world(cell={"decode": {"dep": 30}})  # not a whole number of 4-GPU trays
     decision = w.step()
-    assert decision.create == []
+    assert decision.create == ()
     placed = w.condition("Placed")
     assert (placed["status"], placed["reason"]) == ("False", "InvalidSpec")
     assert "multiple of gpusPerPod" in placed["message"]

@@ -1,4 +1,4 @@
-"""Properties of the EPLB placement algorithm (controller.eplb.algorithm)."""
+"""Properties of the EPLB placement algorithm (eplb.algorithm)."""
 
 from dataclasses import dataclass
 
@@ -8,16 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from controller.eplb.algorithm import (
-    DEFAULT_TOLERANCE,
+from baton.core.experts import (
     Placement,
     balance,
     balance_per_step,
     moves,
     moves_per_rank,
     rank_load,
-    rebalance,
 )
+from eplb.algorithm import DEFAULT_TOLERANCE, rebalance
 
 PROPERTY = settings(max_examples=50, deadline=None)
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.eplb.cli import main
-from controller.eplb.config import load_config
+from eplb.cli import main
+from eplb.config import load_config
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -1,11 +1,12 @@
-"""Rebalance decisions (controller.eplb.decide): cadence, window use and the gain rule."""
+"""Rebalance decisions (eplb.decide): cadence, window use and the gain rule."""
 
 import numpy as np
 import pytest
 
-from controller.eplb.algorithm import Placement, balance, rebalance
-from controller.eplb.decide import Outcome, Policy, decide, due_boundary, predict_fitted_balance
-from controller.eplb.window import Window
+from baton.core.experts import Placement, balance
+from eplb.algorithm import rebalance
+from eplb.decide import Outcome, Policy, decide, due_boundary, predict_fitted_balance
+from eplb.window import Window
 
 POLICY = Policy(window_size=100, step_interval=300)
 

@@ -1,4 +1,4 @@
-"""controller/eplb/discovery.py and the service's group supervision: groups from a
+"""eplb/discovery.py and the service's group supervision: groups from a
 ModelDeployment's status, runners kept in step with them, balance figures for status."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from controller.eplb.config import EplbServiceConfig, GroupSpec
-from controller.eplb.discovery import deployment_eplb_status, groups_from_deployment
-from controller.eplb.metrics import EplbMetrics
-from controller.eplb.service import EplbService, GroupRunner
+from eplb.config import EplbServiceConfig, GroupSpec
+from eplb.discovery import deployment_eplb_status, groups_from_deployment
+from eplb.metrics import EplbMetrics
+from eplb.service import EplbService, GroupRunner
 
 
 def test_every_ready_cell_is_a_group_with_its_agents_at_the_specs_cadence() -> None:

@@ -1,9 +1,10 @@
-"""Load windows (controller.eplb.window): reports in, complete steps and windows out."""
+"""Load windows (eplb.window): reports in, complete steps and windows out."""
 
 import numpy as np
 
-from controller.eplb.algorithm import Placement
-from controller.eplb.window import LoadReport, LoadWindow, Verdict
+from baton.core.eplb_wire import LoadReport
+from baton.core.experts import Placement
+from eplb.window import LoadWindow, Verdict
 
 # Two ranks of three slots over four experts; expert 0 has a replica on each rank.
 PLACEMENT = Placement.from_phy2log(np.array([[0, 1, 2, 0, 3, 3]]), num_ranks=2)

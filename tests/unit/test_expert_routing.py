@@ -11,17 +11,16 @@ happened to be drawn; draft figures are averaged over several seeds to test the 
 import numpy as np
 import pytest
 
-from controller.eplb.algorithm import Placement, rebalance
+from baton.core.experts import Placement
+from baton.core.model import DRAFT, TARGET, MoEModel
+from eplb.algorithm import rebalance
 from sim.experts import (
     DEP32_DECODE_TOKENS_PER_STEP,
-    DRAFT,
     DRAFT_SKEW,
-    TARGET,
     TARGET_SKEW,
     UNIFORM_ROUTING,
     EplbSchedule,
     ExpertPopularity,
-    MoEModel,
     RoutingSkew,
     physical_load,
     sample_load,

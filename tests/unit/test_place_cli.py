@@ -11,8 +11,8 @@ import yaml
 
 from baton.cli import main as baton_main
 from baton.place import PlaceError, load_deployment, main, render_text
-from baton.topology import synthetic_nodes, synthetic_topology, tray_name
 from controller.placement import DecodeShape, DeploymentShape, PrefillShape, plan_placement
+from controller.topology import synthetic_nodes, synthetic_topology, tray_name
 
 MINIMAL = (
     "apiVersion: baton.dev/v1alpha1\n"

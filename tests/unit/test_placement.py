@@ -11,16 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from baton.topology import Topology, Tray, synthetic_topology, topology_from_trays, tray_name
+from baton.core.api import Reason
+from controller.names import cell_name
 from controller.placement import (
     CellPlacement,
     DecodeShape,
     DeploymentShape,
     Plan,
     PrefillShape,
-    Reason,
     plan_placement,
 )
+from controller.topology import Topology, Tray, synthetic_topology, topology_from_trays, tray_name
 
 PROPERTY = settings(max_examples=300, deadline=None)
 
@@ -456,7 +457,7 @@ def assert_admitted_whole(
             assert len(cell.prefill) == wanted
         for name in (*cell.decode_trays, *cell.spare_trays, *prefill_trays(cell)):
             assert topology.tray(name).eligible  # type: ignore[union-attr]
-    wanted_cells = {s.cell_name(i) for s in shapes for i in range(s.cells)}
+    wanted_cells = {cell_name(s.name, i) for s in shapes for i in range(s.cells)}
     unplaced = {cell.name for cell in plan.unplaced}
     assert {cell.name for cell in plan.cells} | unplaced == wanted_cells
     assert not unplaced & {cell.name for cell in plan.cells}

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from baton.api import ModelDeployment
-from baton.labels import CELL_GATE, CELL_LABEL, DEPLOYMENT_LABEL, RANK_LABEL, ROLE_LABEL
-from baton.topology import synthetic_topology
-from controller.placement import plan_placement
+from baton.core.api import ModelDeployment
+from baton.core.labels import CELL_GATE, CELL_LABEL, DEPLOYMENT_LABEL, RANK_LABEL, ROLE_LABEL
+from controller.placement import DeploymentShape, plan_placement
 from controller.podspec import compute_domain, render_cell
+from controller.topology import synthetic_topology
 from sim.cli import build_parser, config_from_args, split_unknown_flags
 
 
@@ -18,7 +18,7 @@ def rendered(**spec: object) -> tuple[list[dict], ModelDeployment]:
     deployment = ModelDeployment.model_validate(
         {"metadata": {"name": "dsv4"}, "spec": {"model": "deepseek-ai/DeepSeek-V4.1-Flash", **spec}}
     )
-    plan = plan_placement([deployment.shape()], synthetic_topology(1))
+    plan = plan_placement([DeploymentShape.of(deployment)], synthetic_topology(1))
     manifests = render_cell(
         deployment.spec, plan.cells[0], deployment="dsv4", uid="u-1", namespace="serving"
     )
@@ -71,7 +71,7 @@ def test_prefill_instances_run_dep2_with_two_gpus() -> None:
 
 def test_every_pod_is_gated_pinned_to_its_tray_labelled_and_owned() -> None:
     manifests, deployment = rendered()
-    plan = plan_placement([deployment.shape()], synthetic_topology(1))
+    plan = plan_placement([DeploymentShape.of(deployment)], synthetic_topology(1))
     trays = {f"dsv4-cell-0-decode-{i}": t for i, t in enumerate(plan.cells[0].decode_trays)}
     trays |= {f"dsv4-cell-0-prefill-{p.index}": p.tray for p in plan.cells[0].prefill}
     for pod in (m for m in manifests if m["kind"] == "Pod"):
@@ -128,7 +128,7 @@ def test_with_compute_domains_decode_pods_claim_the_cells_imex_channel_and_prefi
     deployment = ModelDeployment.model_validate(
         {"metadata": {"name": "dsv4"}, "spec": {"model": "deepseek-ai/DeepSeek-V4.1-Flash"}}
     )
-    cell = plan_placement([deployment.shape()], synthetic_topology(1)).cells[0]
+    cell = plan_placement([DeploymentShape.of(deployment)], synthetic_topology(1)).cells[0]
     manifests = render_cell(
         deployment.spec,
         cell,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from router.cli import build_parser, config_from_args, main
-from router.policy import PrefillPolicy
-from router.settings import GatewaySettings
+from router.handoff import Timeouts
+from router.policy import PrefillPolicy, RoutingPolicy
+from router.settings import GatewayConfig
 
 
 def test_flags_map_onto_the_gateway_config() -> None:
@@ -24,12 +25,12 @@ def test_flags_map_onto_the_gateway_config() -> None:
         ]
     )
     config = config_from_args(args)
-    assert config.policy.prefill is PrefillPolicy.LEAST_LOADED
-    assert config.policy.pd_threshold_tokens == 64
-    assert (config.timeouts.prefill_s, config.timeouts.first_token_s) == (7, 8)
-    assert config.timeouts.idle_s == 9
-    assert config.health_interval_s == config.load_sync_interval_s == 0.5
-    assert config.max_body_bytes == 1024
+    policy, timeouts = config.settings.routing_policy(), config.settings.timeouts()
+    assert policy.prefill is PrefillPolicy.LEAST_LOADED
+    assert policy.pd_threshold_tokens == 64
+    assert (timeouts.prefill_s, timeouts.first_token_s, timeouts.idle_s) == (7, 8, 9)
+    assert config.settings.health_interval_s == 0.5
+    assert config.settings.max_body_bytes == 1024
     assert config.pool is not None
     (cell,) = config.pool.cells
     assert cell.prefill == ("http://127.0.0.1:9001",)
@@ -38,8 +39,9 @@ def test_flags_map_onto_the_gateway_config() -> None:
 
 def test_defaults_are_the_settings_defaults() -> None:
     config = config_from_args(build_parser().parse_args(["--decode=http://127.0.0.1:9002"]))
-    expected = GatewaySettings().gateway_config(config.pool, ())
-    assert config == expected
+    assert config == GatewayConfig(config.pool)
+    assert config.settings.routing_policy() == RoutingPolicy()
+    assert config.settings.timeouts() == Timeouts()
 
 
 @pytest.mark.parametrize(

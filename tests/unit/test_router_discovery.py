@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from baton.follow import DeploymentRef
+from baton.core.follow import DeploymentRef
 from router.discovery import cells_from_status
-from router.pool import CellSpec, DecodeServerSpec
+from router.pool import DecodeServerSpec, PoolCell
 
 
 def test_ready_cells_of_a_status_become_pool_cells_and_unready_ones_are_left_out() -> None:
@@ -24,7 +24,7 @@ def test_ready_cells_of_a_status_become_pool_cells_and_unready_ones_are_left_out
         }
     }
     assert cells_from_status(status) == (
-        CellSpec(
+        PoolCell(
             name="dsv4-cell-0",
             prefill=("http://10.0.0.9:8000",),
             decode=(DecodeServerSpec(url="http://10.0.0.1:8000", ranks=(0, 1, 2, 3)),),

@@ -8,9 +8,9 @@ import pytest
 
 from router.pool import (
     Breaker,
-    CellSpec,
     DecodeServerSpec,
     Pool,
+    PoolCell,
     PoolSpec,
     load_pool_file,
     parse_decode_flag,
@@ -20,8 +20,8 @@ P0, P1, P2 = "http://p0:1", "http://p1:1", "http://p2:1"
 D0, D1 = "http://d0:1", "http://d1:1"
 
 
-def spec(*cells: tuple[str, tuple[str, ...], tuple[DecodeServerSpec, ...]]) -> tuple[CellSpec, ...]:
-    return tuple(CellSpec(name=n, prefill=p, decode=d) for n, p, d in cells)
+def spec(*cells: tuple[str, tuple[str, ...], tuple[DecodeServerSpec, ...]]) -> tuple[PoolCell, ...]:
+    return tuple(PoolCell(name=n, prefill=p, decode=d) for n, p, d in cells)
 
 
 def ranks(url: str, *numbers: int) -> DecodeServerSpec:
@@ -114,7 +114,8 @@ def test_failed_trial_reopens_the_breaker_for_a_full_cooldown() -> None:
 
 def pool() -> Pool:
     return Pool(
-        spec(("c0", (P0, P1), (ranks(D0, 0, 1),)), ("c1", (P2,), (DecodeServerSpec(url=D1),)))
+        spec(("c0", (P0, P1), (ranks(D0, 0, 1),)), ("c1", (P2,), (DecodeServerSpec(url=D1),))),
+        probe_interval_s=2.0,
     )
 
 
@@ -140,7 +141,11 @@ def test_snapshot_reflects_in_flight_accounting() -> None:
 
 
 def test_failures_up_to_the_threshold_eject_a_target_from_the_snapshot() -> None:
-    p = Pool(spec(("c0", (P0,), (DecodeServerSpec(url=D0),))), breaker_threshold=2)
+    p = Pool(
+        spec(("c0", (P0,), (DecodeServerSpec(url=D0),))),
+        probe_interval_s=2.0,
+        breaker=lambda: Breaker(threshold=2),
+    )
     p.failed(D0)
     assert all(r.healthy for r in p.snapshot().decode)
     p.failed(D0)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from baton.api import Condition, ConditionType, Reason
-from baton.topology import synthetic_topology
+from baton.core.api import Condition, ConditionType, Reason
 from controller.placement import DeploymentShape, plan_placement
-from controller.status import placement_conditions, set_condition
+from controller.status import ConditionStamp, placement_conditions, set_condition
+from controller.topology import synthetic_topology
 
 
 def condition(
@@ -49,7 +49,7 @@ def test_a_status_flip_moves_the_transition_time() -> None:
 
 def test_missing_capacity_is_placed_false_with_insufficient_capacity() -> None:
     plan = plan_placement([DeploymentShape(name="dsv4", cells=2)], synthetic_topology(1))
-    placed, progressing = placement_conditions(plan, "dsv4", generation=3, now="t0")
+    placed, progressing = placement_conditions(plan, "dsv4", ConditionStamp(generation=3, now="t0"))
     assert (placed.status, placed.reason) == ("False", Reason.INSUFFICIENT_CAPACITY)
     assert placed.message.startswith("1 of 2 cells cannot be placed: dsv4-cell-1")
     assert progressing.status == "False" and placed.observed_generation == 3
@@ -57,5 +57,5 @@ def test_missing_capacity_is_placed_false_with_insufficient_capacity() -> None:
 
 def test_a_placed_deployment_names_its_cells_domains() -> None:
     plan = plan_placement([DeploymentShape(name="dsv4", cells=1)], synthetic_topology(1))
-    (placed,) = placement_conditions(plan, "dsv4", generation=1, now="t0")
+    (placed,) = placement_conditions(plan, "dsv4", ConditionStamp(generation=1, now="t0"))
     assert placed.status == "True" and placed.message.startswith("dsv4-cell-0 in ")

@@ -1,4 +1,4 @@
-"""Trays and NVLink domains from Kubernetes Node objects (baton.topology)."""
+"""Trays and NVLink domains from Kubernetes Node objects (controller.topology)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import random
 
 import pytest
 
-from baton.labels import (
+from baton.core.labels import (
     CLIQUE_LABEL,
     GPU_RESOURCE,
     GPUS_USED_BY_OTHERS_ANNOTATION,
     QUARANTINED_ANNOTATION,
 )
-from baton.topology import (
+from controller.topology import (
     Topology,
     TopologyError,
     Tray,

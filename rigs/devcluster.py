@@ -22,11 +22,11 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from baton.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from baton.crd import CRD_PATH
-from baton.labels import HOSTNAME_LABEL
-from baton.processes import eventually, free_port, stop_process
-from baton.topology import synthetic_nodes
+from baton.core.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from baton.core.crd import CRD_PATH
+from baton.core.labels import HOSTNAME_LABEL
+from controller.topology import synthetic_nodes
+from rigs.processes import eventually, free_port, stop_process
 
 __all__ = [
     "ControlPlane",

@@ -16,8 +16,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from baton.labels import CLIQUE_LABEL, GPU_RESOURCE
-from controller.placement import DecodeShape, DeploymentShape, PrefillShape
+from baton.core.labels import CLIQUE_LABEL, GPU_RESOURCE
+from baton.core.model import DRAFT, TARGET
 
 __all__ = [
     "API_VERSION",
@@ -41,6 +41,7 @@ __all__ = [
     "PrefillSpec",
     "Reason",
     "TopologySpec",
+    "decode_trays_problem",
 ]
 
 GROUP = "baton.dev"
@@ -80,6 +81,16 @@ class _Resource(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, alias_generator=to_camel)
 
 
+def decode_trays_problem(dep: int, gpus_per_pod: int) -> str | None:
+    """Why a decode group of ``dep`` ranks cannot take whole trays of ``gpus_per_pod``, if so."""
+    if dep % gpus_per_pod:
+        return (
+            f"dep ({dep}) must be a multiple of gpusPerPod ({gpus_per_pod}): each decode pod "
+            "takes a whole tray"
+        )
+    return None
+
+
 class DecodeSpec(_Resource):
     """One DEP decode group per cell; each pod takes a whole tray."""
 
@@ -89,11 +100,9 @@ class DecodeSpec(_Resource):
 
     @model_validator(mode="after")
     def _whole_trays(self) -> DecodeSpec:
-        if self.dep % self.gpus_per_pod:
-            raise ValueError(
-                f"dep ({self.dep}) must be a multiple of gpusPerPod "
-                f"({self.gpus_per_pod}): each decode pod takes a whole tray"
-            )
+        problem = decode_trays_problem(self.dep, self.gpus_per_pod)
+        if problem:
+            raise ValueError(problem)
         return self
 
 
@@ -149,8 +158,8 @@ class EplbSpec(_Resource):
     redundant_experts: int = Field(default=32, ge=0, le=1024)
     models: list[EplbModelSpec] = Field(
         default_factory=lambda: [
-            EplbModelSpec(name="target", experts=384, top_k=6),
-            EplbModelSpec(name="draft", experts=128, top_k=3),
+            EplbModelSpec(name=model.name, experts=model.experts, top_k=model.top_k)
+            for model in (TARGET, DRAFT)
         ]
     )
 
@@ -278,13 +287,3 @@ class ModelDeployment(_Resource):
             return self.metadata.name
         name = re.sub(r"[^a-z0-9]+", "-", self.spec.model.rsplit("/", 1)[-1].lower())
         return name.strip("-") or "model"
-
-    def shape(self) -> DeploymentShape:
-        """What placement needs of this deployment."""
-        cell = self.spec.cell
-        return DeploymentShape(
-            name=self.name,
-            cells=self.spec.cells,
-            decode=DecodeShape(cell.decode.dep, cell.decode.gpus_per_pod, cell.decode.spare_trays),
-            prefill=PrefillShape(cell.prefill.dep, cell.prefill.instances),
-        )

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from baton.follow import DeploymentRef
-from baton.secrets import read_token
-from controller.eplb.config import EplbServiceConfig, GroupSource, StaticGroups, load_config
-from controller.eplb.discovery import ModelDeploymentGroups, publish_status
-from controller.eplb.metrics import EplbMetrics
-from controller.eplb.service import EplbService
+from baton.core.follow import DeploymentRef
+from baton.core.secrets import read_token
+from eplb.config import EplbServiceConfig, GroupSource, StaticGroups, load_config
+from eplb.discovery import ModelDeploymentGroups, publish_status
+from eplb.metrics import EplbMetrics
+from eplb.service import EplbService
 
 __all__ = ["main"]
 

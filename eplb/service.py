@@ -1,13 +1,13 @@
 """The EPLB service: load windows, rebalance decisions and two-phase switches per decode group.
 
-For every decode group (from a :class:`~controller.eplb.config.GroupSource`) a
+For every decode group (from a :class:`~eplb.config.GroupSource`) a
 :class:`GroupRunner` loops:
 
 1. Sync: Describe every agent (the ranks must cover the DP group exactly once, the models must
    agree), read the placement in force (every agent must report the same), and open one
-   :class:`~controller.eplb.window.LoadWindow` per model (target and draft separately).
+   :class:`~eplb.window.LoadWindow` per model (target and draft separately).
 2. Follow: subscribe to every agent's StreamLoad and feed the windows. After each report, if a
-   decision boundary is due (``controller.eplb.decide``), decide on a worker thread and, when
+   decision boundary is due (``eplb.decide``), decide on a worker thread and, when
    the decision is to rebalance, switch:
 
    - Prepare to every agent at once; every ack within ``prepareTimeoutSeconds`` or Abort to all.
@@ -20,7 +20,7 @@ For every decode group (from a :class:`~controller.eplb.config.GroupSource`) a
    ends (2): the group's windows are discarded and the runner syncs again after
    ``reconnectSeconds``.
 
-Every decision and switch is logged, counted (``controller.eplb.metrics``) and kept in
+Every decision and switch is logged, counted (``eplb.metrics``) and kept in
 ``GroupRunner.records`` (and the achieved balances in ``GroupRunner.achieved``).
 """
 
@@ -34,13 +34,14 @@ import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
+from baton.core.proto import eplb_agent_pb2 as pb
 
-from baton.proto import eplb_agent_pb2 as pb
-from controller.eplb.algorithm import Placement, balance, rank_load
-from controller.eplb.client import AgentClient
-from controller.eplb.config import EplbServiceConfig, GroupSource, GroupSpec
-from controller.eplb.decide import Decision, Outcome, decide, due_boundary
-from controller.eplb.errors import (
+from baton.core.eplb_wire import decode_placement, decode_report, encode_placement
+from baton.core.experts import Placement, balance, rank_load
+from eplb.client import AgentClient
+from eplb.config import EplbServiceConfig, GroupSource, GroupSpec
+from eplb.decide import Decision, Outcome, decide, due_boundary
+from eplb.errors import (
     AgentError,
     AgentRestarted,
     AgentTimeout,
@@ -48,9 +49,8 @@ from controller.eplb.errors import (
     EplbError,
     GroupMismatch,
 )
-from controller.eplb.metrics import EplbMetrics
-from controller.eplb.window import LoadWindow, Verdict
-from controller.eplb.wire import decode_placement, decode_report, encode_placement
+from eplb.metrics import EplbMetrics
+from eplb.window import LoadWindow, Verdict
 
 __all__ = ["EplbService", "GroupRunner", "SwitchRecord"]
 

@@ -11,7 +11,7 @@ Decision at a boundary, for one model:
    (``incomplete_window``): a partial window after a restart or a lost report would describe
    fewer steps than the policy promises.
 2. Compute a placement from the window's load with the current one as ``previous``
-   (``controller.eplb.algorithm.rebalance``: experts stay where they are unless moving them buys
+   (``eplb.algorithm.rebalance``: experts stay where they are unless moving them buys
    more than ``tolerance`` of balance); ``keep_previous=False`` rebuilds from scratch, as vLLM
    and the study do.
 3. Predict the window balance (sum over layers of mean rank load / sum of max rank load, the
@@ -42,15 +42,9 @@ from statistics import NormalDist
 
 import numpy as np
 
-from controller.eplb.algorithm import (
-    DEFAULT_TOLERANCE,
-    Placement,
-    balance,
-    moves,
-    rank_load,
-    rebalance,
-)
-from controller.eplb.window import Window
+from baton.core.experts import Placement, balance, moves, rank_load
+from eplb.algorithm import DEFAULT_TOLERANCE, rebalance
+from eplb.window import Window
 
 __all__ = ["Decision", "Outcome", "Policy", "decide", "due_boundary", "predict_fitted_balance"]
 

@@ -17,13 +17,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubernetes.client.rest import ApiException
-from pydantic import ValidationError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from baton.api import GROUP, PLURAL, VERSION, Endpoints, EplbSpec
-from baton.follow import DeploymentRef, ModelDeploymentFollower, custom_objects_api
-from controller.eplb.config import GroupSpec
-from controller.eplb.service import EplbService
+from baton.core.api import GROUP, PLURAL, VERSION, Endpoints, EplbSpec
+from baton.core.follow import DeploymentRef, StatusFollower, custom_objects_api
+from eplb.config import GroupSpec
+from eplb.service import EplbService
 
 __all__ = [
     "ModelDeploymentGroups",
@@ -55,13 +54,13 @@ def groups_from_deployment(obj: Mapping[str, Any]) -> tuple[GroupSpec, ...]:
 
 
 class ModelDeploymentGroups:
-    """A :class:`~controller.eplb.config.GroupSource` following a ModelDeployment's status."""
+    """A :class:`~eplb.config.GroupSource` following a ModelDeployment's status."""
 
     def __init__(self, ref: DeploymentRef, loop: asyncio.AbstractEventLoop) -> None:
-        self.ref, self.loop = ref, loop
+        self.ref = ref
         self._groups: tuple[GroupSpec, ...] = ()
         self._changed = asyncio.Event()
-        self._follower = ModelDeploymentFollower(ref, self._seen)
+        self._follower = StatusFollower(ref, loop, groups_from_deployment, self._take)
 
     def start(self) -> None:
         self._follower.start()
@@ -76,21 +75,9 @@ class ModelDeploymentGroups:
         await self._changed.wait()
         self._changed.clear()
 
-    def _seen(self, obj: Mapping[str, Any]) -> None:
-        try:
-            groups = groups_from_deployment(obj)
-        except ValidationError as exc:
-            log.error("status of %s/%s not understood: %s", self.ref.namespace, self.ref.name, exc)
-            return
-        try:
-            self.loop.call_soon_threadsafe(self._take, groups)
-        except RuntimeError:  # the loop closed under us: the service is shutting down
-            return
-
     def _take(self, groups: tuple[GroupSpec, ...]) -> None:
-        if groups != self._groups:
-            self._groups = groups
-            self._changed.set()
+        self._groups = groups
+        self._changed.set()
 
 
 def deployment_eplb_status(service: EplbService) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Adds the bearer token to every call (the agent requires it for Prepare, Commit and Abort), uses
 TLS when given a CA bundle, puts a gRPC deadline on every unary call (the agent sees it, so a
 Prepare that timed out is cancelled there too), and turns gRPC failures and ``ok: false``
-answers into :mod:`controller.eplb.errors`. Decisions live elsewhere.
+answers into :mod:`eplb.errors`. Decisions live elsewhere.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+from baton.core.proto import eplb_agent_pb2 as pb
+from baton.core.proto import eplb_agent_pb2_grpc as pb_grpc
 
-from baton.proto import eplb_agent_pb2 as pb
-from baton.proto import eplb_agent_pb2_grpc as pb_grpc
-from controller.eplb.errors import AgentRejected, map_rpc_errors
+from eplb.errors import AgentRejected, map_rpc_errors
 
 __all__ = ["AgentClient"]
 

@@ -33,8 +33,8 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from baton.files import load_yaml_model
-from controller.eplb.decide import Policy
+from baton.core.files import load_yaml_model
+from eplb.decide import Policy
 
 __all__ = ["EplbServiceConfig", "GroupSource", "GroupSpec", "StaticGroups", "load_config"]
 
@@ -122,7 +122,7 @@ def load_config(path: str | Path) -> EplbServiceConfig:
 
 class GroupSource(Protocol):
     """Where the decode groups come from: the configuration file, or a ModelDeployment's
-    status (``controller/eplb/discovery.py``)."""
+    status (``eplb/discovery.py``)."""
 
     def decode_groups(self) -> tuple[GroupSpec, ...]: ...
 

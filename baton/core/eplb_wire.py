@@ -8,13 +8,28 @@ EPLB service and the simulator's agent; no I/O.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from baton.proto import eplb_agent_pb2 as pb
-from controller.eplb.algorithm import Placement
-from controller.eplb.window import LoadReport
+from baton.core.experts import Placement
+from baton.core.proto import eplb_agent_pb2 as pb
 
-__all__ = ["decode_placement", "decode_report", "encode_placement"]
+__all__ = ["LoadReport", "decode_placement", "decode_report", "encode_placement"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """One decoded ``LoadReport``: ``counts`` is ``[num_steps, layers, slots]`` of one rank."""
+
+    dp_rank: int
+    first_step: int
+    counts: np.ndarray
+    placement_version: int
+
+    @property
+    def num_steps(self) -> int:
+        return self.counts.shape[0]
 
 
 def encode_placement(name: str, placement: Placement, version: int = 0) -> pb.Placement:

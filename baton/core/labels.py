@@ -1,6 +1,6 @@
 """Every Kubernetes label, annotation, taint and resource name Baton reads or writes.
 
-Names only: what a name means for placement is decided in ``baton/topology.py`` and
+Names only: what a name means for placement is decided in ``controller/topology.py`` and
 ``controller/placement.py``. Names under ``baton.dev/`` are Baton's own; the others are set by
 NVIDIA's GPU feature discovery and device plugin, or by Kubernetes itself.
 """

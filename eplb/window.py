@@ -8,7 +8,7 @@ vLLM balancedness (sum over layers of mean rank load / sum over layers of max ra
 
 A :class:`LoadWindow` keeps the last ``capacity`` complete steps in a ring and answers
 :meth:`LoadWindow.window` for any range inside it. It decides nothing about when to rebalance
-(``controller.eplb.decide``) and does no I/O: the service feeds it decoded reports.
+(``eplb.decide``) and does no I/O: the service feeds it decoded reports.
 
 Rules (each report gets a :class:`Verdict`):
 
@@ -33,9 +33,10 @@ from enum import StrEnum
 
 import numpy as np
 
-from controller.eplb.algorithm import Placement
+from baton.core.eplb_wire import LoadReport
+from baton.core.experts import Placement
 
-__all__ = ["LoadReport", "LoadWindow", "Verdict", "Window"]
+__all__ = ["LoadWindow", "Verdict", "Window"]
 
 
 class Verdict(StrEnum):
@@ -43,20 +44,6 @@ class Verdict(StrEnum):
     STALE = "stale"
     UNKNOWN_VERSION = "unknown_version"
     WRONG_SHAPE = "wrong_shape"
-
-
-@dataclass(frozen=True, slots=True)
-class LoadReport:
-    """One decoded ``LoadReport``: ``counts`` is ``[num_steps, layers, slots]`` of one rank."""
-
-    dp_rank: int
-    first_step: int
-    counts: np.ndarray
-    placement_version: int
-
-    @property
-    def num_steps(self) -> int:
-        return self.counts.shape[0]
 
 
 @dataclass(frozen=True, slots=True)

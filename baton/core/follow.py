@@ -4,27 +4,32 @@ use to learn their endpoints from its status (``status.endpoints``, written by t
 The official kubernetes client blocks, so the follower runs in a daemon thread: list the object
 (by field selector), then watch it from that resourceVersion; a watch that ends or fails starts
 over after a second. Every version seen is handed to ``on_object`` (``{}`` once deleted).
+:class:`StatusFollower` is what both services use: each changed reading of the object, handed
+to their event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
+from pydantic import ValidationError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from baton.api import GROUP, PLURAL, VERSION
+from baton.core.api import GROUP, PLURAL, VERSION
 
-__all__ = ["DeploymentRef", "ModelDeploymentFollower", "custom_objects_api"]
+__all__ = ["DeploymentRef", "ModelDeploymentFollower", "StatusFollower", "custom_objects_api"]
 
-log = logging.getLogger("baton.follow")
+log = logging.getLogger("baton.core.follow")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,3 +100,46 @@ class ModelDeploymentFollower:
             except (ApiException, Urllib3Error, OSError, ValueError) as exc:
                 log.warning("following ModelDeployment %s: %s", self.ref.name, exc)
                 self._stop.wait(1.0)
+
+
+class StatusFollower(Generic[T]):
+    """Follows one ModelDeployment and hands each changed reading of it to ``on_change`` on an
+    event loop: ``read`` turns the object into what its user needs (a ValidationError is logged
+    and the last reading stays); equal readings are not handed on; once the loop has closed (its
+    process shutting down) readings are dropped."""
+
+    def __init__(
+        self,
+        ref: DeploymentRef,
+        loop: asyncio.AbstractEventLoop,
+        read: Callable[[Mapping[str, Any]], T],
+        on_change: Callable[[T], None],
+    ) -> None:
+        self.ref = ref
+        self._loop = loop
+        self._read = read
+        self._on_change = on_change
+        self._last: T | None = None
+        self._follower = ModelDeploymentFollower(ref, self._seen)
+
+    def start(self) -> None:
+        self._follower.start()
+
+    def stop(self) -> None:
+        self._follower.stop()
+
+    def _seen(self, obj: Mapping[str, Any]) -> None:
+        try:
+            reading = self._read(obj)
+        except ValidationError as exc:
+            log.error("%s/%s not understood: %s", self.ref.namespace, self.ref.name, exc)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, reading)
+        except RuntimeError:  # the loop closed under us: the process is shutting down
+            return
+
+    def _deliver(self, reading: T) -> None:
+        if reading != self._last:
+            self._last = reading
+            self._on_change(reading)

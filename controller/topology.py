@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from baton.labels import (
+from baton.core.labels import (
     CLIQUE_LABEL,
     GPU_COUNT_LABEL,
     GPU_PRODUCT_LABEL,

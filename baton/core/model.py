@@ -1,0 +1,41 @@
+"""The model Baton is built for: its names and the shape of its routed experts.
+
+DeepSeek-V4.1-Flash with its DSpark draft (an MTP-style model). The resource's defaults, the
+simulator, ``baton up``, the EPLB service and the benchmarks read these; nothing else states them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DRAFT", "EXPERT_BYTES", "MODEL", "SERVED_MODEL_NAME", "TARGET", "MoEModel"]
+
+MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
+SERVED_MODEL_NAME = "deepseek-v4.1-flash"
+
+
+@dataclass(frozen=True, slots=True)
+class MoEModel:
+    """Shape of one model's routed-expert layers."""
+
+    name: str
+    layers: int
+    experts: int
+    top_k: int
+
+    def __post_init__(self) -> None:
+        if self.layers <= 0 or self.experts <= 0 or not 0 < self.top_k <= self.experts:
+            raise ValueError(f"invalid MoE shape {self}")
+
+
+# DeepSeek-V4.1-Flash: 43 MoE layers, 384 routed experts, top-6.
+TARGET = MoEModel("target", layers=43, experts=384, top_k=6)
+# DSpark is an MTP-style draft: like DeepSeek's MTP module it is a single transformer block, so
+# one MoE layer (128 routed experts, top-3) whose balance is that layer's balance.
+DRAFT = MoEModel("draft", layers=1, experts=128, top_k=3)
+
+# Weight bytes of one routed expert of one layer, what an EPLB switch copies per expert moved.
+# DeepSeek-V4-Flash's published shape (hidden size 4096, expert intermediate size 2048, SwiGLU:
+# three 4096 x 2048 matrices) in FP4 with one 8-bit scale per 32 weights (4.25 bits a weight):
+# 3 * 4096 * 2048 * 4.25 / 8 bytes, about 13.4 MB. V4.1-Flash is assumed to keep the shape.
+EXPERT_BYTES = 3 * 4096 * 2048 * 4.25 / 8

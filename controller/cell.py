@@ -1,0 +1,326 @@
+"""What one placed cell needs this reconcile: its objects, its decode group, its prefill
+instances and its scheduling gates, each decided by a function that returns what to do.
+
+- A cell's pods are created behind the ``baton.dev/cell`` gate; once every planned pod of the
+  cell exists (and none is terminating) the gates still held are lifted together, so
+  kube-scheduler binds the cell at once.
+- A decode group restarts as a whole (a wide-EP group cannot lose a rank): when one of its pods
+  failed, was deleted after launch or lost its tray, every live decode pod of the cell is
+  deleted, and the group is created afresh once they are gone (on the spare tray for a rank
+  whose tray failed). Restarts back off (``RestartPolicy``); past the budget the cell waits,
+  Degraded, until old restarts age out of the window.
+- A prefill instance restarts alone; changing the prefill count creates or deletes prefill pods
+  and never touches the decode group.
+- Every pod carries a hash of the spec it was rendered from. When the ModelDeployment's spec
+  changes what a pod would be (image, flags, env), the decode group is restarted as a whole on
+  the new spec (a planned restart: no backoff, no budget) and prefill instances are replaced one
+  at a time while the others serve.
+- Where the cluster serves NVIDIA's ComputeDomain API, each cell gets its ComputeDomain and its
+  decode pods claim the domain's IMEX channel (``controller/podspec.py``).
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from baton.core.api import Reason
+from baton.core.labels import ROLE_LABEL
+from controller.actions import Event
+from controller.names import compute_domain_name, decode_pod_name, prefill_pod_name
+from controller.observe import (
+    DeploymentView,
+    Manifest,
+    Observed,
+    gated,
+    is_terminal,
+    labels,
+    outdated,
+    parse_time,
+    planned_tray,
+    ready,
+    rfc3339,
+    terminating,
+    tray_keeps_pods,
+)
+from controller.placement import CellPlacement
+from controller.podspec import compute_domain, render_cell
+from controller.restarts import RestartPolicy, TrayFailure
+from controller.topology import Topology
+
+__all__ = ["CellActions", "DecodeGroupActions", "PrefillActions", "plan_cell"]
+
+Pods = Mapping[str, Mapping[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroupActions:
+    pods: int  # the group's size in pods
+    create: tuple[Manifest, ...] = ()
+    delete: tuple[str, ...] = ()
+    events: tuple[Event, ...] = ()
+    failures: tuple[TrayFailure, ...] = ()
+    restarts: tuple[str, ...] = ()  # RFC 3339 times of the restarts within the window
+    restarting: bool = False
+    updating: bool = False
+    backoff: bool = False
+    exhausted: bool = False
+    wake_in: float | None = None  # seconds until a backoff ends
+    ready_pods: int = 0  # none while the group restarts or updates
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_pods == self.pods
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillActions:
+    create: tuple[Manifest, ...] = ()
+    delete: tuple[str, ...] = ()
+    events: tuple[Event, ...] = ()
+    failures: tuple[TrayFailure, ...] = ()
+    updating: bool = False
+    ready: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CellActions:
+    """Everything one cell needs, and what its status reports."""
+
+    decode: DecodeGroupActions
+    prefill: PrefillActions
+    create: tuple[Manifest, ...]  # the cell's objects and pods, in creation order
+    ungate: tuple[str, ...]
+    pending: bool  # pods not yet created, or still gated
+
+    @property
+    def delete_pods(self) -> tuple[str, ...]:
+        return self.decode.delete + self.prefill.delete
+
+    @property
+    def events(self) -> tuple[Event, ...]:
+        return self.decode.events + self.prefill.events
+
+    @property
+    def failures(self) -> tuple[TrayFailure, ...]:
+        return self.decode.failures + self.prefill.failures
+
+
+def plan_cell(
+    view: DeploymentView,
+    cell: CellPlacement,
+    *,
+    restarted: bool,
+    trays: Topology,
+    observed: Observed,
+    policy: RestartPolicy,
+) -> CellActions:
+    """The actions of one placed cell of ``view`` (``restarted``: placement moved a rank)."""
+    imex = observed.compute_domains is not None
+    manifests = render_cell(
+        view.model.spec,
+        cell,
+        deployment=view.name,
+        uid=view.uid,
+        namespace=observed.namespace,
+        compute_domain=imex,
+    )
+    service, wanted = manifests[0], {m["metadata"]["name"]: m for m in manifests[1:]}
+    objects: list[Manifest] = []
+    if service["metadata"]["name"] not in {s["metadata"]["name"] for s in observed.services}:
+        objects.append(service)
+    domains = {d["metadata"]["name"] for d in observed.compute_domains or ()}
+    if imex and compute_domain_name(cell.name) not in domains:
+        objects.append(
+            compute_domain(
+                cell.name, deployment=view.name, uid=view.uid, namespace=observed.namespace
+            )
+        )
+    pods = view.cell_pods(cell.name)
+    live = {n: p for n, p in pods.items() if not terminating(p)}
+    record = next((c for c in view.status.cells if c.name == cell.name), None)
+    decode = decode_group_actions(
+        view.name,
+        cell,
+        wanted,
+        pods,
+        live,
+        restarted=restarted,
+        trays=trays,
+        restarts=record.restarts if record else (),
+        now=observed.now,
+        policy=policy,
+    )
+    prefill = prefill_actions(view.name, cell, wanted, pods, live, deleting=decode.delete)
+    ungate, pending = gate_actions(wanted, live, deleting={*decode.delete, *prefill.delete})
+    return CellActions(
+        decode=decode,
+        prefill=prefill,
+        create=(*objects, *decode.create, *prefill.create),
+        ungate=ungate,
+        pending=pending,
+    )
+
+
+def decode_group_actions(
+    deployment: str,
+    cell: CellPlacement,
+    wanted: Mapping[str, Manifest],
+    pods: Pods,
+    live: Pods,
+    *,
+    restarted: bool,
+    trays: Topology,
+    restarts: Sequence[str],
+    now: datetime,
+    policy: RestartPolicy,
+) -> DecodeGroupActions:
+    """The decode group: whole or nothing (see the module docstring)."""
+    recent = tuple(t for t in restarts if now - parse_time(t) < policy.window)
+    names = [decode_pod_name(cell.name, i) for i in range(len(cell.decode_trays))]
+    live_decode = {n: live[n] for n in names if n in live}
+    failed = [n for n, p in live_decode.items() if is_terminal(p)]
+    lost = [n for n, p in live_decode.items() if not tray_keeps_pods(trays, p)]
+    launched = any(not gated(p) for p in live_decode.values())
+    missing = len(live_decode) < len(names)
+    broken = bool(failed or lost or restarted or (launched and missing))
+    ready_pods = sum(1 for n in names if n in live and ready(live[n]))
+    if broken and live_decode:
+        wait = policy.wait([parse_time(t) for t in recent], now)
+        if wait is None:
+            return DecodeGroupActions(
+                len(names), restarts=recent, exhausted=True, ready_pods=ready_pods
+            )
+        if wait > timedelta(0):
+            return DecodeGroupActions(
+                len(names),
+                restarts=recent,
+                backoff=True,
+                wake_in=wait.total_seconds(),
+                ready_pods=ready_pods,
+            )
+        why: list[str] = []
+        failures: list[TrayFailure] = []
+        for pod_name in sorted(set(failed) | set(lost)):
+            tray = planned_tray(live_decode[pod_name])
+            why.append(
+                f"{pod_name} on {tray} {'failed' if pod_name in failed else 'lost its tray'}"
+            )
+            if tray is not None:
+                failures.append(TrayFailure(tray, deployment))
+        if not why:
+            why.append("a decode pod was deleted" if missing else "its placement changed")
+        event = Event(
+            deployment,
+            "Warning",
+            Reason.GROUP_RESTARTING,
+            f"decode group of {cell.name} restarts as a whole: {'; '.join(why)}; "
+            f"trays {', '.join(cell.decode_trays)}",
+        )
+        return DecodeGroupActions(
+            len(names),
+            delete=tuple(sorted(live_decode)),
+            events=(event,),
+            failures=tuple(failures),
+            restarts=(*recent, rfc3339(now)),
+            restarting=True,
+        )
+    if live_decode and not broken and any(outdated(p, wanted[n]) for n, p in live_decode.items()):
+        # The spec changed (image, flags, shape): a planned restart of the whole group on the
+        # new pods, outside the failure backoff and budget.
+        event = Event(
+            deployment,
+            "Normal",
+            Reason.GROUP_UPDATING,
+            f"decode group of {cell.name} restarts as a whole on the updated pod spec",
+        )
+        return DecodeGroupActions(
+            len(names),
+            delete=tuple(sorted(live_decode)),
+            events=(event,),
+            restarts=recent,
+            updating=True,
+        )
+    create: tuple[Manifest, ...] = ()
+    if (not live_decode or not launched) and not any(
+        n in pods and terminating(pods[n]) for n in names
+    ):
+        # Not launched yet, or every old pod gone (new pods reuse the names): create the rest.
+        create = tuple(wanted[n] for n in names if n not in live)
+    return DecodeGroupActions(len(names), create=create, restarts=recent, ready_pods=ready_pods)
+
+
+def prefill_actions(
+    deployment: str,
+    cell: CellPlacement,
+    wanted: Mapping[str, Manifest],
+    pods: Pods,
+    live: Pods,
+    *,
+    deleting: Sequence[str],
+) -> PrefillActions:
+    """Each prefill instance alone; on an updated spec one at a time while the others serve."""
+    names = [prefill_pod_name(cell.name, i.index) for i in cell.prefill]
+    planned = {prefill_pod_name(cell.name, i.index): i.tray for i in cell.prefill}
+    delete: list[str] = []
+    events: list[Event] = []
+    failures: list[TrayFailure] = []
+    for pod_name, pod in sorted(live.items()):
+        if labels(pod).get(ROLE_LABEL) != "prefill":
+            continue
+        if pod_name not in planned:
+            delete.append(pod_name)  # scaled down or moved off a claimed tray
+        elif is_terminal(pod) or planned_tray(pod) != planned[pod_name]:
+            delete.append(pod_name)
+            tray = planned_tray(pod)
+            if is_terminal(pod) and tray is not None:
+                failures.append(TrayFailure(tray, deployment))
+            events.append(
+                Event(
+                    deployment,
+                    "Warning",
+                    Reason.PREFILL_RESTARTING,
+                    f"prefill {pod_name} on {tray} restarts",
+                )
+            )
+    # An outdated instance that is not ready serves nothing and goes at once.
+    gone = {*deleting, *delete}
+    stale = [n for n in names if n in live and n not in gone and outdated(live[n], wanted[n])]
+    serving = all(n in live and ready(live[n]) for n in names)
+    replace = [n for n in stale if not ready(live[n])] or (stale[:1] if serving else [])
+    for pod_name in replace:
+        delete.append(pod_name)
+        events.append(
+            Event(
+                deployment,
+                "Normal",
+                Reason.PREFILL_UPDATING,
+                f"prefill {pod_name} replaced on the updated pod spec",
+            )
+        )
+    return PrefillActions(
+        create=tuple(wanted[n] for n in names if n not in pods),
+        delete=tuple(delete),
+        events=tuple(events),
+        failures=tuple(failures),
+        updating=bool(stale),
+        ready=sum(1 for n in names if n in live and ready(live[n])),
+    )
+
+
+def gate_actions(
+    wanted: Mapping[str, Manifest], live: Pods, *, deleting: set[str]
+) -> tuple[tuple[str, ...], bool]:
+    """The gates to lift (all of the cell's at once, once every planned pod exists and none is
+    on its way out) and whether the cell is still pending."""
+    complete = all(
+        n in live and n not in deleting and planned_tray(live[n]) == planned_tray(wanted[n])
+        for n in wanted
+    )
+    ungate = tuple(sorted(n for n in wanted if gated(live[n]))) if complete else ()
+    pending = not complete or any(gated(live[n]) for n in wanted if n in live)
+    return ungate, pending

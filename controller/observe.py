@@ -1,0 +1,293 @@
+"""What one reconcile sees, read into facts: pods, deployments, trays and the current placement.
+
+Input is :class:`Observed`: the namespace's ModelDeployment objects, every Node, every Pod of the
+cluster and the namespace's Services, as the API returns them (JSON dicts), and the time. This
+module reads them; it decides nothing and does no I/O.
+
+The current placement is read back from the cluster: a live pod's tray is the truth; a cell's
+``status.cells`` entry (the placement record written after every reconcile that changed it)
+fills in what no live pod says (a deleted pod's tray, the spare trays, prefill GPU indices).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from baton.core.api import ModelDeployment, ModelDeploymentStatus
+from baton.core.files import describe_errors
+from baton.core.labels import (
+    CELL_GATE,
+    CELL_LABEL,
+    DEPLOYMENT_LABEL,
+    HOSTNAME_LABEL,
+    TEMPLATE_HASH_ANNOTATION,
+)
+from controller.names import decode_pod_name, prefill_index
+from controller.placement import CellPlacement, PrefillInstance
+from controller.topology import Topology, parse_topology
+
+__all__ = [
+    "DeploymentView",
+    "InvalidDeployment",
+    "Manifest",
+    "Observed",
+    "cell_of",
+    "current_cells",
+    "deployments",
+    "gated",
+    "is_terminal",
+    "labels",
+    "left_behind",
+    "outdated",
+    "parse_time",
+    "planned_tray",
+    "ready",
+    "recorded_status",
+    "rfc3339",
+    "terminating",
+    "topology",
+    "tray_keeps_pods",
+]
+
+Manifest = dict[str, Any]
+_TERMINAL = frozenset({"Succeeded", "Failed"})
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    namespace: str
+    deployments: Sequence[Mapping[str, Any]]
+    nodes: Sequence[Mapping[str, Any]]
+    pods: Sequence[Mapping[str, Any]]  # every pod of the cluster: GPUs held by others count
+    services: Sequence[Mapping[str, Any]]  # the namespace's services
+    now: datetime
+    # The namespace's ComputeDomains; None when the cluster does not serve the API.
+    compute_domains: Sequence[Mapping[str, Any]] | None = None
+
+
+def rfc3339(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+# --- one object ---------------------------------------------------------------------------------
+
+
+def labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    return obj.get("metadata", {}).get("labels") or {}
+
+
+def cell_of(obj: Mapping[str, Any]) -> str | None:
+    return labels(obj).get(CELL_LABEL)
+
+
+def left_behind(obj: Mapping[str, Any], deployment: str, kept: set[str | None]) -> bool:
+    """A per-cell object (Service, ComputeDomain) of ``deployment`` whose cell is in none of
+    ``kept`` (neither planned nor still running pods)."""
+    return labels(obj).get(DEPLOYMENT_LABEL) == deployment and cell_of(obj) not in kept
+
+
+def planned_tray(pod: Mapping[str, Any]) -> str | None:
+    """The node a pod runs on, or the one its required node affinity names."""
+    spec = pod.get("spec", {})
+    if spec.get("nodeName"):
+        return spec["nodeName"]
+    required = (
+        spec.get("affinity", {})
+        .get("nodeAffinity", {})
+        .get("requiredDuringSchedulingIgnoredDuringExecution", {})
+    )
+    for term in required.get("nodeSelectorTerms", []):
+        for expression in term.get("matchExpressions", []):
+            if expression.get("key") == HOSTNAME_LABEL and expression.get("values"):
+                return expression["values"][0]
+    return None
+
+
+def _gpus_requested(pod: Mapping[str, Any], resource: str) -> int:
+    total = 0
+    for container in pod.get("spec", {}).get("containers", []):
+        requests = container.get("resources", {}).get("requests") or {}
+        value = str(requests.get(resource, "0"))
+        total += int(value) if value.isdigit() else 0
+    return total
+
+
+def terminating(pod: Mapping[str, Any]) -> bool:
+    return pod.get("metadata", {}).get("deletionTimestamp") is not None
+
+
+def _phase(pod: Mapping[str, Any]) -> str:
+    return pod.get("status", {}).get("phase", "Pending")
+
+
+def is_terminal(pod: Mapping[str, Any]) -> bool:
+    """The pod ended (Succeeded or Failed): its containers will not run again."""
+    return _phase(pod) in _TERMINAL
+
+
+def gated(pod: Mapping[str, Any]) -> bool:
+    return any(g.get("name") == CELL_GATE for g in pod.get("spec", {}).get("schedulingGates") or [])
+
+
+def ready(pod: Mapping[str, Any]) -> bool:
+    if terminating(pod) or _phase(pod) != "Running":
+        return False
+    conditions = pod.get("status", {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def outdated(pod: Mapping[str, Any], wanted: Manifest) -> bool:
+    """The pod was rendered from another spec than the current one."""
+    have = (pod.get("metadata", {}).get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION)
+    return have != wanted["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION]
+
+
+def _owned_by(pod: Mapping[str, Any], uid: str) -> bool:
+    owners = pod.get("metadata", {}).get("ownerReferences") or []
+    return any(owner.get("uid") == uid for owner in owners)
+
+
+# --- the deployments ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentView:
+    """One valid deployment as this reconcile sees it."""
+
+    model: ModelDeployment
+    uid: str
+    generation: int
+    status: ModelDeploymentStatus
+    pods: Mapping[str, Mapping[str, Any]]  # own pods by name
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    def cell_pods(self, cell: str) -> dict[str, Mapping[str, Any]]:
+        return {name: pod for name, pod in self.pods.items() if cell_of(pod) == cell}
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidDeployment:
+    """A deployment whose spec only pydantic rejects (a rule the API server cannot express)."""
+
+    name: str
+    message: str
+
+
+def deployments(observed: Observed) -> tuple[list[DeploymentView], list[InvalidDeployment]]:
+    """Valid, not-deleting deployments, oldest first (they keep priority for capacity), and the
+    ones the controller cannot act on."""
+    found: list[tuple[str, str, DeploymentView]] = []
+    invalid: list[InvalidDeployment] = []
+    for obj in observed.deployments:
+        meta = obj.get("metadata", {})
+        if meta.get("deletionTimestamp"):
+            continue
+        try:
+            model = ModelDeployment.model_validate(
+                {key: obj[key] for key in ("apiVersion", "kind", "metadata", "spec") if key in obj}
+            )
+        except ValidationError as exc:
+            # The API server validates the schema; this catches rules it cannot express
+            # (dep a multiple of gpusPerPod, windowSize <= stepInterval, ...).
+            invalid.append(InvalidDeployment(meta.get("name", "?"), describe_errors(exc)))
+            continue
+        uid = meta.get("uid", "")
+        pods = {
+            pod["metadata"]["name"]: pod
+            for pod in observed.pods
+            if pod.get("metadata", {}).get("namespace") == observed.namespace
+            and labels(pod).get(DEPLOYMENT_LABEL) == model.name
+            and _owned_by(pod, uid)
+        }
+        view = DeploymentView(
+            model, uid, int(meta.get("generation", 0)), recorded_status(obj), pods
+        )
+        found.append((meta.get("creationTimestamp", ""), model.name, view))
+    found.sort(key=lambda item: (item[0], item[1]))
+    return [view for _, _, view in found], invalid
+
+
+def recorded_status(obj: Mapping[str, Any]) -> ModelDeploymentStatus:
+    """The status as written, or an empty one when its shape is an old record's (rebuilt from
+    the pods)."""
+    try:
+        return ModelDeploymentStatus.model_validate(obj.get("status") or {})
+    except ValidationError:
+        return ModelDeploymentStatus()
+
+
+def topology(observed: Observed, views: Sequence[DeploymentView]) -> Topology:
+    """Trays, with the GPUs that pods other than these deployments' live pods hold."""
+    spec = views[0].model.spec.topology
+    own = {name for view in views for name in view.pods}
+    held: dict[str, int] = defaultdict(int)
+    for pod in observed.pods:
+        meta = pod.get("metadata", {})
+        if meta.get("namespace") == observed.namespace and meta.get("name") in own:
+            continue
+        if is_terminal(pod):
+            continue
+        tray = planned_tray(pod)
+        if tray is not None:
+            held[tray] += _gpus_requested(pod, spec.gpu_resource)
+    return parse_topology(
+        {"items": list(observed.nodes)},
+        used_by_others=held,
+        domain_label=spec.domain_label,
+        gpu_resource=spec.gpu_resource,
+    )
+
+
+def current_cells(view: DeploymentView, trays: Topology) -> list[CellPlacement]:
+    """Each recorded cell as it stands: live pods' trays over the placement record."""
+    cells: list[CellPlacement] = []
+    decode = view.model.spec.cell.decode
+    decode_pods = decode.dep // decode.gpus_per_pod
+    for record in view.status.cells:
+        live = {n: p for n, p in view.cell_pods(record.name).items() if not terminating(p)}
+        decode_trays: list[str] = []
+        for index in range(decode_pods):
+            pod = live.get(decode_pod_name(record.name, index))
+            tray = planned_tray(pod) if pod else None
+            if tray is None and index < len(record.decode.trays):
+                tray = record.decode.trays[index]
+            if tray is None:
+                break
+            decode_trays.append(tray)
+        if len(decode_trays) != decode_pods:
+            continue  # no full record: the cell is admitted afresh
+        prefill = [
+            PrefillInstance(prefill_index(instance.pod), instance.tray, tuple(instance.gpus))
+            for instance in record.prefill
+        ]
+        cells.append(
+            CellPlacement(
+                name=record.name,
+                deployment=view.name,
+                domain=record.domain,
+                decode_trays=tuple(decode_trays),
+                prefill=tuple(prefill),
+                spare_trays=tuple(t for t in record.spare_trays if trays.tray(t) is not None),
+                max_prefill_instances=len(prefill),
+            )
+        )
+    return cells
+
+
+def tray_keeps_pods(trays: Topology, pod: Mapping[str, Any]) -> bool:
+    name = planned_tray(pod)
+    tray = trays.tray(name) if name is not None else None
+    return tray is not None and tray.keeps_pods
