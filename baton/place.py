@@ -33,6 +33,7 @@ from pydantic import (
 )
 
 from baton.core.api import ModelDeployment
+from baton.core.files import describe_errors
 from controller.names import decode_pod_name, prefill_pod_name
 from controller.placement import (
     CellPlacement,
@@ -394,10 +395,6 @@ def _documents(path: Path, what: str) -> list[object]:
         raise PlaceError(f"{path}: not valid YAML or JSON ({exc})") from exc
 
 
-def _problems(exc: ValidationError) -> str:
-    return "; ".join(f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors())
-
-
 def _load_deployments(path: Path) -> list[ModelDeployment]:
     documents = _documents(path, "ModelDeployment file")
     items: list[object] = []
@@ -414,7 +411,7 @@ def _load_deployments(path: Path) -> list[ModelDeployment]:
         try:
             deployments.append(ModelDeployment.model_validate(item))
         except ValidationError as exc:
-            raise PlaceError(f"{where}: {_problems(exc)}; {_DEPLOYMENT_FIX}") from exc
+            raise PlaceError(f"{where}: {describe_errors(exc)}; {_DEPLOYMENT_FIX}") from exc
     names = [DeploymentShape.of(deployment).name for deployment in deployments]
     if len(set(names)) != len(names):
         raise PlaceError(f"{path}: two ModelDeployments share a name; fix: give each metadata.name")
@@ -454,7 +451,7 @@ def _load_plan(path: Path) -> Plan:
     try:
         record = _PlanRecord.model_validate(documents[0])
     except ValidationError as exc:
-        raise PlaceError(f"{path}: {_problems(exc)}; {_CURRENT_FIX}") from exc
+        raise PlaceError(f"{path}: {describe_errors(exc)}; {_CURRENT_FIX}") from exc
     return Plan(tuple(_cell_from_record(cell) for cell in record.cells))
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from baton.core.files import describe_errors
 from baton.core.labels import (
     CLIQUE_LABEL,
     GPU_COUNT_LABEL,
@@ -238,10 +239,6 @@ class _SimpleTopology(BaseModel):
     trays: list[_SimpleTray]
 
 
-def _problems(exc: ValidationError) -> str:
-    return "; ".join(f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors())
-
-
 def _whole_number(value: str | int, what: str) -> int:
     text = str(value).strip()
     if not text.isdigit():
@@ -318,7 +315,7 @@ def parse_topology(
         try:
             simple = _SimpleTopology.model_validate(data)
         except ValidationError as exc:
-            raise TopologyError(_problems(exc)) from exc
+            raise TopologyError(describe_errors(exc)) from exc
         return topology_from_trays(
             Tray(
                 name=t.name,
@@ -336,7 +333,7 @@ def parse_topology(
         try:
             node = _Node.model_validate(item)
         except ValidationError as exc:
-            raise TopologyError(f"item {index}: {_problems(exc)}") from exc
+            raise TopologyError(f"item {index}: {describe_errors(exc)}") from exc
         try:
             tray = _tray_from_node(node, others, domain_label, gpu_resource)
         except TopologyError as exc:

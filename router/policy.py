@@ -16,7 +16,8 @@ choice, so routing state never has to be shared between them.
    second's by more than ``imbalance_tokens``; a hot session then spills over instead of queueing.
 
 **Decode** (one DP rank of the cell's decode group): the fewest in-flight requests among the
-cell's healthy ranks (CONTEXT.md: request count is enough, step time barely depends on context);
+cell's healthy ranks (request count is enough: the DeepSeek-V4.1-Flash GB300 study found decode
+step time barely depends on context length, so it balanced decode DP ranks by request count);
 ties are broken by rendezvous hashing of the request id, so replicas spread rather than herd.
 
 **P/D decider**: a prompt whose estimated uncached tokens are below ``pd_threshold_tokens`` skips
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import orjson
+
+from baton.core.model import BYTES_PER_TOKEN
 
 __all__ = [
     "PROMPT_KEY_BYTES",
@@ -53,7 +56,9 @@ __all__ = [
     "needs_prefill",
 ]
 
-# Session headers sent by agent harnesses and routers (reference/routers.md), in priority order.
+# Session headers sent by agent harnesses and routers, in priority order: the generic names, then
+# NVIDIA Dynamo's, Claude Code's, the thread ids of agent frameworks, SGLang Model Gateway's
+# routing key and the correlation id some proxies add.
 SESSION_HEADERS = (
     "x-session-id",
     "x-dynamo-session-id",
@@ -64,7 +69,6 @@ SESSION_HEADERS = (
     "x-correlation-id",
 )
 PROMPT_KEY_BYTES = 4096
-BYTES_PER_TOKEN = 4  # an estimate without the model's tokenizer (and the simulator's exact rule)
 
 
 @dataclass(frozen=True, slots=True)

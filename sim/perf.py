@@ -1,7 +1,7 @@
 """The simulator's performance model: how long one engine step of a DP group takes.
 
 Pure: profile constants and batch shapes in, simulated seconds out. The engine loop calls it
-once per step; the calibration tests call it with the study's shapes (CONTEXT.md).
+once per step; the calibration tests call it with the study's shapes (docs/simulator.md).
 
 A step of a DP group (wide-EP lockstep: every rank runs every layer together):
 

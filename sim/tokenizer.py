@@ -19,6 +19,8 @@ import hashlib
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 
+from baton.core.model import BYTES_PER_TOKEN
+
 __all__ = [
     "BYTES_PER_TOKEN",
     "count_tokens",
@@ -27,7 +29,6 @@ __all__ = [
     "word_for",
 ]
 
-BYTES_PER_TOKEN = 4
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 

@@ -8,10 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DRAFT", "EXPERT_BYTES", "MODEL", "SERVED_MODEL_NAME", "TARGET", "MoEModel"]
+__all__ = [
+    "BYTES_PER_TOKEN",
+    "DRAFT",
+    "EXPERT_BYTES",
+    "MODEL",
+    "SERVED_MODEL_NAME",
+    "TARGET",
+    "MoEModel",
+]
 
 MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
 SERVED_MODEL_NAME = "deepseek-v4.1-flash"
+
+# UTF-8 bytes of text per token: the gateway's estimate of a prompt's length without the model's
+# tokenizer, and the exact rule of the simulator's tokenizer (so against it the estimate is exact).
+BYTES_PER_TOKEN = 4
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The simulator's expert routing model (sim.experts) against the study's DEP32 balance figures.
 
-Study (CONTEXT.md, EPLB): at DEP32 with 72 requests per GPU and 6 tokens per request, per-step
+The study (docs/simulator.md): at DEP32 with 72 requests per GPU and 6 tokens per request, per-step
 balance is 0.35 (target) / 0.21 (draft) without EPLB, 0.96 / 0.94 with uniform routing, and
 0.94 / 0.89 with EPLB (97% / 93% of the gap recovered).
 

@@ -1,4 +1,4 @@
-"""One test per calibration point of the performance model (CONTEXT.md's figures)."""
+"""One test per calibration point of the performance model (the study's figures)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ from itertools import pairwise
 import orjson
 import pytest
 
+from baton.core.model import BYTES_PER_TOKEN
 from router.policy import (
-    BYTES_PER_TOKEN,
     PROMPT_KEY_BYTES,
     SESSION_HEADERS,
     AffinityKey,
