@@ -1,20 +1,27 @@
-"""EPLB: balance recovered, experts moved, decision time and the two-phase round trip.
+"""EPLB: balance recovered, what switches cost, decision time and the two-phase round trip.
 
 1. Balance over ``STEPS`` decode steps with drift, on the simulator's calibrated routing
    (``sim.experts``: DEP32, 72 requests per GPU, 6 tokens per request; the draft averaged over
    seeds because its single layer is noisy), measured per step as vLLM logs it:
 
    - no EPLB (vLLM's contiguous placement) and uniform routing: the two ends of the gap;
-   - the study's cadence: from scratch every 3,000 steps from the last 1,000, switching at once
-     (vLLM's in-engine EPLB);
-   - the service: ``eplb.decide`` every 500 steps from the last 500, experts kept
-     where they are within a 0.005 balance tolerance, skipping predicted gains under 0.002, the
-     switch landing 150 steps after the boundary (100 steps of report batching + the 50-step
-     commit margin);
-   - the same cadence rebuilt from scratch, to compare moves and balance;
+   - vLLM's in-engine EPLB, as the simulator runs it (``--enable-eplb``): its default policy
+     (``baton.core.vllm_eplb``) every 3,000 steps from the last 1,000, the new placement in
+     force once its layers are copied (one per step: 43 steps for the target model);
+   - Baton's EPLB service: ``eplb.decide`` every 500 steps from the last 500, experts kept where
+     they are within a 0.005 balance tolerance, skipping predicted gains under 0.002, the switch
+     landing ``SERVICE_DELAY`` steps after the boundary (report batching, staging one layer per
+     step, the commit margin);
+   - vLLM's policy at the service's cadence: what minimal moves buy at equal cadence;
 
-   each with 32 and with 0 redundant experts; the share of the gap to uniform recovered.
-2. Experts moved per rebalance with and without ``previous`` (and bytes at 22 MB per expert).
+   each with 32 and with 0 redundant experts; the share of the gap to uniform recovered. Every
+   switch costs its copies (``sim.perf.switch_copy_seconds``: per layer, the most experts a rank
+   receives over its NVLink), carried by the decode steps it overlaps; the mean decode step
+   (``sim.perf.step_seconds`` at 72 requests per GPU, 6 tokens each, 128K context, from the
+   target and draft balance of every 100 steps, plus the copies) turns balance and copies into
+   throughput.
+2. Experts moved and copy time per switch, Baton's algorithm against vLLM's policy, both with
+   the placement in force as ``previous``.
 3. Decision time (``decide``: algorithm and prediction) for 43 layers x 384 experts x 32 ranks.
 4. Prepare -> Commit round trip at DEP32 on loopback: real gRPC against a ``baton sim`` with a
    32-rank group, the placement a real decision would send.
@@ -31,12 +38,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from baton.core.eplb_wire import decode_placement, encode_placement
-from baton.core.experts import Placement, balance, balance_per_step, moves
-from baton.core.model import DRAFT, TARGET, MoEModel
+from baton.core.experts import Placement, balance, moves
+from baton.core.model import DRAFT, EXPERT_BYTES, TARGET, MoEModel
+from baton.core.vllm_eplb import vllm_rebalance
 from eplb.algorithm import rebalance
 from eplb.client import AgentClient
 from eplb.decide import Outcome, Policy, decide
@@ -47,109 +56,115 @@ from sim.experts import (
     DRAFT_SKEW,
     TARGET_SKEW,
     UNIFORM_ROUTING,
+    BalanceRun,
+    EplbSchedule,
     ExpertPopularity,
     RoutingSkew,
     sample_load,
+    simulate_balance,
 )
+from sim.perf import RankBatch, step_seconds, switch_copy_seconds
+from sim.profile import load_profile
 
 __all__ = ["run"]
 
 STEPS = 9_000
 NUM_RANKS = 32
-EXPERT_BYTES = 2.2e7
-STUDY = Policy(window_size=1000, step_interval=3000, min_gain=0.0, keep_previous=False)
+PROFILE = load_profile()
 SERVICE = Policy(window_size=500, step_interval=500)
-SERVICE_SCRATCH = Policy(window_size=500, step_interval=500, min_gain=0.0, keep_previous=False)
-SERVICE_DELAY = 150  # report batching (100 steps) + apply margin (50 steps)
-_BLOCK = 10  # steps sampled at once; popularity drifts once per block
+# Report batching (100 steps) + staging, one layer per step + the commit margin (50 steps).
+SERVICE_DELAY = 100 + TARGET.layers + 50
+# The decode step the costs are weighed against: 72 requests per GPU, 1 + 5 tokens each.
+_BATCH = RankBatch(72, 72 * 6, 72 * 6 * 128 * 1024)
 _RESULTS = Path("bench/results")
 
 
-@dataclass(frozen=True, slots=True)
-class Run:
-    """One simulated run: mean per-step balance, its series per block, and the rebalances."""
+def _service(load: np.ndarray, current: Placement, boundary: int) -> Placement | None:
+    """Baton's EPLB service: ``eplb.decide`` on the window, kept when the gain is too small."""
+    window = Window(boundary - SERVICE.window_size, boundary, SERVICE.window_size, load, 0.0)
+    decision = decide(window, current, SERVICE, boundary)
+    return decision.placement if decision.outcome is Outcome.REBALANCE else None
 
-    balance: float
-    series: np.ndarray
-    moved: tuple[int, ...]
-    skipped: int
+
+@dataclass(frozen=True, slots=True)
+class Configuration:
+    schedule: EplbSchedule | None  # None: no EPLB
+    service: bool  # Baton's service decides; otherwise vLLM's in-engine EPLB
+
+
+def _in_engine(redundant: int) -> EplbSchedule:
+    return EplbSchedule(step_interval=3000, window_size=1000, num_redundant_experts=redundant)
+
+
+def _service_cadence(redundant: int) -> EplbSchedule:
+    return EplbSchedule(
+        step_interval=SERVICE.step_interval,
+        window_size=SERVICE.window_size,
+        num_redundant_experts=redundant,
+        switch_delay=SERVICE_DELAY,
+    )
+
+
+CONFIGURATIONS = {
+    "no_eplb": Configuration(None, service=False),
+    "vllm_32": Configuration(_in_engine(32), service=False),
+    "vllm_0": Configuration(_in_engine(0), service=False),
+    "service_32": Configuration(_service_cadence(32), service=True),
+    "service_0": Configuration(_service_cadence(0), service=True),
+    "vllm_policy_at_service_cadence_32": Configuration(_service_cadence(32), service=False),
+}
 
 
 def _simulate(
-    model: MoEModel,
-    skew: RoutingSkew,
-    *,
-    steps: int,
-    seed: int,
-    policy: Policy | None,
-    num_redundant: int,
-    delay: int,
-) -> Run:
-    """Per-step balance under ``policy`` (None: contiguous placement, no EPLB).
+    model: MoEModel, skew: RoutingSkew, *, steps: int, seed: int, configuration: Configuration
+) -> BalanceRun:
+    return simulate_balance(
+        model,
+        skew,
+        steps=steps,
+        tokens_per_step=DEP32_DECODE_TOKENS_PER_STEP,
+        seed=seed,
+        num_ranks=NUM_RANKS,
+        eplb=configuration.schedule,
+        rebalancer=_service if configuration.service else None,
+    )
 
-    The run starts in steady state: one window is recorded first and the placement is built
-    from scratch from it at step 0; then at every boundary ``decide`` runs on the window just
-    before it, and a rebalance takes effect ``delay`` steps later.
-    """
-    drift_rng, routing_rng = np.random.default_rng(seed).spawn(2)
-    popularity = ExpertPopularity(model, skew, drift_rng)
-    tokens = DEP32_DECODE_TOKENS_PER_STEP
-    if policy is None:
-        placement = Placement.contiguous(model.layers, model.experts, NUM_RANKS)
-    else:
-        warm = sample_load(
-            popularity.probabilities(), tokens, model.top_k, routing_rng, steps=policy.window_size
-        ).sum(axis=0)
-        popularity.advance(policy.window_size)
-        placement = rebalance(warm, NUM_RANKS, num_redundant)
-    window = np.zeros((model.layers, model.experts), dtype=np.int64)
-    pending: tuple[int, Placement] | None = None
-    series, moved, skipped = [], [], 0
-    for step in range(0, steps, _BLOCK):
-        if pending is not None and step >= pending[0]:
-            placement, pending = pending[1], None
-        loads = sample_load(
-            popularity.probabilities(), tokens, model.top_k, routing_rng, steps=_BLOCK
+
+def _copy_seconds(run: BalanceRun) -> list[float]:
+    """Each switch's copies, every layer's, end to end."""
+    return [float(switch_copy_seconds(PROFILE, old, new).sum()) for old, new in run.switches]
+
+
+def _mean_step_ms(target: BalanceRun, draft: BalanceRun, steps: int) -> float:
+    """The mean decode step at the bench's shape, from both models' balance and the copies.
+    Step time is linear in 1 / balance, so 100-step means of balance give it to well within
+    the sampling noise."""
+    spans = steps // 100
+    moe = [
+        step_seconds(
+            PROFILE,
+            [_BATCH] * NUM_RANKS,
+            num_speculative_tokens=5,
+            target_balance=float(t.mean()),
+            draft_balance=float(d.mean()),
+        ).total_s
+        for t, d in zip(
+            np.array_split(target.series, spans), np.array_split(draft.series, spans), strict=True
         )
-        series.append(float(balance_per_step(loads, placement).mean()))
-        popularity.advance(_BLOCK)
-        if policy is None:
-            continue
-        end = step + _BLOCK
-        boundary = ((end - 1) // policy.step_interval + 1) * policy.step_interval
-        if end > boundary - policy.window_size:
-            window += loads.sum(axis=0)
-        if end % policy.step_interval == 0:
-            span = Window(end - policy.window_size, end, policy.window_size, window.copy(), 0.0)
-            decision = decide(span, placement, policy, end)
-            window[:] = 0
-            if decision.outcome is Outcome.REBALANCE:
-                moved.append(decision.moved_experts)
-                if delay:
-                    pending = (end + delay, decision.placement)
-                else:
-                    placement = decision.placement
-            else:
-                skipped += 1
-    return Run(float(np.mean(series)), np.array(series), tuple(moved), skipped)
+    ]
+    copies = sum(_copy_seconds(target)) + sum(_copy_seconds(draft))
+    return (float(np.mean(moe)) + copies / steps) * 1e3
 
 
 def _balance_rows(steps: int, draft_seeds: int) -> tuple[dict, dict]:
-    """Balance of every configuration for both models, and the series to plot."""
+    """Balance and costs of every configuration for both models, and the series to plot."""
     rows: dict[str, dict] = {}
     series: dict[str, dict[str, np.ndarray]] = {}
+    first_runs: dict[str, dict[str, BalanceRun]] = {}
     models = (
         ("target", TARGET, TARGET_SKEW, range(1)),
         ("draft", DRAFT, DRAFT_SKEW, range(draft_seeds)),
     )
-    configurations = {
-        "no_eplb": (None, 0, 0),
-        "study_32": (STUDY, 32, 0),
-        "study_0": (STUDY, 0, 0),
-        "service_32": (SERVICE, 32, SERVICE_DELAY),
-        "service_0": (SERVICE, 0, SERVICE_DELAY),
-        "service_cadence_from_scratch_32": (SERVICE_SCRATCH, 32, SERVICE_DELAY),
-    }
     for name, model, skew, seeds in models:
         uniform = [
             _simulate(
@@ -157,48 +172,53 @@ def _balance_rows(steps: int, draft_seeds: int) -> tuple[dict, dict]:
                 UNIFORM_ROUTING,
                 steps=min(steps, 2000),
                 seed=s,
-                policy=None,
-                num_redundant=0,
-                delay=0,
+                configuration=CONFIGURATIONS["no_eplb"],
             ).balance
             for s in seeds
         ]
-        result: dict[str, object] = {"uniform": float(np.mean(uniform))}
+        result: dict[str, Any] = {"uniform": float(np.mean(uniform))}
         series[name] = {}
-        for label, (policy, redundant, delay) in configurations.items():
+        for label, configuration in CONFIGURATIONS.items():
             started = time.perf_counter()
             runs = [
-                _simulate(
-                    model,
-                    skew,
-                    steps=steps,
-                    seed=s,
-                    policy=policy,
-                    num_redundant=redundant,
-                    delay=delay,
-                )
+                _simulate(model, skew, steps=steps, seed=s, configuration=configuration)
                 for s in seeds
             ]
-            moved = [m for r in runs for m in r.moved]
+            moved = [moves(old, new) for r in runs for old, new in r.switches]
+            copied = [c for r in runs for c in _copy_seconds(r)]
             result[label] = {
                 "balance": float(np.mean([r.balance for r in runs])),
-                "rebalances_per_run": float(np.mean([len(r.moved) for r in runs])),
+                "rebalances_per_run": float(np.mean([len(r.switches) for r in runs])),
                 "skipped_per_run": float(np.mean([r.skipped for r in runs])),
                 "experts_moved_per_rebalance": float(np.mean(moved)) if moved else 0.0,
+                "copy_ms_per_rebalance": float(np.mean(copied)) * 1e3 if copied else 0.0,
                 "seconds": time.perf_counter() - started,
             }
             series[name][label] = runs[0].series
-        none, ceiling = result["no_eplb"]["balance"], result["uniform"]  # type: ignore[index]
-        for label in configurations:
+            first_runs.setdefault(label, {})[name] = runs[0]
+        none, ceiling = result["no_eplb"]["balance"], result["uniform"]
+        for label in CONFIGURATIONS:
             if label != "no_eplb":
                 entry = result[label]
-                entry["gap_recovered"] = (entry["balance"] - none) / (ceiling - none)  # type: ignore[index]
+                entry["gap_recovered"] = (entry["balance"] - none) / (ceiling - none)
         rows[name] = result
+    rows["decode_step"] = {}
+    for label, pair in first_runs.items():
+        copies = sum(_copy_seconds(pair["target"])) + sum(_copy_seconds(pair["draft"]))
+        step_ms = _mean_step_ms(pair["target"], pair["draft"], steps)
+        rows["decode_step"][label] = {
+            "mean_step_ms": step_ms,
+            "copy_share": copies * 1e3 / (step_ms * steps),
+        }
+    baseline = rows["decode_step"]["no_eplb"]["mean_step_ms"]
+    for entry in rows["decode_step"].values():
+        entry["throughput_vs_no_eplb"] = baseline / entry["mean_step_ms"]
     return rows, series
 
 
 def _moves_and_time(repeats: int) -> dict[str, float]:
-    """Moves with and without ``previous`` on drifted DEP32 target load; decision time."""
+    """Moves and copy time per switch on drifted DEP32 target load, Baton's algorithm against
+    vLLM's policy (both from the placement in force); decision and algorithm time."""
     rng = np.random.default_rng(7)
     popularity = ExpertPopularity(TARGET, TARGET_SKEW, rng)
     tokens = DEP32_DECODE_TOKENS_PER_STEP
@@ -208,8 +228,9 @@ def _moves_and_time(repeats: int) -> dict[str, float]:
             popularity.probabilities(), tokens, TARGET.top_k, rng, steps=SERVICE.window_size
         ).sum(axis=0)
 
-    current = rebalance(window_load(), NUM_RANKS, 32)
-    kept_moves, fresh_moves, balance_loss, decide_s, algorithm_s = [], [], [], [], []
+    current = vllm_rebalance(window_load(), NUM_RANKS, 32)
+    baton_moves, vllm_moves, baton_copy, vllm_copy, balance_loss = [], [], [], [], []
+    decide_s, algorithm_s, vllm_s = [], [], []
     for index in range(repeats):
         popularity.advance(SERVICE.step_interval)
         load = window_load()
@@ -220,20 +241,28 @@ def _moves_and_time(repeats: int) -> dict[str, float]:
         started = time.perf_counter()
         kept = rebalance(load, NUM_RANKS, 32, previous=current)
         algorithm_s.append(time.perf_counter() - started)
-        fresh = rebalance(load, NUM_RANKS, 32)
-        kept_moves.append(moves(current, kept))
-        fresh_moves.append(moves(current, fresh))
-        balance_loss.append(balance(load, fresh) - balance(load, kept))
+        started = time.perf_counter()
+        theirs = vllm_rebalance(load, NUM_RANKS, 32, previous=current)
+        vllm_s.append(time.perf_counter() - started)
+        baton_moves.append(moves(current, kept))
+        vllm_moves.append(moves(current, theirs))
+        baton_copy.append(float(switch_copy_seconds(PROFILE, current, kept).sum()))
+        vllm_copy.append(float(switch_copy_seconds(PROFILE, current, theirs).sum()))
+        balance_loss.append(balance(load, theirs) - balance(load, kept))
         current = kept
     return {
-        "experts_moved_with_previous": float(np.mean(kept_moves)),
-        "experts_moved_from_scratch": float(np.mean(fresh_moves)),
-        "moved_share": float(np.sum(kept_moves) / np.sum(fresh_moves)),
-        "bytes_moved_with_previous": float(np.mean(kept_moves)) * EXPERT_BYTES,
-        "bytes_moved_from_scratch": float(np.mean(fresh_moves)) * EXPERT_BYTES,
+        "experts_moved_baton": float(np.mean(baton_moves)),
+        "experts_moved_vllm_policy": float(np.mean(vllm_moves)),
+        "moved_share": float(np.sum(baton_moves) / np.sum(vllm_moves)),
+        "slots_moved_share_vllm_policy": float(np.mean(vllm_moves)) / (TARGET.layers * 416),
+        "bytes_moved_baton": float(np.mean(baton_moves)) * EXPERT_BYTES,
+        "bytes_moved_vllm_policy": float(np.mean(vllm_moves)) * EXPERT_BYTES,
+        "copy_ms_baton": float(np.mean(baton_copy)) * 1e3,
+        "copy_ms_vllm_policy": float(np.mean(vllm_copy)) * 1e3,
         "max_window_balance_given_up": float(np.max(balance_loss)),
         "algorithm_ms_median": statistics.median(algorithm_s) * 1e3,
         "algorithm_ms_max": max(algorithm_s) * 1e3,
+        "vllm_policy_ms_median": statistics.median(vllm_s) * 1e3,
         "decision_ms_median": statistics.median(decide_s) * 1e3,
         "decision_ms_max": max(decide_s) * 1e3,
     }
@@ -317,14 +346,14 @@ def _plot(series: dict[str, dict[str, np.ndarray]], rows: dict, steps: int) -> s
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     labels = {
         "no_eplb": "no EPLB (contiguous)",
-        "study_32": "from scratch every 3000 from last 1000",
-        "service_32": "service: every 500 from last 500, minimal moves",
+        "vllm_32": "vLLM in-engine: every 3000 from last 1000",
+        "service_32": "Baton's service: every 500 from last 500, minimal moves",
     }
     for axis, name in zip(axes, ("target", "draft"), strict=True):
         for key, label in labels.items():
             # A 100-step moving average shows the trend under the per-step sampling noise.
-            smooth = np.convolve(series[name][key], np.ones(10) / 10, mode="valid")
-            x = (np.arange(len(smooth)) + 5) * _BLOCK
+            smooth = np.convolve(series[name][key], np.ones(100) / 100, mode="valid")
+            x = np.arange(len(smooth)) + 50
             axis.plot(x, smooth, label=label, linewidth=1)
         axis.axhline(rows[name]["uniform"], color="grey", linestyle="--", label="uniform routing")
         axis.set_title(f"{name} (DEP32, 32 redundant experts)")
@@ -340,41 +369,53 @@ def _plot(series: dict[str, dict[str, np.ndarray]], rows: dict, steps: int) -> s
     return str(path)
 
 
+_LABELS = {
+    "no_eplb": "no EPLB",
+    "vllm_32": "vLLM in-engine, 32 redundant",
+    "vllm_0": "vLLM in-engine, 0 redundant",
+    "service_32": "Baton's service, 32 redundant",
+    "service_0": "Baton's service, 0 redundant",
+    "vllm_policy_at_service_cadence_32": "vLLM's policy, service cadence",
+}
+
+
 def _print(result: dict) -> None:
-    print(f"EPLB balance over {result['steps']} steps (per-step, vLLM's measure)")
-    print(f"{'configuration':<34}{'target':>9}{'recov.':>8}{'draft':>9}{'recov.':>8}{'moved':>8}")
-    for name, label in (
-        ("no_eplb", "no EPLB"),
-        ("study_32", "study cadence, 32 redundant"),
-        ("study_0", "study cadence, 0 redundant"),
-        ("service_32", "service, 32 redundant"),
-        ("service_0", "service, 0 redundant"),
-        ("service_cadence_from_scratch_32", "service cadence from scratch, 32"),
-    ):
-        target, draft = result["balance"]["target"][name], result["balance"]["draft"][name]
+    print(f"EPLB over {result['steps']} decode steps (balance per step, vLLM's measure)")
+    print(
+        f"{'configuration':<32}{'target':>8}{'recov.':>8}{'draft':>8}{'recov.':>8}"
+        f"{'moved':>7}{'copy ms':>9}{'step ms':>9}{'copying':>9}{'tput':>7}"
+    )
+    rows = result["balance"]
+    for name, label in _LABELS.items():
+        target, draft = rows["target"][name], rows["draft"][name]
+        step = rows["decode_step"][name]
         recovered = (
             (f"{target['gap_recovered']:>8.1%}", f"{draft['gap_recovered']:>8.1%}")
             if "gap_recovered" in target
             else ("", "")
         )
+        copy_ms = target["copy_ms_per_rebalance"] + draft["copy_ms_per_rebalance"]
         print(
-            f"{label:<34}{target['balance']:>9.4f}{recovered[0]:>8}{draft['balance']:>9.4f}"
-            f"{recovered[1]:>8}{target['experts_moved_per_rebalance']:>8.0f}"
+            f"{label:<32}{target['balance']:>8.4f}{recovered[0]:>8}{draft['balance']:>8.4f}"
+            f"{recovered[1]:>8}{target['experts_moved_per_rebalance']:>7.0f}{copy_ms:>9.2f}"
+            f"{step['mean_step_ms']:>9.2f}{step['copy_share']:>9.3%}"
+            f"{step['throughput_vs_no_eplb']:>7.3f}"
         )
-    print(
-        f"{'uniform routing':<34}{result['balance']['target']['uniform']:>9.4f}{'':>8}"
-        f"{result['balance']['draft']['uniform']:>9.4f}"
-    )
+    uniform = rows["target"]["uniform"], rows["draft"]["uniform"]
+    print(f"{'uniform routing':<32}{uniform[0]:>8.4f}{'':>8}{uniform[1]:>8.4f}")
     moves_ = result["moves_and_time"]
     print(
-        f"moves per rebalance (target): {moves_['experts_moved_with_previous']:.0f} with previous"
-        f" vs {moves_['experts_moved_from_scratch']:.0f} from scratch "
-        f"({moves_['moved_share']:.1%}), window balance given up at most "
-        f"{moves_['max_window_balance_given_up']:.4f}"
+        f"per switch (target): Baton moves {moves_['experts_moved_baton']:.0f} experts, vLLM's "
+        f"policy {moves_['experts_moved_vllm_policy']:.0f} "
+        f"({moves_['slots_moved_share_vllm_policy']:.0%}"
+        f" of the slots); Baton {moves_['moved_share']:.1%} of vLLM's; copies "
+        f"{moves_['copy_ms_baton']:.2f} ms vs {moves_['copy_ms_vllm_policy']:.2f} ms; balance "
+        f"given up at most {moves_['max_window_balance_given_up']:.4f}"
     )
     print(
         f"algorithm {moves_['algorithm_ms_median']:.1f} ms median ({moves_['algorithm_ms_max']:.1f}"
-        f" max), decision {moves_['decision_ms_median']:.1f} ms median"
+        f" max; vLLM's policy {moves_['vllm_policy_ms_median']:.1f} ms), decision "
+        f"{moves_['decision_ms_median']:.1f} ms median"
     )
     trip = result["round_trip"]
     print(

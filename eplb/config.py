@@ -13,7 +13,7 @@
     prepareTimeoutSeconds: 10   # all Prepare acks within this, or Abort everywhere
     commitTimeoutSeconds: 2
     reconnectSeconds: 1         # wait before reconnecting to a group's agents
-    expertBytes: {target: 2.2e7, draft: 2.2e7}   # weight bytes of one expert of one layer
+    expertBytes: {target: 13369344, draft: 13369344}   # weight bytes of one expert of one layer
     perLayerMetrics: false      # baton_eplb_layer_balance series (layers x groups x models)
     groups:
       - name: cell-0
@@ -34,11 +34,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from baton.core.files import load_yaml_model
+from baton.core.model import DRAFT, EXPERT_BYTES, TARGET
 from eplb.decide import Policy
 
 __all__ = ["EplbServiceConfig", "GroupSource", "GroupSpec", "StaticGroups", "load_config"]
-
-DEFAULT_EXPERT_BYTES = 2.2e7  # one routed expert of one layer, FP4 weights with scales
 
 
 class _Spec(BaseModel):
@@ -68,7 +67,7 @@ class EplbServiceConfig(_Spec):
     commit_timeout_seconds: float = Field(default=2.0, gt=0)
     reconnect_seconds: float = Field(default=1.0, gt=0)
     expert_bytes: dict[str, float] = Field(
-        default_factory=lambda: {"target": DEFAULT_EXPERT_BYTES, "draft": DEFAULT_EXPERT_BYTES}
+        default_factory=lambda: {TARGET.name: EXPERT_BYTES, DRAFT.name: EXPERT_BYTES}
     )
     per_layer_metrics: bool = False
     groups: tuple[GroupSpec, ...] = Field(default=(), min_length=1)
@@ -112,7 +111,7 @@ class EplbServiceConfig(_Spec):
         return EplbServiceConfig.model_validate(self.model_dump(exclude={"groups"}) | cadence)
 
     def expert_bytes_of(self, model: str) -> float:
-        return self.expert_bytes.get(model, DEFAULT_EXPERT_BYTES)
+        return self.expert_bytes.get(model, EXPERT_BYTES)
 
 
 def load_config(path: str | Path) -> EplbServiceConfig:

@@ -12,8 +12,7 @@ Decision at a boundary, for one model:
    fewer steps than the policy promises.
 2. Compute a placement from the window's load with the current one as ``previous``
    (``eplb.algorithm.rebalance``: experts stay where they are unless moving them buys
-   more than ``tolerance`` of balance); ``keep_previous=False`` rebuilds from scratch, as vLLM
-   and the study do.
+   more than ``tolerance`` of balance).
 3. Predict the window balance (sum over layers of mean rank load / sum of max rank load, the
    load summed over a window) of the next window of as many steps, for both placements, and
    skip (``gain_too_small``) when the new one gains less than ``min_gain``: a switch costs
@@ -62,7 +61,6 @@ class Policy:
     tolerance: float = DEFAULT_TOLERANCE
     num_nodes: int = 1
     num_groups: int = 1
-    keep_previous: bool = True
 
     def window_for(self, boundary: int) -> tuple[int, int]:
         """The steps ``[first, end)`` whose load the decision at ``boundary`` uses."""
@@ -139,7 +137,7 @@ def decide(window: Window, current: Placement, policy: Policy, boundary: int) ->
         num_redundant,
         policy.num_nodes,
         policy.num_groups,
-        previous=current if policy.keep_previous else None,
+        previous=current,
         tolerance=policy.tolerance,
     )
     before = balance(window.load, current)

@@ -2,9 +2,11 @@
 
 It streams the group's per-step expert load (each rank's own physical experts, as compact
 little-endian uint32 bytes) and takes two-phase placement switches from the EPLB service:
-Prepare validates and stages (weights copied in simulated background time while decode goes on),
-Commit makes the switch happen at the agreed step, Abort drops what was staged (committed or
-not) until it takes effect. A malformed placement is rejected before anything is staged.
+Prepare validates and stages (the weights copied one layer per decode step while decode goes
+on, each such step paying the copy, as ``sim.moe`` describes; on an idle group at the links'
+own pace), Commit makes the switch happen at the agreed step, Abort drops what was staged
+(committed or not) until it takes effect. A malformed placement is rejected before anything is
+staged.
 
 A stalled rank cannot stage weights, so Prepare acknowledges only once no rank of the group is
 stalled (a hung rank never acks); a switch aborted while it was staging is never staged.
@@ -19,6 +21,7 @@ GetPlacement stay open: they change nothing. TLS is optional (``--eplb-agent-tls
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import uuid
@@ -26,13 +29,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
-from baton.core.proto import eplb_agent_pb2 as pb
-from baton.core.proto import eplb_agent_pb2_grpc as pb_grpc
 
 from baton.core.eplb_wire import decode_placement, encode_placement
-from baton.core.experts import Placement, moves_per_rank
+from baton.core.experts import Placement, moves
+from baton.core.proto import eplb_agent_pb2 as pb
+from baton.core.proto import eplb_agent_pb2_grpc as pb_grpc
 from sim.engine import DPGroup
-from sim.moe import MoERuntime, StagedSwitch
+from sim.moe import ExpertTransfer, MoERuntime
 
 __all__ = ["EplbAgentServer", "decode_placement", "encode_placement"]
 
@@ -71,10 +74,25 @@ class _Servicer(pb_grpc.EplbAgentServicer):
             f"{reason}; send metadata 'authorization: Bearer <token>' with the agent's token",
         )
 
-    async def _stage(self, seconds: float) -> None:
-        """Copy weights for ``seconds``, then wait while any rank of the group is stalled."""
-        clock = self.group.clock
-        await clock.sleep(seconds)
+    async def _stage(self, transfer: ExpertTransfer) -> None:
+        """Until the switch's weights are copied, then while any rank of the group is stalled.
+
+        While the group decodes, each decode step copies a layer (and pays for it); while it
+        has no work, the links are idle and the copies run at their own pace here.
+        """
+        clock = self.group.sim_clock
+        copied = asyncio.Event()
+        transfer.on_copy = copied.set
+        while not transfer.done and self.moe.transfer is transfer and not self.group.dead:
+            if self.group.has_work:
+                copied.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(copied.wait(), _STALL_POLL_S * clock.time_scale)
+                continue
+            before = transfer.copied
+            await clock.sleep(transfer.next_seconds)
+            if transfer.copied == before and self.moe.transfer is transfer:
+                self.moe.copy_next_layer()
         while not self.group.dead:
             stalled = max(rank.stalled_until for rank in self.group.ranks.values()) - clock.now()
             if stalled <= 0:
@@ -178,7 +196,7 @@ class _Servicer(pb_grpc.EplbAgentServicer):
         await self._authenticate(context, "Prepare")
         if self.group.dead:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is dead")
-        staged: dict[str, tuple[Placement, int]] = {}
+        staged: dict[str, Placement] = {}
         for message in request.placements:
             state = self.moe.models.get(message.model)
             if state is None:
@@ -210,28 +228,26 @@ class _Servicer(pb_grpc.EplbAgentServicer):
                 )
             except ValueError as exc:
                 return pb.PrepareResponse(ok=False, error=str(exc))
-            staged[message.model] = (
-                placement,
-                int(moves_per_rank(current, placement).sum(axis=0).max()),
-            )
-        copies = max((worst for _, worst in staged.values()), default=0)
-        profile = self.group.config.profile
-        seconds = copies * profile.decode.expert_bytes / profile.nvlink.bandwidth_bytes_per_s
-        await self._stage(seconds)  # weights stage in the background; decode goes on
+            staged[message.model] = placement
+        if request.switch_id in self._aborted:
+            return pb.PrepareResponse(ok=False, error=f"switch {request.switch_id} was aborted")
+        total = sum(
+            moves(self.moe.models[name].placement, placement) for name, placement in staged.items()
+        )
+        started = self.group.clock.now()
+        transfer = self.moe.stage(request.switch_id, staged, request.apply_at_step)
+        await self._stage(transfer)  # weights copy in the background; decode goes on
         if self.group.dead:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine died while staging")
-        if request.switch_id in self._aborted:
+        if request.switch_id in self._aborted or not transfer.done:
             return pb.PrepareResponse(
                 ok=False, error=f"switch {request.switch_id} was aborted while staging"
             )
-        total = 0
-        for name, (placement, _) in staged.items():
-            self.moe.models[name].staged = StagedSwitch(
-                request.switch_id, placement, request.apply_at_step
-            )
-            total += int(moves_per_rank(self.moe.models[name].placement, placement).sum())
         return pb.PrepareResponse(
-            ok=True, staging_seconds=seconds, experts_to_copy=total, current_step=self.moe.step
+            ok=True,
+            staging_seconds=self.group.clock.now() - started,
+            experts_to_copy=total,
+            current_step=self.moe.step,
         )
 
     async def Commit(
@@ -245,7 +261,7 @@ class _Servicer(pb_grpc.EplbAgentServicer):
             for s in self.moe.models.values()
             if s.staged is not None and s.staged.switch_id == request.switch_id
         ]
-        if not switches:
+        if not switches or self.moe.staging(request.switch_id):
             return pb.CommitResponse(ok=False, error=f"switch {request.switch_id} is not staged")
         apply_at = max(self.moe.step, request.apply_at_step or switches[0].apply_at_step)
         for switch in switches:
@@ -260,13 +276,9 @@ class _Servicer(pb_grpc.EplbAgentServicer):
         self._aborted[request.switch_id] = None
         while len(self._aborted) > _REMEMBERED_ABORTS:
             del self._aborted[next(iter(self._aborted))]
-        dropped = False
         # A committed switch is dropped too until it takes effect (it is applied, and leaves
         # ``staged``, at its step): the service aborts every agent when one commit fails.
-        for state in self.moe.models.values():
-            if state.staged is not None and state.staged.switch_id == request.switch_id:
-                state.staged = None
-                dropped = True
+        dropped = self.moe.abort(request.switch_id)
         if dropped:
             log.info("switch %s aborted: %s", request.switch_id, request.reason)
         return pb.AbortResponse(ok=dropped)

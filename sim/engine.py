@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 
 from sim.config import EngineConfig
 from sim.kvcache import PrefixCache, chain_hash
-from sim.moe import MoERuntime
+from sim.moe import MoERuntime, MoEStep
 from sim.perf import PrefillChunk, RankBatch, StepTime, step_seconds
 from sim.request import FinishReason, RequestFailed, RequestState, SimRequest
 from sim.stats import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Buckets
@@ -159,6 +159,7 @@ class DPRank:
                 continue  # aborted while the step ran
             if chunk:
                 request.num_computed += chunk
+                assert request.allocation is not None  # scheduled prompt chunks hold KV
                 self.cache.register(request.allocation, request.hashes, request.num_computed)
                 if not request.prefill_done:
                     continue
@@ -168,7 +169,7 @@ class DPRank:
                 emitted = 1 + _accepted(speculative_tokens, acceptance_rate, self.rng)
             if request.first_token_at is None:
                 self.ttft.observe(now - request.arrival)
-            else:
+            elif request.last_token_at is not None:
                 self.itl.observe(now - request.last_token_at)
             self.generation_tokens -= request.output_tokens
             done = _emit(request, emitted, now)
@@ -331,6 +332,7 @@ class DPGroup:
         rank = self.ranks[request.dp_rank]
         request.state = RequestState.FINISHED
         request.finished_at = self.clock.now()
+        assert request.finish_reason is not None  # every path to a close sets why
         rank.success[request.finish_reason.value] += 1
         rank.e2e.observe(request.finished_at - request.arrival)
         if request.scheduled_at is not None:
@@ -357,21 +359,30 @@ class DPGroup:
     def has_work(self) -> bool:
         return any(rank.has_work for rank in self.ranks.values())
 
+    @property
+    def sim_clock(self) -> SimClock:
+        """The process's clock: a served engine has one; an offline run steps a virtual one
+        by hand and never waits."""
+        if not isinstance(self.clock, SimClock):
+            raise RuntimeError("an offline engine has no clock to wait on")
+        return self.clock
+
     def begin_step(self, now: float) -> float:
         """Schedule every rank for one step; returns its simulated duration."""
         spec = self.config.speculative.num_speculative_tokens
         batches = [rank.schedule(now, spec) for rank in self.ranks.values()]
-        target_balance = draft_balance = 1.0
+        moe = MoEStep(1.0, 1.0, 0.0)
         decode_tokens = sum(batch.decode_query_tokens for batch in batches)
         if self.moe is not None and decode_tokens:
             draft_tokens = spec * sum(batch.decode_requests for batch in batches)
-            target_balance, draft_balance = self.moe.step_balances(decode_tokens, draft_tokens)
+            moe = self.moe.step_balances(decode_tokens, draft_tokens)
         step = step_seconds(
             self.config.profile,
             batches,
             num_speculative_tokens=spec,
-            target_balance=target_balance,
-            draft_balance=draft_balance,
+            target_balance=moe.target_balance,
+            draft_balance=moe.draft_balance,
+            eplb_copy_s=moe.copy_s,
         )
         self.last_step = step
         stall = max(rank.stalled_until for rank in self.ranks.values()) - now
@@ -398,7 +409,7 @@ class DPGroup:
             # falls further behind than _MAX_LAG_S gives up the debt (and counts an overrun).
             start = max(start, self.clock.now() - _MAX_LAG_S)
             end = start + self.begin_step(start)
-            delay = self.clock.wall_deadline(end) - loop.time()
+            delay = self.sim_clock.wall_deadline(end) - loop.time()
             if delay < 0:
                 self.overruns += 1
             await asyncio.sleep(max(0.0, delay))

@@ -29,6 +29,7 @@ Everything here is pure: randomness comes only from generators the caller passes
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,16 +39,20 @@ from baton.core.model import MoEModel
 from baton.core.vllm_eplb import vllm_rebalance
 
 __all__ = [
+    "BLOCK_STEPS",
     "DEP32_DECODE_TOKENS_PER_STEP",
     "DRAFT_SKEW",
     "TARGET_SKEW",
     "UNIFORM_ROUTING",
+    "BalanceRun",
     "EplbSchedule",
     "ExpertPopularity",
+    "Rebalancer",
     "RoutingSkew",
     "physical_load",
     "sample_load",
     "simulate_balance",
+    "vllm_rebalancer",
 ]
 
 
@@ -167,22 +172,59 @@ def physical_load(logical_load: np.ndarray, placement: Placement) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class EplbSchedule:
-    """vLLM's EPLB cadence: rebuild every ``step_interval`` steps from the last ``window_size``."""
+    """An EPLB cadence: rebalance every ``step_interval`` steps from the last ``window_size``
+    (vLLM's defaults: 3,000 and 1,000), the new placement in force ``switch_delay`` steps later
+    (``None``: one step per MoE layer, as vLLM's in-engine EPLB copies a layer per step)."""
 
     step_interval: int = 3000
     window_size: int = 1000
     num_redundant_experts: int = 32
     num_nodes: int = 1
     num_groups: int = 1
+    switch_delay: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.window_size <= self.step_interval or self.num_redundant_experts < 0:
             raise ValueError(f"invalid EPLB schedule {self}")
+        if self.switch_delay is not None and self.switch_delay < 0:
+            raise ValueError(f"invalid EPLB schedule {self}")
+
+
+Rebalancer = Callable[[np.ndarray, Placement, int], Placement | None]
+"""(window load ``[layers, experts]``, placement in force, boundary step) -> the new placement,
+or None to keep the one in force."""
+
+
+@dataclass(frozen=True, slots=True)
+class BalanceRun:
+    """A simulated run: mean per-step balance, the balance of each step, and every switch as
+    (placement before, placement after)."""
+
+    balance: float
+    series: np.ndarray  # [steps]
+    switches: tuple[tuple[Placement, Placement], ...]
+    skipped: int  # boundaries where the rebalancer kept the placement
 
 
 # Popularity is held for, then advanced by, blocks of this many steps: against a drift time of
 # 50,000 steps the error is far below sampling noise, and it cuts the per-step drift cost tenfold.
-_BLOCK_STEPS = 10
+BLOCK_STEPS = 10
+
+
+def vllm_rebalancer(schedule: EplbSchedule, num_ranks: int) -> Rebalancer:
+    """vLLM's in-engine EPLB: its default policy at every boundary, from the placement in force."""
+
+    def rebalancer(load: np.ndarray, current: Placement, boundary: int) -> Placement:
+        return vllm_rebalance(
+            load,
+            num_ranks,
+            schedule.num_redundant_experts,
+            schedule.num_nodes,
+            schedule.num_groups,
+            previous=current,
+        )
+
+    return rebalancer
 
 
 def simulate_balance(
@@ -194,13 +236,15 @@ def simulate_balance(
     seed: int,
     num_ranks: int = 32,
     eplb: EplbSchedule | None = None,
-) -> float:
-    """Mean per-step vLLM balancedness over ``steps`` decode steps.
+    rebalancer: Rebalancer | None = None,
+) -> BalanceRun:
+    """Per-step vLLM balancedness over ``steps`` decode steps.
 
     Without ``eplb`` the placement is vLLM's contiguous default. With it, the run starts in
-    steady state: ``window_size`` unmeasured steps are recorded first, then the placement is
-    rebuilt from scratch (global or hierarchical policy per ``eplb``) at measured step 0 and
-    every ``step_interval`` steps, each time from the load of the preceding ``window_size`` steps.
+    steady state: ``window_size`` unmeasured steps are recorded first and the placement is built
+    from scratch from them (vLLM's policy) at measured step 0; then at every ``step_interval``
+    the rebalancer (default: vLLM's in-engine EPLB) runs on the load of the preceding
+    ``window_size`` steps, and its placement is in force ``switch_delay`` steps later.
     """
     if steps <= 0:
         raise ValueError("steps must be positive")
@@ -208,24 +252,42 @@ def simulate_balance(
     popularity = ExpertPopularity(model, skew, drift_rng)
     placement = Placement.contiguous(model.layers, model.experts, num_ranks)
     window_load = np.zeros((model.layers, model.experts), dtype=np.int64)
+    if eplb is not None and rebalancer is None:
+        rebalancer = vllm_rebalancer(eplb, num_ranks)
+    delay = model.layers if eplb is None or eplb.switch_delay is None else eplb.switch_delay
     next_rebalance = 0
+    pending: tuple[int, Placement] | None = None
+    switches: list[tuple[Placement, Placement]] = []
+    series: list[np.ndarray] = []
+    skipped = 0
     step = -eplb.window_size if eplb is not None else 0
-    total_balance = 0.0
     while step < steps:
-        block = min(_BLOCK_STEPS, steps - step)
-        if eplb is not None:
+        block = min(BLOCK_STEPS, steps - step)
+        if pending is not None and step >= pending[0]:
+            switches.append((placement, pending[1]))
+            placement, pending = pending[1], None
+        if eplb is not None and rebalancer is not None:
             if step == next_rebalance:
-                placement = vllm_rebalance(
-                    window_load,
-                    num_ranks,
-                    eplb.num_redundant_experts,
-                    eplb.num_nodes,
-                    eplb.num_groups,
-                )
+                if step == 0:  # the steady state the run starts in
+                    placement = vllm_rebalance(
+                        window_load,
+                        num_ranks,
+                        eplb.num_redundant_experts,
+                        eplb.num_nodes,
+                        eplb.num_groups,
+                    )
+                else:
+                    new = rebalancer(window_load.copy(), placement, step)
+                    if new is None:
+                        skipped += 1
+                    else:
+                        pending = (step + delay, new)
                 window_load[:] = 0
                 next_rebalance += eplb.step_interval
             window_start = next_rebalance - eplb.window_size
             block = min(block, next_rebalance - step)
+            if pending is not None:
+                block = min(block, max(pending[0] - step, 1))
             if step < window_start:
                 block = min(block, window_start - step)
         loads = sample_load(
@@ -234,7 +296,8 @@ def simulate_balance(
         if eplb is not None and step >= next_rebalance - eplb.window_size:
             window_load += loads.sum(axis=0)
         if step >= 0:
-            total_balance += float(balance_per_step(loads, placement).sum())
+            series.append(balance_per_step(loads, placement))
         popularity.advance(block)
         step += block
-    return total_balance / steps
+    per_step = np.concatenate(series)
+    return BalanceRun(float(per_step.mean()), per_step, tuple(switches), skipped)

@@ -5,18 +5,27 @@ MTP, of the draft model (``sim.experts``); the placement in force turns that int
 and its balance sets the step's MoE time (``sim.perf``).
 
 Who re-places experts:
-- ``--enable-eplb`` alone: the engine does, as vLLM does inside the engine: every
+- ``--enable-eplb`` alone: the engine does, as vLLM 0.33 does inside the engine: every
   ``step_interval`` steps from the load of the last ``window_size`` steps, with vLLM's default
-  policy (``baton.core.vllm_eplb``), switching at once.
-- with ``--eplb-agent-port``: the Baton EPLB service does, through the agent's two-phase
+  policy (``baton.core.vllm_eplb``, which keeps only the experts that stay on the same GPU).
+- with ``--eplb-agent-port``: Baton's EPLB service does, through the agent's two-phase
   Prepare/Commit (``sim.agent``); the engine never rebalances on its own.
+
+A switch costs what moving its experts costs (:class:`ExpertTransfer`). As vLLM's asynchronous
+EPLB worker does, the new weights are copied one MoE layer per decode step, model by model
+(target, then draft), while decode goes on; each such step is longer by the NVLink time of that
+layer's largest per-rank copy (``sim.perf.expert_copy_seconds``). In-engine, a layer runs on its
+new placement from the step after its copy; a staged switch (the agent's Prepare) copies the same
+way and switches every layer at once at its committed step. A whole DEP32 rebalance of the
+target model therefore takes 43 decode steps (about 0.7 s at 16-17 ms a step), the study's "under
+one second for the whole DEP32 without pausing decode".
 
 Step counting follows vLLM: only steps with real decode tokens count (dummy steps do not).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,8 +42,17 @@ from sim.experts import (
     physical_load,
     sample_load,
 )
+from sim.perf import switch_copy_seconds
 
-__all__ = ["LoadListener", "MoERuntime", "ModelState", "StagedSwitch", "initial_placement"]
+__all__ = [
+    "ExpertTransfer",
+    "LoadListener",
+    "MoERuntime",
+    "MoEStep",
+    "ModelState",
+    "StagedSwitch",
+    "initial_placement",
+]
 
 # Popularity drifts over tens of thousands of steps: advancing it every few steps is exact to
 # well within sampling noise and keeps a step cheap.
@@ -54,6 +72,45 @@ def initial_placement(model: MoEModel, num_ranks: int, num_redundant: int) -> Pl
         )
     row = np.arange(physical, dtype=np.int64) % model.experts
     return Placement(np.tile(row, (model.layers, 1)), num_ranks, model.experts)
+
+
+@dataclass(frozen=True, slots=True)
+class MoEStep:
+    """What one decode step's MoE costs: each model's balance and the expert copy it carries."""
+
+    target_balance: float
+    draft_balance: float
+    copy_s: float  # NVLink seconds of this step's share of a switch's weight copies
+
+
+@dataclass(slots=True)
+class ExpertTransfer:
+    """The expert weights one switch copies, one (model, layer) per decode step in order.
+
+    ``layers`` holds each layer's copy time (its largest per-rank copy over NVLink); with
+    ``switch_each_layer`` (in-engine) a layer runs on its new placement once copied, otherwise
+    the copies are only staged. ``on_copy`` is told of each copy (the agent waits on it).
+    """
+
+    switch_id: str
+    placements: Mapping[str, Placement]
+    layers: tuple[tuple[str, int, float], ...]
+    switch_each_layer: bool
+    copied: int = 0
+    on_copy: Callable[[], None] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.copied == len(self.layers)
+
+    @property
+    def next_seconds(self) -> float:
+        return self.layers[self.copied][2] if not self.done else 0.0
+
+    @property
+    def seconds(self) -> float:
+        """The NVLink time of every copy, end to end."""
+        return sum(seconds for _, _, seconds in self.layers)
 
 
 @dataclass(slots=True)
@@ -109,13 +166,16 @@ class MoERuntime:
         self.internal_eplb = config.enable_eplb and config.eplb_agent_port is None
         self.step = 0
         self.listeners: list[LoadListener] = []
+        self.transfer: ExpertTransfer | None = None  # the switch whose weights are moving
+        self._switches = 0  # in-engine switches so far, for their ids
 
-    def step_balances(self, target_tokens: int, draft_tokens: int) -> tuple[float, float]:
-        """Route one decode step; returns (target balance, draft balance)."""
+    def step_balances(self, target_tokens: int, draft_tokens: int) -> MoEStep:
+        """Route one decode step; its balances and the expert copy it carries."""
         if self.step % _DRIFT_EVERY == 0:
             for state in self.models.values():
                 state.popularity.advance(_DRIFT_EVERY)
         balances = {}
+        windows: dict[str, np.ndarray] = {}
         for name, state in self.models.items():
             tokens = target_tokens if name == TARGET.name else draft_tokens
             logical, balances[name] = state.route(tokens)
@@ -124,13 +184,67 @@ class MoERuntime:
                 for listener in self.listeners:
                     listener(name, self.step, physical, state.version)
             if self.internal_eplb:
-                self._record_window(state, logical)
+                window = self._record_window(state, logical)
+                if window is not None:
+                    windows[name] = window
+        copy_s = self.copy_next_layer()  # this step carries one layer of a switch in progress
+        if windows:
+            self._rebalance(windows)
         self.step += 1
         for state in self.models.values():
             self._maybe_switch(state)
-        return balances.get(TARGET.name, 1.0), balances.get(DRAFT.name, 1.0)
+        return MoEStep(balances.get(TARGET.name, 1.0), balances.get(DRAFT.name, 1.0), copy_s)
 
-    def _record_window(self, state: ModelState, logical: np.ndarray) -> None:
+    def stage(
+        self, switch_id: str, placements: Mapping[str, Placement], apply_at_step: int
+    ) -> ExpertTransfer:
+        """Start copying a switch's weights without switching (the agent's Prepare)."""
+        for name, placement in placements.items():
+            self.models[name].staged = StagedSwitch(switch_id, placement, apply_at_step)
+        self.transfer = self._transfer(switch_id, placements, switch_each_layer=False)
+        return self.transfer
+
+    def staging(self, switch_id: str) -> bool:
+        """The switch's weights are still being copied."""
+        return self.transfer is not None and self.transfer.switch_id == switch_id
+
+    def abort(self, switch_id: str) -> bool:
+        """Drop a staged switch (committed or not, until it takes effect) and its copies."""
+        dropped = False
+        for state in self.models.values():
+            if state.staged is not None and state.staged.switch_id == switch_id:
+                state.staged = None
+                dropped = True
+        if self.transfer is not None and self.transfer.switch_id == switch_id:
+            self.transfer = None
+        return dropped
+
+    def copy_next_layer(self) -> float:
+        """Copy the next layer of the switch in progress; its NVLink seconds (0: none)."""
+        transfer = self.transfer
+        if transfer is None or transfer.done:
+            return 0.0
+        name, layer, seconds = transfer.layers[transfer.copied]
+        transfer.copied += 1
+        if transfer.switch_each_layer:
+            state = self.models[name]
+            rows = np.arange(state.model.layers)[:, None] == layer
+            new = transfer.placements[name]
+            state.placement = Placement(
+                np.where(rows, new.phy2log, state.placement.phy2log),
+                self.num_ranks,
+                state.model.experts,
+            )
+            if layer == state.model.layers - 1:
+                state.version += 1
+        if transfer.done:
+            self.transfer = None
+        if transfer.on_copy is not None:
+            transfer.on_copy()
+        return seconds
+
+    def _record_window(self, state: ModelState, logical: np.ndarray) -> np.ndarray | None:
+        """Add a step's load to the window; the whole window at its rebalance step."""
         eplb = self.config.eplb
         position = self.step % eplb.step_interval
         if position == eplb.step_interval - eplb.window_size:
@@ -138,11 +252,40 @@ class MoERuntime:
         if state.window is not None:
             state.window += logical
         if position == eplb.step_interval - 1 and state.window is not None:
-            state.placement = vllm_rebalance(
-                state.window, self.num_ranks, eplb.num_redundant_experts, previous=state.placement
+            window, state.window = state.window, None
+            return window
+        return None
+
+    def _rebalance(self, windows: Mapping[str, np.ndarray]) -> None:
+        """vLLM's in-engine rebalance: a new placement per model, copied layer by layer. A
+        switch still copying when the next one is due keeps going; that one is skipped."""
+        if self.transfer is not None:
+            return
+        eplb = self.config.eplb
+        placements = {
+            name: vllm_rebalance(
+                window,
+                self.num_ranks,
+                eplb.num_redundant_experts,
+                previous=self.models[name].placement,
             )
-            state.version += 1
-            state.window = None
+            for name, window in windows.items()
+        }
+        self._switches += 1
+        self.transfer = self._transfer(
+            f"in-engine-{self._switches}", placements, switch_each_layer=True
+        )
+
+    def _transfer(
+        self, switch_id: str, placements: Mapping[str, Placement], *, switch_each_layer: bool
+    ) -> ExpertTransfer:
+        layers = []
+        for name, placement in placements.items():
+            seconds = switch_copy_seconds(
+                self.config.profile, self.models[name].placement, placement
+            )
+            layers += [(name, layer, float(copy)) for layer, copy in enumerate(seconds)]
+        return ExpertTransfer(switch_id, placements, tuple(layers), switch_each_layer)
 
     def _maybe_switch(self, state: ModelState) -> None:
         staged = state.staged

@@ -138,7 +138,7 @@ class NixlSide:
     def _arm(self, lease: _Lease) -> None:
         if lease.timer is not None:
             lease.timer.cancel()
-        delay = (lease.expires_at - self.group.clock.now()) * self.group.clock.time_scale
+        delay = (lease.expires_at - self.group.clock.now()) * self.group.sim_clock.time_scale
         lease.timer = asyncio.get_running_loop().call_later(max(0.0, delay), self._expire, lease)
 
     def _expire(self, lease: _Lease) -> None:
@@ -246,7 +246,7 @@ class NixlSide:
         missing = request.prompt_tokens - request.cached_tokens
         try:
             while rank.stalled_until > self.group.clock.now():  # a stalled rank loads nothing
-                await self.group.clock.sleep(rank.stalled_until - self.group.clock.now())
+                await self.group.sim_clock.sleep(rank.stalled_until - self.group.clock.now())
             url = f"http://{params['remote_host']}:{params['remote_port']}/nixl/read"
             block_ids = params.get("remote_block_ids")
             payload = {
@@ -272,7 +272,7 @@ class NixlSide:
             return
         nvlink = self.config.profile.nvlink
         seconds = nvlink.latency_s + moved / nvlink.bandwidth_bytes_per_s
-        await self.group.clock.sleep(seconds)
+        await self.group.sim_clock.sleep(seconds)
         if request.finished:
             return
         blocks = sum(len(group) for group in block_ids) if isinstance(block_ids, list) else 0
@@ -283,6 +283,7 @@ class NixlSide:
         request.num_computed = request.prompt_tokens
         # vLLM's decode engine reports every prompt token as cached: it computed none.
         request.cached_tokens = request.prompt_tokens
+        assert request.allocation is not None  # a request waits for its KV with its blocks held
         self.group.ranks[request.dp_rank].cache.register(
             request.allocation, request.hashes, request.num_computed
         )
@@ -322,14 +323,15 @@ class NixlSide:
         for rank_id in self.local_ranks:
             for request in self.group.ranks[rank_id].loading:
                 params = request.remote_prefill or {}
-                key = (str(params.get("remote_host")), int(params.get("remote_port", 0)))  # type: ignore[call-overload]
+                port = params.get("remote_port")
+                key = (str(params.get("remote_host")), port if isinstance(port, int) else 0)
                 pending.setdefault(key, []).append(str(params.get("remote_request_id")))
         return pending
 
     async def _heartbeats(self) -> None:
         interval = self.config.kv_transfer.lease_duration_s / 6
         while True:
-            await self.group.clock.sleep(interval)
+            await self.group.sim_clock.sleep(interval)
             for (host, port), request_ids in self.pending_pulls().items():
                 try:
                     assert self._session is not None

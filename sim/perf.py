@@ -5,7 +5,7 @@ once per step; the calibration tests call it with the study's shapes (docs/simul
 
 A step of a DP group (wide-EP lockstep: every rank runs every layer together):
 
-    step = max over ranks of rank_time + MoE time + draft time          (decode tokens present)
+    step = max over ranks of rank_time + MoE time + draft time + EPLB copy   (decode tokens present)
     rank_time = rest_fixed + rest_per_token * q + attention * sum(context * query tokens)
                 + prefill_overhead + sum over chunks n * (per_token + per_token_context * (c + n/2))
     MoE = moe_fixed + moe_per_token * (mean routed tokens per rank / balance) * reference_balance
@@ -15,6 +15,13 @@ A step of a DP group (wide-EP lockstep: every rank runs every layer together):
 cost throughput. MoE is set by the most loaded expert rank: mean / balance is that rank's load,
 and the figure was measured at ``reference_balance``. The draft (DSpark MTP) forward runs once per
 draft token over every request.
+
+A step that carries an EPLB switch's copy of one layer's expert weights (``sim.moe``) is longer
+by the copy's NVLink time (``expert_copy_seconds``: the most experts any one rank receives in
+that layer, times an expert's bytes, over one GPU's NVLink bandwidth). The copy shares the links
+the MoE's dispatch and combine use, and at decode batch sizes those are latency-bound exchanges
+that a bulk copy on the same links delays by about its own duration: the assumption is that the
+step pays all of it, an upper bound.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from baton.core.experts import Placement, moves_per_rank
 from sim.profile import Profile
 
 __all__ = [
@@ -29,8 +39,10 @@ __all__ = [
     "RankBatch",
     "StepTime",
     "expected_tokens_per_step",
+    "expert_copy_seconds",
     "prefill_chunk_seconds",
     "step_seconds",
+    "switch_copy_seconds",
 ]
 
 
@@ -59,6 +71,7 @@ class StepTime:
     rest_s: float
     draft_s: float
     prefill_s: float
+    eplb_s: float = 0.0  # an EPLB switch's weight copy carried by this step
 
 
 def prefill_chunk_seconds(profile: Profile, chunk: PrefillChunk) -> float:
@@ -92,6 +105,7 @@ def step_seconds(
     num_speculative_tokens: int = 0,
     target_balance: float = 1.0,
     draft_balance: float = 1.0,
+    eplb_copy_s: float = 0.0,
 ) -> StepTime:
     """Simulated duration of one lockstep step of a DP group running ``ranks``."""
     d = profile.decode
@@ -117,9 +131,22 @@ def step_seconds(
             d.draft_fixed_s
             + d.draft_per_token_s * mean_requests * d.reference_balance / max(draft_balance, 1e-6)
         )
-    return StepTime(slowest + moe + draft, moe, slowest_rest, draft, slowest_prefill)
+    total = slowest + moe + draft + eplb_copy_s
+    return StepTime(total, moe, slowest_rest, draft, slowest_prefill, eplb_copy_s)
 
 
 def expected_tokens_per_step(num_speculative_tokens: int, acceptance_rate: float) -> float:
     """Mean tokens a request emits per step with MTP: 1 + sum over positions of a^i."""
     return 1.0 + sum(acceptance_rate**i for i in range(1, num_speculative_tokens + 1))
+
+
+def expert_copy_seconds(profile: Profile, experts: int) -> float:
+    """NVLink time for one GPU to receive ``experts`` routed experts' weights."""
+    return experts * profile.decode.expert_bytes / profile.nvlink.bandwidth_bytes_per_s
+
+
+def switch_copy_seconds(profile: Profile, previous: Placement, new: Placement) -> np.ndarray:
+    """Each layer's copy time in a switch from ``previous`` to ``new``, ``[layers]``: the most
+    experts any rank receives in that layer (they arrive over its own links in parallel)."""
+    largest = moves_per_rank(previous, new).max(axis=1)
+    return largest * (profile.decode.expert_bytes / profile.nvlink.bandwidth_bytes_per_s)

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from baton.core.model import EXPERT_BYTES
 from eplb.cli import main
 from eplb.config import load_config
 
@@ -19,7 +20,7 @@ def test_a_minimal_file_takes_the_documented_defaults(tmp_path: Path) -> None:
     policy = config.policy
     assert (policy.window_size, policy.step_interval) == (500, 500)
     assert (policy.min_gain, policy.tolerance) == (0.002, 0.005)
-    assert config.expert_bytes_of("draft") == 2.2e7
+    assert config.expert_bytes_of("draft") == EXPERT_BYTES
     assert config.groups[0].agents == ("h:1",)
 
 
