@@ -29,6 +29,7 @@ lint: $(STAMP) proto
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # The operator tests' Kubernetes binaries, built from Go modules before pytest starts (10-20
 # minutes on a new machine, then cached in ~/.cache/baton): a test only finds them.

@@ -312,9 +312,9 @@ def render_text(plan: Plan, topology: Topology, shapes: Sequence[DeploymentShape
         lines.append(f"  {cell.name}  domain {cell.domain}  {summary}")
     if plan.unplaced:
         lines += ["", "unplaced"]
-    for cell in plan.unplaced:
-        lines.append(f"  {cell.name}: {cell.reason}: {cell.message}")
-        lines += [f"    {line}" for line in cell.domains]
+    for unplaced in plan.unplaced:
+        lines.append(f"  {unplaced.name}: {unplaced.reason}: {unplaced.message}")
+        lines += [f"    {line}" for line in unplaced.domains]
     if plan.moved:
         lines += ["", "moved"]
         lines += [f"  {move.pod}: {move.source} -> {move.target}" for move in plan.moved]

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypedDict
 
 import httpx
 import yaml
@@ -34,7 +35,24 @@ from controller.placement import DeploymentShape, Plan, plan_placement
 from controller.topology import synthetic_topology
 from rigs.processes import free_port_block, stop_process, wait_healthy
 
-__all__ = ["StackLayout", "layout_stack", "main"]
+__all__ = ["DecodeServerEntry", "PoolCell", "PoolFile", "StackLayout", "layout_stack", "main"]
+
+
+class DecodeServerEntry(TypedDict):
+    url: str
+    ranks: list[int]
+
+
+class PoolCell(TypedDict):
+    name: str
+    prefill: list[str]
+    decode: list[DecodeServerEntry]
+
+
+class PoolFile(TypedDict):
+    """The gateway's pool file, as this command writes and then reads it."""
+
+    cells: list[PoolCell]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,16 +60,16 @@ class StackLayout:
     """What to start for a plan: the simulator's cluster file, the gateway's pool file, and the
     EPLB service's configuration (every decode group's agent)."""
 
-    cluster: dict[str, object]
-    pool: dict[str, object]
-    eplb: dict[str, object]
+    cluster: dict[str, Any]
+    pool: PoolFile
+    eplb: dict[str, Any]
 
 
 def layout_stack(plan: Plan, *, time_scale: float, gpus_per_tray: int = 4) -> StackLayout:
     """Engines at the placed roles, on free loopback ports, and the pool that routes to them."""
     decode_groups: list[dict[str, object]] = []
     prefill: list[dict[str, object]] = []
-    cells: list[dict[str, object]] = []
+    cells: list[PoolCell] = []
     eplb_groups: list[dict[str, object]] = []
     for cell in plan.cells:
         servers = len(cell.decode_trays)
@@ -173,7 +191,7 @@ def _run(plan: Plan, args: argparse.Namespace) -> int:
                 [*python, "sim", "--cluster", str(cluster_file), "--log-level", "warning"]
             )
             processes.append(engines)
-            for cell in layout.pool["cells"]:  # type: ignore[union-attr]
+            for cell in layout.pool["cells"]:
                 for url in [*cell["prefill"], *(d["url"] for d in cell["decode"])]:
                     wait_healthy(url, engines, timeout=120)
             eplb_metrics = args.eplb_metrics_port or free_port_block(1)
@@ -229,7 +247,6 @@ def _run(plan: Plan, args: argparse.Namespace) -> int:
 
 def _print_urls(layout: StackLayout, gateway_url: str, eplb_metrics: str) -> None:
     cells = layout.pool["cells"]
-    assert isinstance(cells, list)
     print(f"\nBaton is up: OpenAI API at {gateway_url}/v1 (model {SERVED_MODEL_NAME})")
     print(f"  gateway metrics   {gateway_url}/metrics")
     print(f"  EPLB metrics      {eplb_metrics}")

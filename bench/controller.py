@@ -123,7 +123,10 @@ def _scenario(cells: int, directory: Path) -> dict[str, object]:
         marks: dict[str, float] = {}
         done = threading.Event()
         wanted = cells * PODS_PER_CELL
-        since = core.list_namespaced_pod(namespace, limit=1).metadata.resource_version
+        listing = core.list_namespaced_pod(namespace, limit=1)
+        # The API server answers every list with its metadata and resourceVersion.
+        assert listing.metadata is not None and listing.metadata.resource_version is not None
+        since = listing.metadata.resource_version
         watcher = threading.Thread(
             target=_watch_running,
             args=(api, namespace, since, wanted, done, marks),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.core.model import SERVED_MODEL_NAME
@@ -27,6 +28,10 @@ SESSIONS = 32
 TURNS = 6
 REPLY_TOKENS = 384  # long enough for the EPLB service to see full windows and rebalance
 SYSTEM = "You are a coding agent working on a GB300 NVL72 rack. Tools: shell, editor. " * 40
+
+
+# (sample name, its sorted labels) -> value, from a /metrics page
+_Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +44,7 @@ class Turn:
 
 
 def _session(client: openai.OpenAI, session: int) -> list[Turn]:
-    messages = [
+    messages: list[ChatCompletionMessageParam] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"Session {session}: the tests fail; find out why."},
     ]
@@ -64,13 +69,16 @@ def _session(client: openai.OpenAI, session: int) -> list[Turn]:
                 text.append(chunk.choices[0].delta.content)
             usage = chunk.usage or usage
         assert first is not None and usage is not None
+        # The simulated engines, and so the gateway, always report cached prompt tokens.
+        details = usage.prompt_tokens_details
+        assert details is not None and details.cached_tokens is not None
         turns.append(
             Turn(
                 first - started,
                 time.perf_counter() - started,
                 usage.completion_tokens,
                 usage.prompt_tokens,
-                usage.prompt_tokens_details.cached_tokens,
+                details.cached_tokens,
             )
         )
         tool_output = f"$ pytest -x\n... test_{turn} failed: {'E ' * 200}\n"
@@ -81,7 +89,7 @@ def _session(client: openai.OpenAI, session: int) -> list[Turn]:
     return turns
 
 
-def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def _samples(url: str) -> _Samples:
     text = httpx.get(f"{url}/metrics", timeout=5).text
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -90,7 +98,7 @@ def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def _sum(samples: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
+def _sum(samples: _Samples, name: str, **labels: str) -> float:
     return sum(
         value
         for (sample, sample_labels), value in samples.items()
@@ -98,7 +106,7 @@ def _sum(samples: dict, name: str, **labels: str) -> float:  # type: ignore[type
     )
 
 
-def _eplb_rows(eplb: dict) -> list[tuple[str, str]]:  # type: ignore[type-arg]
+def _eplb_rows(eplb: _Samples) -> list[tuple[str, str]]:
     rows = []
     for model in ("target", "draft"):
         committed = _sum(eplb, "baton_eplb_rebalances_total", model=model, outcome="committed")
@@ -174,7 +182,7 @@ def main() -> int:
         print(f"\nbaton up stopped (exit {up.returncode}).")
 
 
-def _report(turns: list[Turn], elapsed: float, gateway: dict, eplb: dict) -> None:  # type: ignore[type-arg]
+def _report(turns: list[Turn], elapsed: float, gateway: _Samples, eplb: _Samples) -> None:
     ttft = [t.ttft_s * 1000 for t in turns]
     itl = [(t.seconds - t.ttft_s) / (t.output_tokens - 1) * 1000 for t in turns]
     output = sum(t.output_tokens for t in turns)

@@ -32,6 +32,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import aiohttp
 import yaml
@@ -55,6 +56,17 @@ class Scenario:
     token_delay_s: float
     requests_per_stream: int
     max_tokens: int
+
+
+# One measurement: the target's and scenario's names, then figures.
+_Row = dict[str, str | float]
+
+
+class _Result(TypedDict):
+    scenario: str
+    rounds: list[_Row]
+    median: dict[str, dict[str, float]]  # target -> figure -> median over the rounds
+    ratios: dict[str, float]
 
 
 SCENARIOS = (
@@ -161,7 +173,7 @@ async def _load(url: str, scenario: Scenario) -> tuple[float, int, list[tuple[in
 
 def _measure(
     target: str, url: str, process: subprocess.Popen[bytes] | None, scenario: Scenario
-) -> dict[str, object]:
+) -> _Row:
     before = cpu_seconds(process.pid) if process is not None else 0.0
     phases_before = _baton_phases(url) if target == "baton" else {}
     elapsed, events, turns = asyncio.run(_load(url, scenario))
@@ -169,7 +181,7 @@ def _measure(
     ttfts = sorted(ttft for _, ttft in turns)
     first = [ttft for turn, ttft in turns if turn == 0]
     later = [ttft for turn, ttft in turns if turn > 0]
-    row: dict[str, object] = {
+    row: _Row = {
         "target": target,
         "scenario": scenario.name,
         "chunks": events,
@@ -247,10 +259,10 @@ def _routers(prefill: str, decode: str) -> dict[str, tuple[subprocess.Popen[byte
     }
 
 
-def _scenario(directory: Path, scenario: Scenario, rounds: int) -> list[dict[str, object]]:
+def _scenario(directory: Path, scenario: Scenario, rounds: int) -> list[_Row]:
     profile = _profile(directory, scenario.token_delay_s)
     processes: list[subprocess.Popen[bytes]] = []
-    rows: list[dict[str, object]] = []
+    rows: list[_Row] = []
     try:
         prefill_process, prefill = _engine(profile, "prefill")
         decode_process, decode = _engine(profile, "decode")
@@ -270,13 +282,13 @@ def _scenario(directory: Path, scenario: Scenario, rounds: int) -> list[dict[str
     return rows
 
 
-def _median(rows: list[dict[str, object]], target: str, key: str) -> float:
+def _median(rows: list[_Row], target: str, key: str) -> float:
     return statistics.median(float(r[key]) for r in rows if r["target"] == target)
 
 
 def run(quick: bool = False) -> dict[str, object]:
     rounds = 1 if quick else 3
-    results = []
+    results: list[_Result] = []
     with tempfile.TemporaryDirectory() as directory:
         for scenario in SCENARIOS:
             rows = _scenario(Path(directory), scenario, rounds)
@@ -323,7 +335,7 @@ def run(quick: bool = False) -> dict[str, object]:
     }
 
 
-def _print(results: list[dict[str, object]]) -> None:
+def _print(results: list[_Result]) -> None:
     header = (
         "scenario",
         "target",
@@ -335,10 +347,10 @@ def _print(results: list[dict[str, object]]) -> None:
     )
     print("  ".join(f"{h:>14}" for h in header))
     for result in results:
-        for target, figures in result["median"].items():  # type: ignore[union-attr]
+        for target, figures in result["median"].items():
             added = figures.get("added_ttft_p50_ms")
             cells = (
-                str(result["scenario"])[:14],
+                result["scenario"][:14],
                 target,
                 f"{figures['router_cpu_us_per_chunk']:.1f}" if target != "direct" else "-",
                 f"{figures['chunks_per_s']:.0f}",
@@ -350,18 +362,18 @@ def _print(results: list[dict[str, object]]) -> None:
         ratios = result["ratios"]
         print(
             f"  {result['scenario']}: Baton CPU/chunk = "
-            f"{ratios['cpu_per_chunk_baton_over_vllm_router']:.2f}x vllm-router's "  # type: ignore[index]
+            f"{ratios['cpu_per_chunk_baton_over_vllm_router']:.2f}x vllm-router's "
             f"(target <= 0.8x); Baton added TTFT p50 - vllm-router's = "
-            f"{ratios['added_ttft_p50_baton_minus_vllm_router_ms']:+.1f} ms "  # type: ignore[index]
+            f"{ratios['added_ttft_p50_baton_minus_vllm_router_ms']:+.1f} ms "
             f"(target <= 0)",
             flush=True,
         )
         turns = ", ".join(
-            f"{target} {figures['ttft_p50_first_turn_ms']:.0f}/"  # type: ignore[index]
-            f"{figures['ttft_p50_later_turns_ms']:.0f} ms"  # type: ignore[index]
-            for target, figures in result["median"].items()  # type: ignore[union-attr]
+            f"{target} {figures['ttft_p50_first_turn_ms']:.0f}/"
+            f"{figures['ttft_p50_later_turns_ms']:.0f} ms"
+            for target, figures in result["median"].items()
         )
-        baton = result["median"]["baton"]  # type: ignore[index]
+        baton = result["median"]["baton"]
         print(
             f"    TTFT p50 of each stream's first request / of its later ones: {turns}; "
             f"Baton's own means: prefill {baton['prefill_mean_ms']:.1f} ms, "

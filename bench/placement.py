@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 from controller.placement import DecodeShape, DeploymentShape, Plan, PrefillShape, plan_placement
 from controller.topology import Topology, parse_topology, synthetic_nodes
@@ -55,7 +56,7 @@ def run(quick: bool = False) -> dict[str, object]:
         "1 spare": DecodeShape(32, 4, 1),
         "no spare": DecodeShape(32, 4, 0),
     }
-    rows: list[dict[str, object]] = []
+    rows: list[dict[str, Any]] = []  # JSON records of the report
     topologies: dict[int, Topology] = {}
     for racks in sizes:
         nodes = synthetic_nodes(racks)
@@ -101,7 +102,7 @@ def run(quick: bool = False) -> dict[str, object]:
     failed = parse_topology(synthetic_nodes(largest, failed=[victim]))
     replan_s, after = _timed(shape, failed, before, repeats)
     unchanged_s, same = _timed(shape, topology, before, repeats)
-    replan = {
+    replan: dict[str, Any] = {
         "racks": largest,
         "failed_tray": victim,
         "replan_after_failure_s": replan_s,

@@ -19,5 +19,5 @@ def cpu_seconds(pid: int) -> float:
 
 def pin(pid: int, core: int) -> None:
     """Pin ``pid`` to ``core`` when the machine has it (a no-op on one core)."""
-    if core < os.cpu_count():
+    if core < (os.cpu_count() or 1):  # None: the count is unknown
         os.sched_setaffinity(pid, {core})

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import TypedDict
 
 import aiohttp
 
@@ -32,6 +33,23 @@ from sim.profile import DEFAULT_PROFILE, load_profile
 __all__ = ["run"]
 
 MAX_TOKENS = 256
+
+
+class _Measured(TypedDict):
+    streams: int
+    seconds: float
+    tokens: int
+    sse_events: int
+    tokens_per_s: float
+    sim_cpu_us_per_token: float
+    sim_core_share: float
+    itl_p50_ms: float
+
+
+class _Row(_Measured):
+    profile: str
+    modelled_step_ms: float
+    sustained: bool
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, gaps: list[float]) -> int:
@@ -58,7 +76,7 @@ async def _load(url: str, streams: int) -> tuple[float, int, list[float]]:
         return time.perf_counter() - started, sum(events), gaps
 
 
-def _measure(url: str, pid: int, streams: int) -> dict[str, float]:
+def _measure(url: str, pid: int, streams: int) -> _Measured:
     before = cpu_seconds(pid)
     elapsed, events, gaps = asyncio.run(_load(url, streams))
     cpu = cpu_seconds(pid) - before
@@ -80,7 +98,7 @@ def _modelled_step_ms(profile: str, streams: int) -> float:
     return step_seconds(load_profile(profile), [batch]).total_s * 1000
 
 
-def _run_profile(profile: str, counts: list[int]) -> list[dict[str, object]]:
+def _run_profile(profile: str, counts: list[int]) -> list[_Row]:
     port = free_port()
     command = [
         sys.executable,
@@ -98,18 +116,25 @@ def _run_profile(profile: str, counts: list[int]) -> list[dict[str, object]]:
     ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    rows: list[dict[str, object]] = []
+    rows: list[_Row] = []
     try:
         pin(process.pid, 0)
         pin(os.getpid(), 1)
         wait_healthy(url, process)
         for streams in counts:
-            row: dict[str, object] = {"profile": profile, **_measure(url, process.pid, streams)}
-            row["modelled_step_ms"] = _modelled_step_ms(profile, streams)
-            row["sustained"] = (
-                row["sim_core_share"] < 0.9 and row["itl_p50_ms"] <= 1.1 * row["modelled_step_ms"]
+            measured = _measure(url, process.pid, streams)
+            modelled = _modelled_step_ms(profile, streams)
+            rows.append(
+                {
+                    "profile": profile,
+                    **measured,
+                    "modelled_step_ms": modelled,
+                    "sustained": (
+                        measured["sim_core_share"] < 0.9
+                        and measured["itl_p50_ms"] <= 1.1 * modelled
+                    ),
+                }
             )
-            rows.append(row)
     finally:
         stop_process(process)
     return rows
@@ -132,7 +157,7 @@ def run(quick: bool = False) -> dict[str, object]:
     print("  ".join(f"{name:>11}" for name in header))
     for row in rows:
         cells = (
-            "calibrated" if row["profile"] == calibrated else str(row["profile"]),
+            "calibrated" if row["profile"] == calibrated else row["profile"],
             f"{row['streams']}",
             f"{row['tokens_per_s']:.0f}",
             f"{row['sim_cpu_us_per_token']:.1f}",
@@ -143,7 +168,7 @@ def run(quick: bool = False) -> dict[str, object]:
         )
         print("  ".join(f"{cell:>11}" for cell in cells))
     sustained = [r["streams"] for r in rows if r["profile"] == calibrated and r["sustained"]]
-    ceiling = max(float(r["tokens_per_s"]) for r in rows if r["profile"] == "instant")
+    ceiling = max(r["tokens_per_s"] for r in rows if r["profile"] == "instant")
     print(
         f"sustained in real time: {max(sustained, default=0)} streams; "
         f"ceiling on one core: {ceiling:.0f} tokens/s",

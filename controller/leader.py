@@ -99,6 +99,7 @@ class LeaseElector:
             log.warning("reading lease: %s", exc)
             return False
         spec = lease.spec
+        assert spec is not None  # the API server always answers a spec ({} when nobody holds it)
         holder = spec.holder_identity or None
         renewed = spec.renew_time.isoformat() if spec.renew_time else None
         if (holder, renewed) != self._observed:
@@ -154,11 +155,13 @@ class LeaseElector:
         """Hand the Lease back so a standby need not wait out its duration."""
         try:
             lease = self._leases.read_namespaced_lease(self.name, self.namespace)
-            if lease.spec.holder_identity != self.identity:
+            spec = lease.spec
+            assert spec is not None  # always answered, as in _try_acquire_or_renew
+            if spec.holder_identity != self.identity:
                 return
-            lease.spec.holder_identity = None
-            lease.spec.lease_duration_seconds = 1
-            lease.spec.renew_time = _now()
+            spec.holder_identity = None
+            spec.lease_duration_seconds = 1
+            spec.renew_time = _now()
             self._leases.replace_namespaced_lease(self.name, self.namespace, lease)
             log.info("%s released the lease", self.identity)
         except (ApiException, Urllib3Error, OSError) as exc:

@@ -505,6 +505,8 @@ def _augment(
                 assigned[mover] = domain
                 if mover == cell:
                     return True
+                # Every other mover was queued as a domain's holder, so it had a domain to vacate.
+                assert vacated is not None
                 domain = vacated
     return False
 
@@ -573,10 +575,10 @@ def _changes(
                     moved.append(Move(decode_pod_name(cell.name, rank), source, target))
         old_trays = {instance.index: instance.tray for instance in old.prefill}
         for instance in cell.prefill:
-            source = old_trays.get(instance.index)
-            if source is not None and source != instance.tray:
+            old_tray = old_trays.get(instance.index)
+            if old_tray is not None and old_tray != instance.tray:
                 moved.append(
-                    Move(prefill_pod_name(cell.name, instance.index), source, instance.tray)
+                    Move(prefill_pod_name(cell.name, instance.index), old_tray, instance.tray)
                 )
     return tuple(moved), tuple(restarted)
 
@@ -599,10 +601,10 @@ def plan_placement(
     previous = {cell.name: cell for cell in current.cells} if current else {}
     for name in sorted(previous):
         old = previous[name]
-        shape = wanted.get(name)
-        if shape is None or old.domain in hosted:
+        wanted_shape = wanted.get(name)
+        if wanted_shape is None or old.domain in hosted:
             continue
-        cell = step.repair(old, shape)
+        cell = step.repair(old, wanted_shape)
         if cell is not None:
             placed[name] = cell
             hosted.add(cell.domain)

@@ -15,7 +15,6 @@ namespaces count as GPUs held by others.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -29,6 +28,7 @@ from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from baton.core.api import GROUP, KIND, PLURAL, VERSION
+from baton.core.kube import json_object, raw_json
 from baton.core.labels import (
     CELL_GATE,
     CLIQUE_LABEL,
@@ -251,7 +251,7 @@ class Controller:
                 raise
             self._no_compute_domains_until = time.monotonic() + 60.0
             return None
-        return json.loads(response.data)["items"]
+        return raw_json(response)["items"]
 
     def observe(self, namespace: str) -> Observed:
         return Observed(
@@ -393,7 +393,7 @@ class Controller:
                 if exc.status != 404:  # deleted meanwhile
                     raise
             else:
-                versions[deployment] = written["metadata"]["resourceVersion"]
+                versions[deployment] = json_object(written)["metadata"]["resourceVersion"]
         self._emit(namespace, actions.events)
         return versions
 
@@ -445,25 +445,28 @@ class Controller:
             if owner is None:
                 continue
             stamp = rfc3339(datetime.now(UTC))
-            body = {
-                "metadata": {"generateName": f"{event.deployment}.", "namespace": namespace},
-                "involvedObject": {
-                    "apiVersion": f"{GROUP}/{VERSION}",
-                    "kind": KIND,
-                    "name": event.deployment,
-                    "namespace": namespace,
-                    "uid": owner["metadata"]["uid"],
-                },
-                "type": event.type,
-                "reason": event.reason,
-                "message": event.message[:1024],
-                "source": {"component": "baton-controller"},
-                "firstTimestamp": stamp,
-                "lastTimestamp": stamp,
-                "count": 1,
-                "reportingComponent": "baton.dev/controller",
-                "reportingInstance": self.identity,
-            }
+            # The model the client would validate a dict body into: the request is the same.
+            body = client.CoreV1Event.model_validate(
+                {
+                    "metadata": {"generateName": f"{event.deployment}.", "namespace": namespace},
+                    "involvedObject": {
+                        "apiVersion": f"{GROUP}/{VERSION}",
+                        "kind": KIND,
+                        "name": event.deployment,
+                        "namespace": namespace,
+                        "uid": owner["metadata"]["uid"],
+                    },
+                    "type": event.type,
+                    "reason": event.reason,
+                    "message": event.message[:1024],
+                    "source": {"component": "baton-controller"},
+                    "firstTimestamp": stamp,
+                    "lastTimestamp": stamp,
+                    "count": 1,
+                    "reportingComponent": "baton.dev/controller",
+                    "reportingInstance": self.identity,
+                }
+            )
             self._count("create", "events")
             try:
                 self.core.create_namespaced_event(namespace, body)

@@ -9,7 +9,6 @@ them as they are, and thousands of pods need no model objects.
 from __future__ import annotations
 
 import heapq
-import json
 import logging
 import threading
 import time
@@ -19,6 +18,8 @@ from typing import Any
 from kubernetes import watch
 from kubernetes.client.rest import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
+
+from baton.core.kube import raw_json
 
 __all__ = ["Informer", "WorkQueue"]
 
@@ -62,7 +63,7 @@ class Informer:
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                version = self._relist()
+                version: str | None = self._relist()
                 self.synced.set()
                 while not stop.is_set() and version is not None:
                     version = self._watch_from(version)
@@ -78,7 +79,7 @@ class Informer:
 
     def _relist(self) -> str:
         response = self._list(_preload_content=False, **self._selectors)
-        listing = json.loads(response.data)
+        listing = raw_json(response)
         fresh = {_key(item): item for item in listing.get("items", [])}
         with self._lock:
             old, self._cache = self._cache, fresh

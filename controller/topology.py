@@ -35,6 +35,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -361,7 +362,7 @@ def synthetic_nodes(
     quarantined: Iterable[str] = (),
     split_cliques: int = 0,
     seed: int = 0,
-) -> list[dict[str, object]]:
+) -> list[dict[str, Any]]:
     """Node objects of ``racks`` NVL72-like racks, as ``kubectl get nodes -o json`` lists them.
 
     Trays are named by ``tray_name``. ``failed`` trays are not Ready; ``partly_used`` gives GPUs
@@ -377,7 +378,7 @@ def synthetic_nodes(
     split = set(rng.sample(range(racks), split_cliques))
     failed_set, quarantined_set = set(failed), set(quarantined)
     used = dict(partly_used or {})
-    nodes: list[dict[str, object]] = []
+    nodes: list[dict[str, Any]] = []
     for rack in range(racks):
         for slot in range(trays_per_rack):
             name = tray_name(rack, slot)

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+
 from baton.core.proto import eplb_agent_pb2 as pb
 from baton.core.proto import eplb_agent_pb2_grpc as pb_grpc
-
 from eplb.errors import AgentRejected, map_rpc_errors
 
 __all__ = ["AgentClient"]

@@ -34,10 +34,10 @@ import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
-from baton.core.proto import eplb_agent_pb2 as pb
 
 from baton.core.eplb_wire import decode_placement, decode_report, encode_placement
 from baton.core.experts import Placement, balance, rank_load
+from baton.core.proto import eplb_agent_pb2 as pb
 from eplb.client import AgentClient
 from eplb.config import EplbServiceConfig, GroupSource, GroupSpec
 from eplb.decide import Decision, Outcome, decide, due_boundary

@@ -24,6 +24,7 @@ from kubernetes.client.rest import ApiException
 
 from baton.core.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from baton.core.crd import CRD_PATH
+from baton.core.kube import json_object
 from baton.core.labels import HOSTNAME_LABEL
 from controller.topology import synthetic_nodes
 from rigs.processes import eventually, free_port, stop_process
@@ -34,6 +35,7 @@ __all__ = [
     "binaries_dir",
     "create_model_deployment",
     "install_crd",
+    "node_ready",
     "patch_model_deployment_spec",
     "read_model_deployment",
     "remove_trays",
@@ -249,25 +251,28 @@ def add_trays(
     nodes = synthetic_nodes(racks, trays_per_rack=trays_per_rack)
     for node in nodes:
         meta = node["metadata"]
-        meta["name"] = name_prefix + meta["name"]  # type: ignore[index,operator]
-        meta["labels"][HOSTNAME_LABEL] = meta["name"]  # type: ignore[index]
-        meta["annotations"][KWOK_ANNOTATION] = "fake"  # type: ignore[index]
+        meta["name"] = name_prefix + meta["name"]
+        meta["labels"][HOSTNAME_LABEL] = meta["name"]
+        meta["annotations"][KWOK_ANNOTATION] = "fake"
         status = node["status"]
         for field_name in ("allocatable", "capacity"):
-            status[field_name].update(TRAY_RESOURCES)  # type: ignore[index]
-        core.create_node(node)
-    names = {node["metadata"]["name"] for node in nodes}  # type: ignore[index]
+            status[field_name].update(TRAY_RESOURCES)
+        # The model the client would validate the dict into itself: the request is the same.
+        core.create_node(client.V1Node.model_validate(node))
+    names = {node["metadata"]["name"] for node in nodes}
 
     def all_ready() -> bool:
-        ready = {
-            n.metadata.name
-            for n in core.list_node().items
-            if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
-        }
+        ready = {n.metadata.name for n in core.list_node().items if n.metadata and node_ready(n)}
         return names <= ready
 
     eventually(all_ready, timeout=timeout, interval=0.5)
-    return nodes  # type: ignore[return-value]
+    return nodes
+
+
+def node_ready(node: client.V1Node) -> bool:
+    """Whether the node reports Ready (a fake tray does once kwok plays its kubelet)."""
+    conditions = node.status.conditions if node.status else None
+    return any(c.type == "Ready" and c.status == "True" for c in conditions or [])
 
 
 def remove_trays(api: client.ApiClient, nodes: list[dict[str, Any]]) -> None:
@@ -290,14 +295,18 @@ def create_model_deployment(
         "metadata": {"name": name},
         "spec": spec,
     }
-    return client.CustomObjectsApi(api).create_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, manifest
+    return json_object(
+        client.CustomObjectsApi(api).create_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, manifest
+        )
     )
 
 
 def read_model_deployment(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
-    return client.CustomObjectsApi(api).get_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, name
+    return json_object(
+        client.CustomObjectsApi(api).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name
+        )
     )
 
 
@@ -319,12 +328,10 @@ def install_crd(api: client.ApiClient) -> None:
     except ApiException as exc:
         if exc.status != 409:
             raise
-    eventually(
-        lambda: (
-            extensions.read_custom_resource_definition(
-                crd["metadata"]["name"]
-            ).status.accepted_names.kind
-            == KIND
-        ),
-        timeout=30,
-    )
+
+    def served() -> bool:
+        status = extensions.read_custom_resource_definition(crd["metadata"]["name"]).status
+        names = status.accepted_names if status else None
+        return names is not None and names.kind == KIND
+
+    eventually(served, timeout=30)

@@ -10,6 +10,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -19,6 +20,7 @@ __all__ = ["eventually", "free_port", "free_port_block", "stop_process", "wait_h
 # each check closes its sockets before the server binds them.
 _HANDED_OUT: set[int] = set()
 _RANDOM = random.Random(os.getpid())
+T = TypeVar("T")
 
 
 def _ephemeral_start() -> int:
@@ -62,10 +64,8 @@ def free_port() -> int:
     return free_port_block(1)
 
 
-def eventually(
-    check: Callable[[], object], timeout: float = 20.0, interval: float = 0.05
-) -> object:
-    """Poll ``check`` until it returns a truthy value or raise with its last error."""
+def eventually(check: Callable[[], T], timeout: float = 20.0, interval: float = 0.05) -> T:
+    """Poll ``check`` until it returns a truthy value (returned) or raise with its last error."""
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while time.monotonic() < deadline:

@@ -351,8 +351,7 @@ def _fastapi(api: _Api) -> FastAPI:
             app.openapi_schema = schema
         return app.openapi_schema
 
-    # FastAPI documents replacing this method as the way to customise the schema.
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented customisation
     return app
 
 

@@ -187,11 +187,14 @@ class Handoff:
             if exc.client_error:
                 self.pool.succeeded(target.name)  # the engine is fine; the request is not
                 return JsonReply(exc.status, exc.body, request.request_id)
-            return self._fall_back(target, exc.reason, exc)
+            self._fall_back(target, exc.reason, exc)
+            return None
         except UpstreamError as exc:
-            return self._fall_back(target, exc.reason, exc)
+            self._fall_back(target, exc.reason, exc)
+            return None
         except orjson.JSONDecodeError as exc:
-            return self._fall_back(target, "malformed", exc)
+            self._fall_back(target, "malformed", exc)
+            return None
         finally:
             self.pool.end_prefill(target.name, tokens)
         self.pool.succeeded(target.name)
@@ -231,7 +234,6 @@ class Handoff:
         log.warning("prefill on %s failed (%s); falling back to decode alone", target.name, exc)
         self.pool.failed(target.name)
         self.metrics.child(self.metrics.fallbacks, reason).inc()
-        return None
 
     # ---- decode
 

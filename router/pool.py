@@ -205,10 +205,10 @@ class Pool:
             for url in cell.prefill:
                 prefill[url] = self.prefill.get(url) or self._target(url, url, cell.name)
                 prefill[url].cell = cell.name
-            for server in cell.decode:
-                for rank in server.ranks or (-1,):
-                    name = f"{server.url}#{rank}" if rank >= 0 else server.url
-                    target = self.decode.get(name) or self._target(name, server.url, cell.name)
+            for spec in cell.decode:
+                for rank in spec.ranks or (-1,):
+                    name = f"{spec.url}#{rank}" if rank >= 0 else spec.url
+                    target = self.decode.get(name) or self._target(name, spec.url, cell.name)
                     target.cell, target.dp_rank = cell.name, rank
                     decode[name] = target
         self.prefill, self.decode = prefill, decode

@@ -86,10 +86,11 @@ def gateway_application(config: GatewayConfig) -> Application:
         return create_app(config)
 
     ingress = serve.ingress(asgi_app)()
-    deployment = serve.deployment(
-        ingress, name=DEPLOYMENT_NAME, max_ongoing_requests=MAX_ONGOING_REQUESTS
+    # The decorator form: Ray's annotation covers it, not the one-call form it also accepts.
+    as_deployment = serve.deployment(
+        name=DEPLOYMENT_NAME, max_ongoing_requests=MAX_ONGOING_REQUESTS
     )
-    return deployment.bind()
+    return as_deployment(ingress).bind()
 
 
 def build_app(args: dict[str, str]) -> Application:

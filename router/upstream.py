@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -75,7 +75,9 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A TCP connection's transport reads and writes: uvloop's is no asyncio.Transport
+        # subclass, so this is a cast rather than an isinstance check.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.started = True
@@ -285,7 +287,9 @@ class UpstreamPool:
         head = _request_head(key, path, len(body), headers)
         for attempt in (0, 1):
             conn, reused = await self._connection(key)
-            conn.transport.write(head + body)  # type: ignore[union-attr]
+            # create_connection returns once connection_made has set it; it is never unset.
+            assert conn.transport is not None
+            conn.transport.write(head + body)
             try:
                 await self._headers(conn, _bounded(conn, within_s, deadline))
             except UpstreamUnavailable:
@@ -324,8 +328,9 @@ class UpstreamPool:
                 raise conn.error
             remaining = deadline - loop.time()
             if remaining <= 0:
-                conn._fail(UpstreamTimeout("upstream", "no answer from the engine in time"))
-                raise conn.error  # type: ignore[misc]
+                timeout = UpstreamTimeout("upstream", "no answer from the engine in time")
+                conn._fail(timeout)
+                raise timeout
             conn.waiter = waiter = loop.create_future()
             timer = loop.call_later(remaining, conn._timeout, waiter)
             try:

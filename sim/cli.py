@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -36,11 +37,14 @@ class CliError(ValueError):
     """A flag value is invalid; the message names the flag and the fix."""
 
 
-def _flag(parser: argparse.ArgumentParser, name: str, *extra: str, **kwargs: object) -> None:
+M = TypeVar("M", bound=BaseModel)
+
+
+def _flag(parser: argparse._ActionsContainer, name: str, *extra: str, **kwargs: Any) -> None:
     # vLLM accepts both --data-parallel-size and --data_parallel_size.
     underscored = "--" + name[2:].replace("-", "_")
     names = [name, *extra] + ([underscored] if underscored != name else [])
-    parser.add_argument(*names, **kwargs)  # type: ignore[arg-type]
+    parser.add_argument(*names, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _json_flag(flag: str, text: str | None, model: type[BaseModel]) -> BaseModel:
+def _json_flag(flag: str, text: str | None, model: type[M]) -> M:
     if text is None:
         return model()
     try:
@@ -158,10 +162,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         data_parallel_start_rank=start,
         hybrid_lb=args.data_parallel_hybrid_lb,
         enable_expert_parallel=args.enable_expert_parallel,
-        kv_transfer=kv,  # type: ignore[arg-type]
+        kv_transfer=kv,
         enable_eplb=args.enable_eplb,
-        eplb=eplb,  # type: ignore[arg-type]
-        speculative=spec,  # type: ignore[arg-type]
+        eplb=eplb,
+        speculative=spec,
         side_channel_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", args.host),
         side_channel_port=int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")),
         eplb_agent_port=args.eplb_agent_port,

@@ -21,6 +21,7 @@ a DEP32 decode group (8 hybrid-LB API servers of 4 local ranks, or one server fo
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -94,19 +95,19 @@ def load_cluster(path: str | Path) -> ClusterSpec:
 def engine_configs(spec: ClusterSpec) -> Iterator[tuple[EngineConfig, list[int], int]]:
     """Each DP group's configuration, its API server ports and ranks per server."""
     profile = load_profile(spec.profile)
-    common = {
-        "model": spec.model,
-        "served_model_names": (spec.served_model_name,),
-        "profile": profile,
-        "max_model_len": spec.max_model_len,
-        "side_channel_host": spec.host,
-        "time_scale": spec.time_scale,
-        "enable_fault_injection": spec.enable_fault_injection,
-    }
+    common = EngineConfig(
+        model=spec.model,
+        served_model_names=(spec.served_model_name,),
+        profile=profile,
+        max_model_len=spec.max_model_len,
+        side_channel_host=spec.host,
+        time_scale=spec.time_scale,
+        enable_fault_injection=spec.enable_fault_injection,
+    )
     for index, group in enumerate(spec.decode_groups):
         per_server = group.data_parallel_size // group.api_servers
-        config = EngineConfig(
-            **common,  # type: ignore[arg-type]
+        config = replace(
+            common,
             max_num_seqs=group.max_num_seqs,
             data_parallel_size=group.data_parallel_size,
             data_parallel_size_local=group.data_parallel_size,
@@ -123,8 +124,8 @@ def engine_configs(spec: ClusterSpec) -> Iterator[tuple[EngineConfig, list[int],
         yield config, [group.port + i for i in range(group.api_servers)], per_server
     for prefill in spec.prefill:
         for i in range(prefill.instances):
-            config = EngineConfig(
-                **common,  # type: ignore[arg-type]
+            config = replace(
+                common,
                 max_num_seqs=prefill.max_num_seqs,
                 data_parallel_size=prefill.data_parallel_size,
                 data_parallel_size_local=prefill.data_parallel_size,

@@ -33,7 +33,8 @@ class KVTransferConfig(BaseModel):
 
     @property
     def lease_duration_s(self) -> float:
-        return float(self.kv_connector_extra_config.get("kv_lease_duration", 30))  # type: ignore[arg-type]
+        lease = self.kv_connector_extra_config.get("kv_lease_duration", 30)
+        return float(lease) if isinstance(lease, int | float | str) else 30.0
 
 
 class EplbConfig(BaseModel):

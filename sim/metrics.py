@@ -163,20 +163,20 @@ class EngineCollector(Collector):
                 "notifications_after_expiry",
             ),
         ):
-            family = CounterMetricFamily(metric, doc, labels=_LABELS)
+            counter = CounterMetricFamily(metric, doc, labels=_LABELS)
             for engine, stat in stats:
-                family.add_metric([name, engine], getattr(stat, field))
-            yield family
+                counter.add_metric([name, engine], getattr(stat, field))
+            yield counter
         for metric, doc, field in (
             ("vllm:nixl_xfer_time_seconds", "NIXL KV transfer time.", "xfer_time"),
             ("vllm:nixl_bytes_transferred", "Bytes per NIXL KV transfer.", "bytes_transferred"),
             ("vllm:nixl_num_descriptors", "Descriptors per NIXL KV transfer.", "descriptors"),
         ):
-            family = HistogramMetricFamily(metric, doc, labels=_LABELS)
+            histogram = HistogramMetricFamily(metric, doc, labels=_LABELS)
             for engine, stat in stats:
                 buckets: Buckets = getattr(stat, field)
-                family.add_metric([name, engine], buckets.cumulative(), buckets.total)
-            yield family
+                histogram.add_metric([name, engine], buckets.cumulative(), buckets.total)
+            yield histogram
 
 
 def engine_registry(collector: EngineCollector) -> CollectorRegistry:

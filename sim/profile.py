@@ -86,9 +86,9 @@ def load_profile(path: str | Path | None = None) -> Profile:
         text = resources.files("sim.profiles").joinpath(f"{name}.yaml").read_text()
         source = f"<shipped profile {name}>"
     else:
-        source = str(path)
+        source = name
         try:
-            text = Path(path).read_text()
+            text = Path(name).read_text()
         except OSError as exc:
             raise ProfileError(
                 f"{source}: cannot read the profile ({exc.strerror}); give a YAML file or one "

@@ -102,7 +102,7 @@ class ApiServer:
 
     async def _models(self, _: web.Request) -> web.Response:
         created = int(time.time())
-        data = [
+        data: list[dict[str, object]] = [
             {
                 "id": name,
                 "object": "model",
@@ -237,12 +237,13 @@ class ApiServer:
     def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]]) -> bytes:
         if isinstance(prompt, str):
             return prompt.encode()
-        if prompt and all(isinstance(item, int) for item in prompt):
-            if any(not 0 <= item < 2**32 for item in prompt):  # type: ignore[operator]
+        ids = [item for item in prompt if isinstance(item, int)]
+        if prompt and len(ids) == len(prompt):
+            if any(not 0 <= item < 2**32 for item in ids):
                 raise RequestFailed(400, "prompt token ids must be in [0, 2**32)")
-            return encode_token_ids(prompt)  # type: ignore[arg-type]
-        if len(prompt) == 1:
-            return self._completion_prompt(prompt[0])  # type: ignore[arg-type]
+            return encode_token_ids(ids)
+        if len(prompt) == 1 and isinstance(prompt[0], str | list):
+            return self._completion_prompt(prompt[0])
         raise RequestFailed(
             400, "batched prompts are not supported by baton sim; send one prompt per request"
         )

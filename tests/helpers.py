@@ -7,10 +7,14 @@ import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
 from rigs.processes import eventually, free_port, free_port_block, stop_process, wait_healthy
+
+if TYPE_CHECKING:  # for annotations only: most tests never load openai
+    from openai.types import CompletionUsage
 
 ROOT = Path(__file__).resolve().parent.parent
 NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
@@ -55,6 +59,25 @@ def scrape(url: str, sample_name: str, **labels: str) -> float:
     return total
 
 
+class _Answer(Protocol):
+    @property
+    def usage(self) -> CompletionUsage | None: ...
+
+
+def usage_of(answer: _Answer) -> CompletionUsage:
+    """An answer's usage: the simulator (and so the gateway) reports it on every answer, and on
+    a stream's last chunk when asked."""
+    assert answer.usage is not None
+    return answer.usage
+
+
+def cached_tokens_of(answer: _Answer) -> int:
+    """``usage.prompt_tokens_details.cached_tokens``, which the simulator always reports."""
+    details = usage_of(answer).prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    return details.cached_tokens
+
+
 def keep_decoding(url: str, requests: int = 64, max_tokens: int = 200_000) -> None:
     """``requests`` long decodes spread over a 32-rank group's ranks, in daemon threads."""
 
@@ -76,6 +99,7 @@ __all__ = [
     "NIXL",
     "ROOT",
     "SimHandle",
+    "cached_tokens_of",
     "eventually",
     "free_port",
     "free_port_block",
@@ -83,5 +107,6 @@ __all__ = [
     "scrape",
     "scrape_by",
     "stop_process",
+    "usage_of",
     "wait_healthy",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -44,10 +44,10 @@ __all__ = [
     "decode_trays_problem",
 ]
 
-GROUP = "baton.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "ModelDeployment"
+# Final, so the type checker holds these to the Literal fields of ModelDeployment below.
+API_VERSION: Final = "baton.dev/v1alpha1"
+GROUP, VERSION = API_VERSION.split("/")
+KIND: Final = "ModelDeployment"
 PLURAL = "modeldeployments"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from baton.core.api import GROUP, KIND, PLURAL, VERSION, ModelDeploymentSpec, ModelDeploymentStatus
 
@@ -84,8 +85,8 @@ def _structural(node: Mapping[str, Any], defs: Mapping[str, Any]) -> dict[str, A
     return out
 
 
-def _schema(model: type) -> dict[str, Any]:
-    raw = model.model_json_schema(by_alias=True)  # type: ignore[attr-defined]
+def _schema(model: type[BaseModel]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True)
     return _structural(raw, raw.get("$defs", {}))
 
 

@@ -11,7 +11,6 @@ to their event loop.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -25,6 +24,7 @@ from pydantic import ValidationError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from baton.core.api import GROUP, PLURAL, VERSION
+from baton.core.kube import raw_json
 
 __all__ = ["DeploymentRef", "ModelDeploymentFollower", "StatusFollower", "custom_objects_api"]
 
@@ -76,10 +76,10 @@ class ModelDeploymentFollower:
         selector = f"metadata.name={self.ref.name}"
         while not self._stop.is_set():
             try:
-                listing = json.loads(
+                listing = raw_json(
                     api.list_namespaced_custom_object(
                         *where, field_selector=selector, _preload_content=False
-                    ).data
+                    )
                 )
                 for item in listing["items"]:
                     self.on_object(item)

@@ -11,6 +11,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from baton.core.model import SERVED_MODEL_NAME
 from tests.helpers import ROOT, eventually, free_port, stop_process
@@ -46,7 +47,9 @@ def test_baton_up_prints_the_rack_map_and_streams_through_the_gateway(stack) -> 
     assert "rack-0-tray-0   DDDD" in output and "rack-0-tray-8   SSSS" in output
     assert f"OpenAI API at {url}/v1" in output
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-    messages = [{"role": "user", "content": "plan the rack " * 200}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "plan the rack " * 200}
+    ]
     stream = client.chat.completions.create(
         model=SERVED_MODEL_NAME,
         messages=messages,

@@ -19,14 +19,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from baton.core.proto import eplb_agent_pb2 as pb
 from prometheus_client import CollectorRegistry
 
 from baton.core.eplb_wire import decode_placement
 from baton.core.experts import Placement
+from baton.core.proto import eplb_agent_pb2 as pb
 from eplb.client import AgentClient
 from eplb.config import EplbServiceConfig, GroupSpec
-from eplb.decide import Outcome, decide
+from eplb.decide import Decision, Outcome, decide
 from eplb.errors import AgentRejected, AgentUnauthenticated, AgentUnavailable
 from eplb.metrics import EplbMetrics
 from eplb.service import GroupRunner, SwitchRecord
@@ -154,6 +154,7 @@ def rebalancing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rebalancin
 
         # The last commits name a step a little ahead: decode goes on until it is reached.
         placements = eventually(switched, timeout=30, interval=0.2)
+        assert placements is not None  # eventually returns only a truthy reading
         yield Rebalancing(list(runner.records), dict(runner.achieved), placements)
     finally:
         if thread.is_alive():
@@ -215,7 +216,7 @@ def test_balance_after_a_switch_matches_the_prediction_within_sampling_noise(
 # Failure paths: each test starts its own simulator.
 
 
-def skewed_decision(runner: GroupRunner) -> tuple[str, object]:
+def skewed_decision(runner: GroupRunner) -> tuple[str, Decision]:
     track = runner.tracks["target"]
     rng = np.random.default_rng(0)
     load = np.rint(rng.lognormal(0.0, 1.0, size=(43, 384)) * 1e5).astype(np.int64)
@@ -282,7 +283,7 @@ async def test_a_prepare_that_times_out_is_aborted_and_never_staged(guarded_sim)
         stall = {"action": "stall", "rank": 7, "seconds": 3}
         assert (await http.post(f"{sim.url}/sim/faults", json=stall)).status_code == 200
     record = await runner.switch(model, decision)
-    assert record.result == "prepare_timeout"
+    assert record.result == "prepare_timeout" and record.switch_id is not None
     await asyncio.sleep(3.0)  # the stall ends; a late Prepare must not stage the aborted switch
     client = runner.clients[0]
     with pytest.raises(AgentRejected, match="not staged"):
@@ -346,7 +347,7 @@ async def test_an_engine_restart_restarts_the_groups_windows(start_sim, tmp_path
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     agent_port = free_port()
-    flags = (*DEP32_FLAGS, "--eplb-agent-port", str(agent_port))
+    flags: tuple[str, ...] = (*DEP32_FLAGS, "--eplb-agent-port", str(agent_port))
     flags += ("--eplb-agent-token-file", str(token_file))
     first = start_sim(*flags)
     agent = f"127.0.0.1:{agent_port}"

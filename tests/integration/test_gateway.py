@@ -8,13 +8,24 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 from openai.types import Completion
+from openai.types.chat import ChatCompletionMessageParam
 
-from tests.helpers import NIXL, SimHandle, eventually, free_port_block, scrape, scrape_by
+from tests.helpers import (
+    NIXL,
+    SimHandle,
+    cached_tokens_of,
+    eventually,
+    free_port_block,
+    scrape,
+    scrape_by,
+    usage_of,
+)
 
 MODEL = "dsv4"
 LONG = "The cell keeps prefill and decode in one NVLink domain. " * 40  # ~560 tokens
@@ -26,10 +37,10 @@ class Stack:
     prefill: list[SimHandle]
     decode: SimHandle
 
-    def client(self, **kwargs: object) -> openai.OpenAI:
+    def client(self, **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(
             base_url=f"{self.gateway.url}/v1", api_key="k", max_retries=0, **kwargs
-        )  # type: ignore[arg-type]
+        )
 
     def fault(self, engine: SimHandle, **fault: object) -> None:
         assert httpx.post(f"{engine.url}/sim/faults", json=fault).status_code == 200
@@ -40,7 +51,11 @@ class Stack:
     def assert_nothing_leaked(self) -> None:
         eventually(lambda: self.gateway_metric("baton_gateway_in_flight_requests") == 0)
         for engine in self.prefill:
-            eventually(lambda e=engine: scrape(e.url, "vllm:kv_cache_usage_perc") == 0)
+
+            def kv_freed(url: str = engine.url) -> bool:
+                return scrape(url, "vllm:kv_cache_usage_perc") == 0
+
+            eventually(kv_freed)
         eventually(lambda: scrape(self.decode.url, "vllm:num_requests_running") == 0)
 
 
@@ -78,10 +93,11 @@ def cached_prefix(prompt_tokens: int) -> int:
     return ((prompt_tokens - 1) // 16) * 16
 
 
-def chat(stack: Stack, content: str = LONG, **kwargs: object):
+def chat(stack: Stack, content: str = LONG, **kwargs: Any) -> Any:
+    """A ChatCompletion, or its Stream with ``stream=True``: the overload follows ``kwargs``."""
     return stack.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": content}], **kwargs
-    )  # type: ignore
+    )
 
 
 # ---- the API
@@ -114,12 +130,11 @@ def test_streamed_completion_with_usage_reports_prefill_cached_tokens(stack: Sta
             extra_body={"ignore_eos": True},
         )
         chunks = list(stream)
-        usage = chunks[-1].usage
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         assert len(text) == 6 * 4
         # decode alone would report every prompt token cached; the gateway reports prefill's
-        expected = 0 if turn == 0 else cached_prefix(usage.prompt_tokens)
-        assert usage.prompt_tokens_details.cached_tokens == expected
+        expected = 0 if turn == 0 else cached_prefix(usage_of(chunks[-1]).prompt_tokens)
+        assert cached_tokens_of(chunks[-1]) == expected
     stack.assert_nothing_leaked()
 
 
@@ -166,7 +181,7 @@ def test_ready_needs_a_healthy_prefill_and_decode(start_sim, start_gateway) -> N
 def test_conversation_turns_stick_to_one_prefill_instance(stack: Stack) -> None:
     client = stack.client()
     for session in range(4):
-        messages = [
+        messages: list[ChatCompletionMessageParam] = [
             {"role": "system", "content": LONG},
             {"role": "user", "content": f"session {session} opens"},
         ]
@@ -218,18 +233,20 @@ def _decode_in_flight(gateway: SimHandle, decode: SimHandle) -> list[float]:
 def test_decode_ranks_stay_balanced_under_steady_load(stack: Stack) -> None:
     client = stack.client()
     stop = threading.Event()
+
+    def all_in_decode() -> list[float]:
+        """In flight per rank at a moment when all 16 streams are in their decode leg: between
+        those moments a stream is in prefill and the rank it left is short until it comes back.
+        Empty (falsy: poll again) at any other moment."""
+        ranks = _decode_in_flight(stack.gateway, stack.decode)
+        return ranks if sum(ranks) == 16 else []
+
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(_stream_until, client, stop, f"{i} {LONG}") for i in range(16)]
         samples: list[float] = []
         try:
             for _ in range(20):
-                # a moment when all 16 streams are in their decode leg: between those moments a
-                # stream is in prefill and the rank it left is short until it comes back
-                ranks = eventually(
-                    lambda: (
-                        (r := _decode_in_flight(stack.gateway, stack.decode)) and sum(r) == 16 and r
-                    )
-                )
+                ranks = eventually(all_in_decode)
                 assert len(ranks) == 4
                 samples.append(max(ranks) - min(ranks))
         finally:
@@ -338,7 +355,9 @@ def test_prefill_4xx_goes_back_to_the_client(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         chat(stack, max_tokens=4)
     assert caught.value.status_code == 400
-    assert caught.value.body["message"] == "injected failure (baton sim fault injection)"
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["message"] == "injected failure (baton sim fault injection)"
     assert scrape(stack.decode.url, "vllm:request_success_total") == 0
     stack.assert_nothing_leaked()
 

@@ -6,6 +6,7 @@ port; the official openai client is the caller.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,7 +46,7 @@ def serve_port(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
         include_dashboard=False,
         object_store_memory=100 * 1024 * 1024,
         log_to_driver=False,
-        logging_level="warning",
+        logging_level=logging.WARNING,
     )
     try:
         port = free_port()
@@ -90,7 +91,7 @@ def test_serve_args_pool_file_wins_over_the_environment(tmp_path: Path) -> None:
         {"pool_file": str(from_args), "pd_threshold_tokens": "64"},
         {POOL_FILE_ENV: str(tmp_path / "missing.yaml"), "BATON_API_KEYS": "k1, k2"},
     )
-    assert config.pool.cells[0].name == "a"
+    assert config.pool is not None and config.pool.cells[0].name == "a"
     assert config.pool_file == from_args
     assert config.settings.pd_threshold_tokens == 64
     assert config.api_keys == ("k1", "k2")

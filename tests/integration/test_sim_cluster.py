@@ -56,13 +56,14 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, int]]:
             *range(ports["decode"], ports["decode"] + 8),
             *range(ports["prefill"], ports["prefill"] + 3),
         ]:
-            eventually(
-                lambda p=port: (
+
+            def healthy(p: int = port) -> bool:
+                return (
                     process.poll() is None
                     and httpx.get(f"http://127.0.0.1:{p}/health").status_code == 200
-                ),
-                timeout=60,
-            )
+                )
+
+            eventually(healthy, timeout=60)
         assert process.poll() is None, (tmp_path / "cluster.log").read_text()
         yield ports
     finally:

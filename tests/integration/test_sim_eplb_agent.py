@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+
 from baton.core.proto import eplb_agent_pb2 as pb
 from baton.core.proto import eplb_agent_pb2_grpc as pb_grpc
-
 from eplb.algorithm import rebalance
 from sim.agent import decode_placement, encode_placement
 from tests.helpers import eventually, free_port, keep_decoding

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 
@@ -21,8 +23,9 @@ def sim(start_sim):
     )
 
 
-def post(url: str, path: str, **kwargs: object) -> httpx.Response:
-    return httpx.post(f"{url}{path}", timeout=10, **kwargs)  # type: ignore[arg-type]
+def post(url: str, path: str, **kwargs: Any) -> httpx.Response:
+    """``httpx.post`` of ``path`` on ``url``; ``kwargs`` (json=, content=, headers=) go to it."""
+    return httpx.post(f"{url}{path}", timeout=10, **kwargs)
 
 
 def assert_vllm_error(response: httpx.Response, status: int) -> dict[str, object]:

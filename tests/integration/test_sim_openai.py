@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.helpers import cached_tokens_of, usage_of
 
 MODEL = "dsv4-flash"
 
@@ -24,9 +27,11 @@ def test_chat_completion_returns_text_usage_and_vllm_id(client: openai.OpenAI) -
     )
     assert response.id == "chatcmpl-abc123"
     assert response.choices[0].finish_reason == "length"
-    assert response.usage.completion_tokens == 12
-    assert len(response.choices[0].message.content) == 12 * 4  # one 4-byte word per token
-    assert response.usage.prompt_tokens == response.usage.total_tokens - 12
+    usage = usage_of(response)
+    assert usage.completion_tokens == 12
+    content = response.choices[0].message.content
+    assert content is not None and len(content) == 12 * 4  # one 4-byte word per token
+    assert usage.prompt_tokens == usage.total_tokens - 12
 
 
 def test_completion_streams_chunks_then_usage(client: openai.OpenAI) -> None:
@@ -41,7 +46,7 @@ def test_completion_streams_chunks_then_usage(client: openai.OpenAI) -> None:
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert len(text) == 20 * 4
-    assert chunks[-1].usage.completion_tokens == 20
+    assert usage_of(chunks[-1]).completion_tokens == 20
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
 
@@ -80,13 +85,12 @@ def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI) -> None:
     second = client.completions.create(
         model=MODEL, prompt=prompt + "and a new question", max_tokens=1
     )
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
-    cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached == (first.usage.prompt_tokens // 16) * 16
+    assert cached_tokens_of(first) == 0
+    assert cached_tokens_of(second) == (usage_of(first).prompt_tokens // 16) * 16
 
 
 def test_multi_turn_chat_hits_the_cache_for_the_whole_history(client: openai.OpenAI) -> None:
-    messages = [
+    messages: list[ChatCompletionMessageParam] = [
         {"role": "system", "content": "You are a careful rack planner. " * 30},
         {"role": "user", "content": "Where does decode go?"},
     ]
@@ -98,9 +102,9 @@ def test_multi_turn_chat_hits_the_cache_for_the_whole_history(client: openai.Ope
         {"role": "user", "content": "And prefill?"},
     ]
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
-    prompt_and_reply = first.usage.prompt_tokens + first.usage.completion_tokens
+    prompt_and_reply = usage_of(first).prompt_tokens + usage_of(first).completion_tokens
     # Everything up to the last full block of turn one's prompt plus reply is reused.
-    assert second.usage.prompt_tokens_details.cached_tokens == (prompt_and_reply // 16) * 16
+    assert cached_tokens_of(second) == (prompt_and_reply // 16) * 16
 
 
 def test_stop_string_ends_generation_without_the_stop_text(client: openai.OpenAI) -> None:
@@ -128,4 +132,4 @@ def test_min_tokens_holds_off_eos(client: openai.OpenAI) -> None:
     response = client.completions.create(
         model=MODEL, prompt="short", max_tokens=500, seed=5, extra_body={"min_tokens": 300}
     )
-    assert response.usage.completion_tokens >= 300
+    assert usage_of(response).completion_tokens >= 300

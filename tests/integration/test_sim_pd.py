@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 
@@ -28,7 +29,7 @@ def prefill_body(**extra: object) -> dict[str, object]:
     }
 
 
-def run_prefill(prefill_url: str, request_id: str = "req-1") -> dict[str, object]:
+def run_prefill(prefill_url: str, request_id: str = "req-1") -> dict[str, Any]:
     response = httpx.post(
         f"{prefill_url}/v1/completions",
         json=prefill_body(),

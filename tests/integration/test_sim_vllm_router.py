@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import eventually, free_port, scrape, stop_process
+from tests.helpers import eventually, free_port, scrape, stop_process, usage_of
 
 
 @pytest.fixture
@@ -87,5 +87,5 @@ def test_vllm_router_chat_through_the_simulator(vllm_router) -> None:
         max_tokens=6,
         extra_body={"ignore_eos": True},
     )
-    assert response.usage.completion_tokens == 6
+    assert usage_of(response).completion_tokens == 6
     assert scrape(decode_url, "vllm:nixl_bytes_transferred_count") == 1

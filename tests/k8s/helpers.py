@@ -79,7 +79,6 @@ def wait_ready(api: client.ApiClient, namespace: str, name: str, timeout: float 
 
 def pods(api: client.ApiClient, namespace: str, role: str | None = None) -> dict[str, Any]:
     selector = f"{ROLE_LABEL}={role}" if role else DEPLOYMENT_LABEL
-    return {
-        p.metadata.name: p
-        for p in client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector).items
-    }
+    listed = client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector).items
+    # A listed object always has a name: the condition only narrows the type.
+    return {p.metadata.name: p for p in listed if p.metadata and p.metadata.name}

@@ -13,6 +13,14 @@ from rigs.devcluster import add_trays, create_model_deployment, install_crd, rem
 from rigs.processes import eventually
 
 
+def phase_of(pod: client.V1Pod) -> str | None:
+    return pod.status.phase if pod.status else None
+
+
+def node_of(pod: client.V1Pod) -> str | None:
+    return pod.spec.node_name if pod.spec else None
+
+
 def test_gated_cell_pods_run_on_their_planned_trays_once_lifted(api, namespace) -> None:
     core = client.CoreV1Api(api)
     nodes = add_trays(api, 1, name_prefix=f"{namespace}-")
@@ -30,13 +38,14 @@ def test_gated_cell_pods_run_on_their_planned_trays_once_lifted(api, namespace) 
             uid=created["metadata"]["uid"],
             namespace=namespace,
         )
-        core.create_namespaced_service(namespace, manifests[0])
+        # The models the client would validate these dicts into itself: the requests are the same.
+        core.create_namespaced_service(namespace, client.V1Service.model_validate(manifests[0]))
         pod_names = []
         for pod in manifests[1:]:
-            core.create_namespaced_pod(namespace, pod)
+            core.create_namespaced_pod(namespace, client.V1Pod.model_validate(pod))
             pod_names.append(pod["metadata"]["name"])
         # gated: created, not scheduled
-        assert all(core.read_namespaced_pod(n, namespace).spec.node_name is None for n in pod_names)
+        assert all(node_of(core.read_namespaced_pod(n, namespace)) is None for n in pod_names)
         lift = [{"op": "replace", "path": "/spec/schedulingGates", "value": []}]  # JSON patch
         for name in pod_names:
             core.patch_namespaced_pod(name, namespace, lift)
@@ -50,7 +59,7 @@ def test_gated_cell_pods_run_on_their_planned_trays_once_lifted(api, namespace) 
         def all_running_where_planned() -> bool:
             for name in pod_names:
                 pod = core.read_namespaced_pod(name, namespace)
-                if pod.status.phase != "Running" or pod.spec.node_name != planned[name]:
+                if phase_of(pod) != "Running" or node_of(pod) != planned[name]:
                     return False
             return True
 
@@ -59,10 +68,12 @@ def test_gated_cell_pods_run_on_their_planned_trays_once_lifted(api, namespace) 
         except TimeoutError:
             states = {
                 n: (
-                    p.status.phase,
-                    p.spec.node_name,
+                    phase_of(p),
+                    node_of(p),
                     planned[n],
-                    [(c.type, c.reason, c.message) for c in p.status.conditions or []],
+                    [(c.type, c.reason, c.message) for c in p.status.conditions or []]
+                    if p.status
+                    else [],
                 )
                 for n in pod_names
                 for p in [core.read_namespaced_pod(n, namespace)]

@@ -11,6 +11,7 @@ from rigs.devcluster import (
     KWOK_ANNOTATION,
     create_model_deployment,
     install_crd,
+    node_ready,
     read_model_deployment,
 )
 from rigs.processes import eventually
@@ -40,13 +41,7 @@ def test_kwok_tray_runs_a_pod_that_requests_its_gpus(api, namespace) -> None:
     core = client.CoreV1Api(api)
     core.create_node(fake_tray("tray-t0", "cluster-a.0"))
     try:
-        eventually(
-            lambda: any(
-                c.type == "Ready" and c.status == "True"
-                for c in core.read_node("tray-t0").status.conditions or []
-            ),
-            timeout=60,
-        )
+        eventually(lambda: node_ready(core.read_node("tray-t0")), timeout=60)
         pod = client.V1Pod(
             metadata=client.V1ObjectMeta(name="decode-0"),
             spec=client.V1PodSpec(
@@ -66,7 +61,7 @@ def test_kwok_tray_runs_a_pod_that_requests_its_gpus(api, namespace) -> None:
 
         def running() -> bool:
             status = core.read_namespaced_pod("decode-0", namespace).status
-            return status.phase == "Running" and bool(status.pod_ip)
+            return status is not None and status.phase == "Running" and bool(status.pod_ip)
 
         eventually(running, timeout=60)
     finally:
@@ -78,7 +73,7 @@ def test_api_server_rejects_an_invalid_model_deployment(api, namespace) -> None:
     try:
         create_model_deployment(api, namespace, "dsv4", {"cells": -1})
     except ApiException as exc:
-        assert exc.status == 422
+        assert exc.status == 422 and exc.body is not None
         assert "spec.model: Required value" in exc.body
         assert "spec.cells" in exc.body
     else:

@@ -5,15 +5,17 @@ claim the domain's IMEX channel; prefill pods claim none."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from baton.core.kube import json_object
 from rigs.processes import eventually
 from tests.k8s.helpers import apply, pods
 
-COMPUTE_DOMAIN_CRD = {
+COMPUTE_DOMAIN_CRD: dict[str, Any] = {
     "apiVersion": "apiextensions.k8s.io/v1",
     "kind": "CustomResourceDefinition",
     "metadata": {"name": "computedomains.resource.nvidia.com"},
@@ -47,7 +49,10 @@ COMPUTE_DOMAIN_CRD = {
 @pytest.fixture(scope="module")
 def compute_domain_api(api: client.ApiClient) -> Iterator[None]:
     extensions = client.ApiextensionsV1Api(api)
-    extensions.create_custom_resource_definition(COMPUTE_DOMAIN_CRD)
+    # The model the client would validate the dict into itself: the request is the same.
+    extensions.create_custom_resource_definition(
+        client.V1CustomResourceDefinition.model_validate(COMPUTE_DOMAIN_CRD)
+    )
     custom = client.CustomObjectsApi(api)
     eventually(
         lambda: custom.list_cluster_custom_object(
@@ -77,9 +82,11 @@ def test_each_cell_gets_a_compute_domain_and_its_decode_pods_the_channel(
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     custom = client.CustomObjectsApi(api)
 
-    def domain() -> dict:
-        return custom.get_namespaced_custom_object(
-            "resource.nvidia.com", "v1beta1", namespace, "computedomains", "dsv4-cell-0-imex"
+    def domain() -> dict[str, Any]:
+        return json_object(
+            custom.get_namespaced_custom_object(
+                "resource.nvidia.com", "v1beta1", namespace, "computedomains", "dsv4-cell-0-imex"
+            )
         )
 
     created = eventually(domain, timeout=30)

@@ -21,6 +21,10 @@ from tests.k8s.helpers import (
 pytestmark = pytest.mark.usefixtures("controller")
 
 
+def annotations_of(node: client.V1Node) -> dict[str, str]:
+    return (node.metadata.annotations if node.metadata else None) or {}
+
+
 def test_deployment_runs_whole_cell_in_one_nvlink_domain_and_reports_ready(
     api, namespace, rack
 ) -> None:
@@ -126,6 +130,7 @@ def test_tray_not_ready_moves_the_group_to_the_spare(api, namespace, rack) -> No
     # kwok stops playing this tray's kubelet; the tray then reports NotReady.
     core.patch_node(failing, {"metadata": {"annotations": {"kwok.x-k8s.io/node": None}}})
     node = core.read_node_status(failing)
+    assert node.status is not None and node.status.conditions  # the tray was Ready
     for c in node.status.conditions:
         if c.type == "Ready":
             c.status, c.reason = "False", "KubeletNotReady"
@@ -154,7 +159,11 @@ def test_prefill_scales_up_and_down_without_touching_decode(api, namespace, rack
             api, namespace, "dsv4", {"cell": {"prefill": {"instances": instances}}}
         )
         wanted = {f"dsv4-cell-0-prefill-{i}" for i in range(instances)}
-        eventually(lambda w=wanted: set(pods(api, namespace, "prefill")) == w, timeout=60)
+
+        def prefill_is_wanted(w: set[str] = wanted) -> bool:
+            return set(pods(api, namespace, "prefill")) == w
+
+        eventually(prefill_is_wanted, timeout=60)
         obj = wait_ready(api, namespace, "dsv4")
         assert obj["status"]["prefillReady"] == f"{instances}/{instances}"
         now = {name: p.metadata.uid for name, p in pods(api, namespace, "decode").items()}
@@ -195,11 +204,12 @@ def test_a_tray_whose_pods_keep_failing_is_quarantined_and_its_group_moves(
     # Two earlier failures on record; the engine on this tray now fails a third time.
     core.patch_node(tray, {"metadata": {"annotations": {"baton.dev/tray-failures": "2"}}})
     failing = core.read_namespaced_pod_status("dsv4-cell-0-decode-2", namespace)
+    assert failing.status is not None  # it was Running
     failing.status.phase = "Failed"
     core.replace_namespaced_pod_status("dsv4-cell-0-decode-2", namespace, failing)
 
     def quarantined_and_moved() -> bool:
-        annotations = core.read_node(tray).metadata.annotations or {}
+        annotations = annotations_of(core.read_node(tray))
         decode = pods(api, namespace, "decode")
         return (
             "baton.dev/quarantined" in annotations
@@ -209,7 +219,7 @@ def test_a_tray_whose_pods_keep_failing_is_quarantined_and_its_group_moves(
         )
 
     eventually(quarantined_and_moved, timeout=60, interval=0.25)
-    assert core.read_node(tray).metadata.annotations["baton.dev/tray-failures"] == "3"
+    assert annotations_of(core.read_node(tray))["baton.dev/tray-failures"] == "3"
     obj = wait_ready(api, namespace, "dsv4")
     degraded = condition(obj, "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "TrayQuarantined")

@@ -73,21 +73,27 @@ def token_for(api: client.ApiClient, namespace: str, account: str) -> str:
     issued = client.CoreV1Api(api).create_namespaced_service_account_token(
         account, namespace, request
     )
+    assert issued.status is not None and issued.status.token is not None  # what was requested
     return issued.status.token
 
 
 def allowed(api: client.ApiClient, token: str, attributes: client.V1ResourceAttributes) -> bool:
     """What the holder of ``token`` may do, as the API server decides it."""
+    authenticated = client.AuthenticationV1Api(api).create_token_review(
+        client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token))
+    )
+    user = authenticated.status.user if authenticated.status else None
+    assert user is not None, f"token not authenticated: {authenticated.status}"
     review = client.V1SubjectAccessReview(
         spec=client.V1SubjectAccessReviewSpec(
             resource_attributes=attributes,
-            user=client.AuthenticationV1Api(api)
-            .create_token_review(client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token)))
-            .status.user.username,
+            user=user.username,
             groups=["system:serviceaccounts"],
         )
     )
-    return client.AuthorizationV1Api(api).create_subject_access_review(review).status.allowed
+    decision = client.AuthorizationV1Api(api).create_subject_access_review(review).status
+    assert decision is not None  # the API server answers every review with its decision
+    return decision.allowed
 
 
 def test_controller_runs_a_deployment_with_the_charts_rbac_alone(

@@ -15,7 +15,7 @@ LEASE = "baton-controller-failover"
 
 def holder(api: client.ApiClient) -> str | None:
     lease = client.CoordinationV1Api(api).read_namespaced_lease(LEASE, "default")
-    return lease.spec.holder_identity
+    return lease.spec.holder_identity if lease.spec else None
 
 
 def test_standby_takes_over_when_the_leader_dies(api, namespace, rack, control_plane) -> None:

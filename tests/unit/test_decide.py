@@ -257,7 +257,7 @@ def test_a_new_engine_spec_restarts_decode_once_and_replaces_prefill_one_at_a_ti
     assert set(first.delete_pods) >= names("decode", 8)
     assert [e.reason for e in first.events].count("GroupUpdating") == 1
     assert w.condition("Progressing")["reason"] == "Updating"
-    prefill_deleted = [n for n in first.delete_pods if "prefill" in n]
+    prefill_deleted = [[n for n in first.delete_pods if "prefill" in n]]  # per step
     for _ in range(20):
         decision = w.step()
         prefill_deleted.append([n for n in decision.delete_pods if "prefill" in n])

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
 from sim.config import EngineConfig, SpeculativeConfig
 from sim.offline import run_closed_loop, run_open_loop
 from sim.profile import load_profile
-from sim.request import FinishReason, make_request
+from sim.request import FinishReason, SimRequest, make_request
 
 PROFILE = load_profile()
 
 
-def config(**overrides: object) -> EngineConfig:
+def config(**overrides: Any) -> EngineConfig:
     base = EngineConfig(
         model="m",
         served_model_names=("m",),
@@ -27,11 +28,13 @@ def config(**overrides: object) -> EngineConfig:
     return replace(base, **overrides)
 
 
-def request(text: str | bytes, max_tokens: int = 8, block_size: int = 16, **kwargs: object):
+def request(
+    text: str | bytes, max_tokens: int = 8, block_size: int = 16, **kwargs: Any
+) -> SimRequest:
     prompt = text if isinstance(text, bytes) else text.encode()
     return make_request(
         prompt, external_id="r", max_tokens=max_tokens, block_size=block_size, arrival=0.0, **kwargs
-    )  # type: ignore[arg-type]
+    )
 
 
 def test_dep2_prefill_sustains_about_64_4k_tokens_per_second_per_gpu_at_concurrency_256() -> None:

@@ -4,6 +4,7 @@ ModelDeployment's status, runners kept in step with them, balance figures for st
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -14,7 +15,7 @@ from eplb.service import EplbService, GroupRunner
 
 
 def test_every_ready_cell_is_a_group_with_its_agents_at_the_specs_cadence() -> None:
-    deployment = {
+    deployment: dict[str, Any] = {
         "spec": {"model": "m", "eplb": {"stepInterval": 600, "windowSize": 200}},
         "status": {
             "endpoints": {

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from sim.kvcache import PrefixCache, block_hashes
+from sim.kvcache import Allocation, PrefixCache, block_hashes
 
 
 def tokens(n: int, fill: bytes = b"a") -> bytes:
     return fill * (4 * n)
+
+
+def allocate(cache: PrefixCache, hashes: list[bytes], n: int) -> Allocation:
+    """An allocation the test expects to fit."""
+    allocation = cache.allocate(hashes, n)
+    assert allocation is not None
+    return allocation
 
 
 def test_only_full_blocks_are_hashed_and_hashes_chain() -> None:
@@ -19,9 +26,9 @@ def test_only_full_blocks_are_hashed_and_hashes_chain() -> None:
 def test_cached_prefix_is_shared_and_counted_as_hits() -> None:
     cache = PrefixCache(capacity_blocks=100, block_size=16)
     data = tokens(40)
-    first = cache.allocate(block_hashes(data, 16), 40)
+    first = allocate(cache, block_hashes(data, 16), 40)
     cache.register(first, block_hashes(data, 16), 40)
-    second = cache.allocate(block_hashes(data, 16), 40)
+    second = allocate(cache, block_hashes(data, 16), 40)
     assert second.cached_tokens == 32
     assert second.block_ids[:2] == first.block_ids[:2]
     assert cache.used_blocks == 3 + 1  # two shared blocks, a partial block each
@@ -31,9 +38,9 @@ def test_cached_prefix_is_shared_and_counted_as_hits() -> None:
 def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     cache = PrefixCache(capacity_blocks=100, block_size=16)
     data = tokens(32)
-    allocation = cache.allocate(block_hashes(data, 16), 32)
+    allocation = allocate(cache, block_hashes(data, 16), 32)
     cache.register(allocation, block_hashes(data, 16), 32)
-    again = cache.allocate(block_hashes(data, 16), 32)
+    again = allocate(cache, block_hashes(data, 16), 32)
     assert again.cached_tokens == 16
 
 
@@ -41,7 +48,7 @@ def test_freed_blocks_stay_cached_until_evicted_least_recently_used_first() -> N
     cache = PrefixCache(capacity_blocks=4, block_size=16)
     old, new = tokens(32, b"o"), tokens(32, b"n")
     for data in (old, new):
-        allocation = cache.allocate(block_hashes(data, 16), 32)
+        allocation = allocate(cache, block_hashes(data, 16), 32)
         cache.register(allocation, block_hashes(data, 16), 32)
         cache.free(allocation)
     assert cache.usage == 0
@@ -63,8 +70,8 @@ def test_allocation_fails_cleanly_when_referenced_blocks_fill_the_rank() -> None
 
 def test_block_ids_are_never_reused() -> None:
     cache = PrefixCache(capacity_blocks=2, block_size=16)
-    first = cache.allocate([], 32)
+    first = allocate(cache, [], 32)
     ids = list(first.block_ids)
     cache.free(first)
-    second = cache.allocate([], 32)
+    second = allocate(cache, [], 32)
     assert not set(ids) & set(second.block_ids)

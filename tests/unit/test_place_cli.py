@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -22,8 +23,9 @@ MINIMAL = (
 )
 
 
-def write_nodes(path: Path, racks: int = 1, **kwargs: object) -> Path:
-    items = synthetic_nodes(racks, **kwargs)  # type: ignore[arg-type]
+def write_nodes(path: Path, racks: int = 1, **kwargs: Any) -> Path:
+    """``synthetic_nodes(racks, **kwargs)`` as a NodeList file."""
+    items = synthetic_nodes(racks, **kwargs)
     path.write_text(json.dumps({"apiVersion": "v1", "kind": "NodeList", "items": items}))
     return path
 

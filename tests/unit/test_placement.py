@@ -6,6 +6,7 @@ import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -34,13 +35,11 @@ def flash(cells: int = 1, instances: int | None = None, spares: int = 1) -> Depl
 FLASH = flash()
 
 
-def rack(
-    domain: str, trays: int, changed: dict[int, dict[str, object]] | None = None
-) -> list[Tray]:
+def rack(domain: str, trays: int, changed: dict[int, dict[str, Any]] | None = None) -> list[Tray]:
     """A domain of healthy 4-GPU trays named ``<domain>-<slot>``; ``changed`` edits some slots."""
     changed = changed or {}
     return [
-        replace(Tray(f"{domain}-{slot}", domain, 4), **changed.get(slot, {}))  # type: ignore[arg-type]
+        replace(Tray(f"{domain}-{slot}", domain, 4), **changed.get(slot, {}))
         for slot in range(trays)
     ]
 
@@ -49,12 +48,11 @@ def topology_of(*racks: list[Tray]) -> Topology:
     return topology_from_trays(tray for trays in racks for tray in trays)
 
 
-def fail(topology: Topology, *names: str, **flags: object) -> Topology:
+def fail(topology: Topology, *names: str, **flags: Any) -> Topology:
     """The same trays, with the named ones changed (by default: no longer Ready)."""
     change = flags or {"ready": False}
     return topology_from_trays(
-        replace(tray, **change) if tray.name in names else tray  # type: ignore[arg-type]
-        for tray in topology.trays
+        replace(tray, **change) if tray.name in names else tray for tray in topology.trays
     )
 
 
@@ -426,7 +424,8 @@ def assert_sound(plan: Plan, topology: Topology, shapes: Sequence[DeploymentShap
             assert name not in held, f"{name} is taken twice"
             held[name] = set(range(tray.gpus))
         for name in cell.spare_trays:
-            assert topology.tray(name).eligible  # type: ignore[union-attr]
+            spare = topology.tray(name)
+            assert spare is not None and spare.eligible
         assert len({i.index for i in cell.prefill}) == len(cell.prefill)
         assert cell.max_prefill_instances >= len(cell.prefill)
         for instance in cell.prefill:
@@ -456,13 +455,14 @@ def assert_admitted_whole(
         else:
             assert len(cell.prefill) == wanted
         for name in (*cell.decode_trays, *cell.spare_trays, *prefill_trays(cell)):
-            assert topology.tray(name).eligible  # type: ignore[union-attr]
+            tray = topology.tray(name)
+            assert tray is not None and tray.eligible
     wanted_cells = {cell_name(s.name, i) for s in shapes for i in range(s.cells)}
     unplaced = {cell.name for cell in plan.unplaced}
     assert {cell.name for cell in plan.cells} | unplaced == wanted_cells
     assert not unplaced & {cell.name for cell in plan.cells}
-    for cell in plan.unplaced:
-        assert cell.reason is Reason.INSUFFICIENT_CAPACITY and cell.message
+    for left_out in plan.unplaced:
+        assert left_out.reason is Reason.INSUFFICIENT_CAPACITY and left_out.message
 
 
 @PROPERTY
@@ -510,9 +510,10 @@ def test_replanning_moves_nothing_healthy(data: st.DataObject) -> None:
         decode_ok = [healthy_for(later.tray(name), old.domain) for name in old.decode_trays]
         if new is None or new.domain != old.domain:
             # Released only when the domain cannot hold the decode group any more.
+            domain = later.domain(old.domain)
             usable = [
                 tray
-                for tray in (later.domain(old.domain).trays if later.domain(old.domain) else ())
+                for tray in (domain.trays if domain else ())
                 if tray.gpus == shape.decode.gpus_per_pod
                 and tray.used_by_others == 0
                 and (tray.eligible or (tray.name in old.decode_trays and tray.keeps_pods))

@@ -282,7 +282,7 @@ def test_decode_rank_skips_excluded_and_unhealthy_ranks() -> None:
 
 def test_tied_decode_ranks_are_spread_by_request_key_and_stable_per_key() -> None:
     snap = snapshot([], RANKS)
-    picks = Counter()
+    picks: Counter[int] = Counter()
     for i in range(400):
         first = choose_decode_rank(snap, f"req-{i}".encode())
         again = choose_decode_rank(snapshot([], RANKS[::-1]), f"req-{i}".encode())

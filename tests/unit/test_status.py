@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from baton.core.api import Condition, ConditionType, Reason
 from controller.placement import DeploymentShape, plan_placement
 from controller.status import ConditionStamp, placement_conditions, set_condition
@@ -9,7 +11,10 @@ from controller.topology import synthetic_topology
 
 
 def condition(
-    status: str, reason: str = "Placed", time: str = "t0", message: str = ""
+    status: Literal["True", "False", "Unknown"],
+    reason: str = "Placed",
+    time: str = "t0",
+    message: str = "",
 ) -> Condition:
     return Condition(
         type=ConditionType.PLACED,
@@ -18,7 +23,7 @@ def condition(
         message=message,
         last_transition_time=time,
         observed_generation=1,
-    )  # type: ignore[arg-type]
+    )
 
 
 def test_a_new_condition_is_added() -> None:

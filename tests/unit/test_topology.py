@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -35,7 +36,7 @@ def node(
     unschedulable: bool = False,
     taints: list[dict[str, str]] | None = None,
     annotations: dict[str, str] | None = None,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """A Node as kubectl prints it, with only what the test varies."""
     labels = {"kubernetes.io/hostname": name}
     if clique is not None:
@@ -63,8 +64,9 @@ def node(
     }
 
 
-def only_tray(*nodes: dict[str, object], **kwargs: object) -> Tray:
-    topology = parse_topology({"kind": "NodeList", "items": list(nodes)}, **kwargs)  # type: ignore[arg-type]
+def only_tray(*nodes: dict[str, Any], **kwargs: Any) -> Tray:
+    """The one tray of ``nodes``; ``kwargs`` go to parse_topology."""
+    topology = parse_topology({"kind": "NodeList", "items": list(nodes)}, **kwargs)
     assert len(topology.trays) == 1
     return topology.trays[0]
 
@@ -162,8 +164,8 @@ def test_gpus_used_by_others_come_from_the_annotation_or_the_callers_mapping() -
 
 def test_custom_domain_label_and_gpu_resource_are_honoured() -> None:
     item = node("t0", clique=None, gpus=None)
-    item["metadata"]["labels"]["ds.coreweave.com/nvlink.domain"] = "nvl-7"  # type: ignore[index]
-    item["status"]["allocatable"]["nvidia.com/gb300"] = "4"  # type: ignore[index]
+    item["metadata"]["labels"]["ds.coreweave.com/nvlink.domain"] = "nvl-7"
+    item["status"]["allocatable"]["nvidia.com/gb300"] = "4"
     tray = only_tray(
         item, domain_label="ds.coreweave.com/nvlink.domain", gpu_resource="nvidia.com/gb300"
     )
