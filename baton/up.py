@@ -25,102 +25,99 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
 
 import httpx
 import yaml
+from pydantic import BaseModel
 
 from baton.core.model import MODEL, SERVED_MODEL_NAME
 from controller.placement import DeploymentShape, Plan, plan_placement
 from controller.topology import synthetic_topology
+from eplb.config import EplbServiceConfig, GroupSpec
 from rigs.processes import free_port_block, stop_process, wait_healthy
+from router.pool import DecodeServerSpec, PoolCell, PoolSpec
+from sim.cluster import ClusterSpec, DecodeGroupSpec, PrefillInstancesSpec
+from sim.config import EplbConfig
 
-__all__ = ["DecodeServerEntry", "PoolCell", "PoolFile", "StackLayout", "layout_stack", "main"]
-
-
-class DecodeServerEntry(TypedDict):
-    url: str
-    ranks: list[int]
-
-
-class PoolCell(TypedDict):
-    name: str
-    prefill: list[str]
-    decode: list[DecodeServerEntry]
-
-
-class PoolFile(TypedDict):
-    """The gateway's pool file, as this command writes and then reads it."""
-
-    cells: list[PoolCell]
+__all__ = ["StackLayout", "layout_stack", "main"]
 
 
 @dataclass(frozen=True, slots=True)
 class StackLayout:
-    """What to start for a plan: the simulator's cluster file, the gateway's pool file, and the
-    EPLB service's configuration (every decode group's agent)."""
+    """What to start for a plan, in the models of the files each process reads: the
+    simulator's cluster file, the gateway's pool file and the EPLB service's configuration
+    (every decode group's agent)."""
 
-    cluster: dict[str, Any]
-    pool: PoolFile
-    eplb: dict[str, Any]
+    cluster: ClusterSpec
+    pool: PoolSpec
+    eplb: EplbServiceConfig
 
 
 def layout_stack(plan: Plan, *, time_scale: float, gpus_per_tray: int = 4) -> StackLayout:
     """Engines at the placed roles, on free loopback ports, and the pool that routes to them."""
-    decode_groups: list[dict[str, object]] = []
-    prefill: list[dict[str, object]] = []
+    decode_groups: list[DecodeGroupSpec] = []
+    prefill: list[PrefillInstancesSpec] = []
     cells: list[PoolCell] = []
-    eplb_groups: list[dict[str, object]] = []
+    eplb_groups: list[GroupSpec] = []
     for cell in plan.cells:
         servers = len(cell.decode_trays)
         ranks = servers * gpus_per_tray
         decode_port = free_port_block(servers)
         agent_port = free_port_block(1)
         decode_groups.append(
-            {
-                "name": cell.name,
-                "data_parallel_size": ranks,
-                "api_servers": servers,
-                "port": decode_port,
-                "side_channel_port": free_port_block(ranks),
-                "eplb_agent_port": agent_port,
-                "eplb": {"num_redundant_experts": 32},
-            }
+            DecodeGroupSpec(
+                name=cell.name,
+                data_parallel_size=ranks,
+                api_servers=servers,
+                port=decode_port,
+                side_channel_port=free_port_block(ranks),
+                eplb_agent_port=agent_port,
+                eplb=EplbConfig(num_redundant_experts=32),
+            )
         )
-        eplb_groups.append({"name": cell.name, "agents": [f"127.0.0.1:{agent_port}"]})
+        eplb_groups.append(GroupSpec(name=cell.name, agents=(f"127.0.0.1:{agent_port}",)))
         instances = len(cell.prefill)
         prefill_port = free_port_block(max(instances, 1))
         if instances:
             prefill.append(
-                {
-                    "name": f"{cell.name}-prefill",
-                    "instances": instances,
-                    "port": prefill_port,
-                    "side_channel_port": free_port_block(2 * instances),
-                }
+                PrefillInstancesSpec(
+                    name=f"{cell.name}-prefill",
+                    instances=instances,
+                    port=prefill_port,
+                    side_channel_port=free_port_block(2 * instances),
+                )
             )
         cells.append(
-            {
-                "name": cell.name,
-                "prefill": [f"http://127.0.0.1:{prefill_port + i}" for i in range(instances)],
-                "decode": [
-                    {
-                        "url": f"http://127.0.0.1:{decode_port + s}",
-                        "ranks": list(range(gpus_per_tray)),
-                    }
+            PoolCell(
+                name=cell.name,
+                prefill=tuple(f"http://127.0.0.1:{prefill_port + i}" for i in range(instances)),
+                decode=tuple(
+                    DecodeServerSpec(
+                        url=f"http://127.0.0.1:{decode_port + s}",
+                        ranks=tuple(range(gpus_per_tray)),
+                    )
                     for s in range(servers)
-                ],
-            }
+                ),
+            )
         )
-    cluster = {
-        "model": MODEL,
-        "served_model_name": SERVED_MODEL_NAME,
-        "host": "127.0.0.1",
-        "time_scale": time_scale,
-        "decode_groups": decode_groups,
-        "prefill": prefill,
-    }
-    return StackLayout(cluster=cluster, pool={"cells": cells}, eplb={"groups": eplb_groups})
+    cluster = ClusterSpec(
+        model=MODEL,
+        served_model_name=SERVED_MODEL_NAME,
+        host="127.0.0.1",
+        time_scale=time_scale,
+        decode_groups=decode_groups,
+        prefill=prefill,
+    )
+    return StackLayout(
+        cluster=cluster,
+        pool=PoolSpec(cells=tuple(cells)),
+        eplb=EplbServiceConfig(groups=tuple(eplb_groups)),
+    )
+
+
+def _yaml(model: BaseModel) -> str:
+    """A file's model as the YAML its reader loads (only what differs from its defaults)."""
+    return yaml.safe_dump(model.model_dump(mode="json", by_alias=True, exclude_defaults=True))
 
 
 def _deployment(path: Path | None, racks: int) -> DeploymentShape:
@@ -182,17 +179,17 @@ def _run(plan: Plan, args: argparse.Namespace) -> int:
         cluster_file = Path(workdir, "cluster.yaml")
         pool_file = Path(workdir, "pool.yaml")
         eplb_file = Path(workdir, "eplb.yaml")
-        cluster_file.write_text(yaml.safe_dump(layout.cluster))
-        pool_file.write_text(yaml.safe_dump(layout.pool))
-        eplb_file.write_text(yaml.safe_dump(layout.eplb))
+        cluster_file.write_text(_yaml(layout.cluster))
+        pool_file.write_text(_yaml(layout.pool))
+        eplb_file.write_text(_yaml(layout.eplb))
         python = [sys.executable, "-m", "baton.cli"]
         try:
             engines = subprocess.Popen(
                 [*python, "sim", "--cluster", str(cluster_file), "--log-level", "warning"]
             )
             processes.append(engines)
-            for cell in layout.pool["cells"]:
-                for url in [*cell["prefill"], *(d["url"] for d in cell["decode"])]:
+            for pool_cell in layout.pool.cells:
+                for url in [*pool_cell.prefill, *(d.url for d in pool_cell.decode)]:
                     wait_healthy(url, engines, timeout=120)
             eplb_metrics = args.eplb_metrics_port or free_port_block(1)
             processes.append(
@@ -246,14 +243,13 @@ def _run(plan: Plan, args: argparse.Namespace) -> int:
 
 
 def _print_urls(layout: StackLayout, gateway_url: str, eplb_metrics: str) -> None:
-    cells = layout.pool["cells"]
     print(f"\nBaton is up: OpenAI API at {gateway_url}/v1 (model {SERVED_MODEL_NAME})")
     print(f"  gateway metrics   {gateway_url}/metrics")
     print(f"  EPLB metrics      {eplb_metrics}")
-    for cell in cells:
+    for cell in layout.pool.cells:
         print(
-            f"  {cell['name']}: {len(cell['decode'])} decode API servers "
-            f"({cell['decode'][0]['url']} ...), {len(cell['prefill'])} prefill instances"
+            f"  {cell.name}: {len(cell.decode)} decode API servers "
+            f"({cell.decode[0].url} ...), {len(cell.prefill)} prefill instances"
         )
     print("Ctrl-C stops everything.", flush=True)
 

@@ -31,7 +31,7 @@ from baton.core.model import MODEL, SERVED_MODEL_NAME
 from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
 from sim.profile import load_profile
 
-__all__ = ["ClusterSpec", "DecodeGroupSpec", "PrefillSpec", "engine_configs", "load_cluster"]
+__all__ = ["ClusterSpec", "DecodeGroupSpec", "PrefillInstancesSpec", "engine_configs", "load_cluster"]
 
 _NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 
@@ -64,7 +64,7 @@ class DecodeGroupSpec(_Spec):
         return self
 
 
-class PrefillSpec(_Spec):
+class PrefillInstancesSpec(_Spec):
     name: str
     instances: int = Field(ge=1)
     data_parallel_size: int = Field(default=2, ge=1)
@@ -83,7 +83,7 @@ class ClusterSpec(_Spec):
     max_model_len: int = Field(default=1_048_576, ge=16)
     enable_fault_injection: bool = False
     decode_groups: list[DecodeGroupSpec] = Field(default_factory=list)
-    prefill: list[PrefillSpec] = Field(default_factory=list)
+    prefill: list[PrefillInstancesSpec] = Field(default_factory=list)
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:
