@@ -32,6 +32,7 @@ from baton.core.kube import json_object, raw_json
 from baton.core.labels import (
     CELL_GATE,
     CLIQUE_LABEL,
+    CONTROLLER_COMPONENT,
     DEPLOYMENT_LABEL,
     GPUS_USED_BY_OTHERS_ANNOTATION,
     QUARANTINED_ANNOTATION,
@@ -463,7 +464,7 @@ class Controller:
                     "firstTimestamp": stamp,
                     "lastTimestamp": stamp,
                     "count": 1,
-                    "reportingComponent": "baton.dev/controller",
+                    "reportingComponent": CONTROLLER_COMPONENT,
                     "reportingInstance": self.identity,
                 }
             )

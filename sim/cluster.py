@@ -31,7 +31,13 @@ from baton.core.model import MODEL, SERVED_MODEL_NAME
 from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
 from sim.profile import load_profile
 
-__all__ = ["ClusterSpec", "DecodeGroupSpec", "PrefillInstancesSpec", "engine_configs", "load_cluster"]
+__all__ = [
+    "ClusterSpec",
+    "DecodeGroupSpec",
+    "PrefillInstancesSpec",
+    "engine_configs",
+    "load_cluster",
+]
 
 _NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 

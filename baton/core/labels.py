@@ -11,6 +11,7 @@ __all__ = [
     "CELL_GATE",
     "CELL_LABEL",
     "CLIQUE_LABEL",
+    "CONTROLLER_COMPONENT",
     "DEPLOYMENT_LABEL",
     "GPUS_USED_BY_OTHERS_ANNOTATION",
     "GPU_COUNT_LABEL",
@@ -63,3 +64,6 @@ TEMPLATE_HASH_ANNOTATION = "baton.dev/pod-template-hash"
 
 # Pod scheduling gate: held until every pod of the cell exists, then lifted for the whole cell.
 CELL_GATE = "baton.dev/cell"
+
+# The controller's name on the Events it records (reportingComponent).
+CONTROLLER_COMPONENT = "baton.dev/controller"
