@@ -118,16 +118,10 @@ class LeaseElector:
         spec.holder_identity = self.identity
         spec.lease_duration_seconds = self.lease_duration_s
         spec.renew_time = now
-        try:
-            self._leases.replace_namespaced_lease(self.name, self.namespace, lease)
-        except ApiException as exc:
-            if exc.status != 409:  # 409: someone else wrote first; try again next period
-                log.warning("updating lease: %s", exc.reason)
-            return False
-        except (Urllib3Error, OSError) as exc:
-            log.warning("updating lease: %s", exc)
-            return False
-        return True
+        return self._write(
+            "updating",
+            lambda: self._leases.replace_namespaced_lease(self.name, self.namespace, lease),
+        )
 
     def _create(self, now: datetime) -> bool:
         lease = client.V1Lease(
@@ -140,14 +134,22 @@ class LeaseElector:
                 lease_transitions=0,
             ),
         )
+        return self._write(
+            "creating", lambda: self._leases.create_namespaced_lease(self.namespace, lease)
+        )
+
+    @staticmethod
+    def _write(what: str, call: Callable[[], object]) -> bool:
+        """Whether the Lease write landed. A 409 (someone else wrote first) or an unreachable
+        API server loses this round; the next period tries again."""
         try:
-            self._leases.create_namespaced_lease(self.namespace, lease)
+            call()
         except ApiException as exc:
             if exc.status != 409:
-                log.warning("creating lease: %s", exc.reason)
+                log.warning("%s lease: %s", what, exc.reason)
             return False
         except (Urllib3Error, OSError) as exc:
-            log.warning("creating lease: %s", exc)
+            log.warning("%s lease: %s", what, exc)
             return False
         return True
 

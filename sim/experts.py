@@ -39,7 +39,6 @@ from baton.core.model import MoEModel
 from baton.core.vllm_eplb import vllm_rebalance
 
 __all__ = [
-    "BLOCK_STEPS",
     "DEP32_DECODE_TOKENS_PER_STEP",
     "DRAFT_SKEW",
     "TARGET_SKEW",
@@ -52,7 +51,6 @@ __all__ = [
     "physical_load",
     "sample_load",
     "simulate_balance",
-    "vllm_rebalancer",
 ]
 
 
@@ -208,10 +206,10 @@ class BalanceRun:
 
 # Popularity is held for, then advanced by, blocks of this many steps: against a drift time of
 # 50,000 steps the error is far below sampling noise, and it cuts the per-step drift cost tenfold.
-BLOCK_STEPS = 10
+_BLOCK_STEPS = 10
 
 
-def vllm_rebalancer(schedule: EplbSchedule, num_ranks: int) -> Rebalancer:
+def _vllm_rebalancer(schedule: EplbSchedule, num_ranks: int) -> Rebalancer:
     """vLLM's in-engine EPLB: its default policy at every boundary, from the placement in force."""
 
     def rebalancer(load: np.ndarray, current: Placement, boundary: int) -> Placement:
@@ -253,7 +251,7 @@ def simulate_balance(
     placement = Placement.contiguous(model.layers, model.experts, num_ranks)
     window_load = np.zeros((model.layers, model.experts), dtype=np.int64)
     if eplb is not None and rebalancer is None:
-        rebalancer = vllm_rebalancer(eplb, num_ranks)
+        rebalancer = _vllm_rebalancer(eplb, num_ranks)
     delay = model.layers if eplb is None or eplb.switch_delay is None else eplb.switch_delay
     next_rebalance = 0
     pending: tuple[int, Placement] | None = None
@@ -262,7 +260,7 @@ def simulate_balance(
     skipped = 0
     step = -eplb.window_size if eplb is not None else 0
     while step < steps:
-        block = min(BLOCK_STEPS, steps - step)
+        block = min(_BLOCK_STEPS, steps - step)
         if pending is not None and step >= pending[0]:
             switches.append((placement, pending[1]))
             placement, pending = pending[1], None
