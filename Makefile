@@ -7,7 +7,7 @@ PROTO_OUT := baton/core/proto
 PROTOS := $(wildcard protos/*.proto)
 GENERATED := $(patsubst protos/%.proto,$(PROTO_OUT)/%_pb2.py,$(PROTOS))
 
-.PHONY: test demo bench lint proto dev-bin clean
+.PHONY: test demo bench lint proto dev-bin vllm-env clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -36,7 +36,12 @@ lint: $(STAMP) proto
 dev-bin:
 	deploy/dev/build.sh >/dev/null
 
-test: lint dev-bin
+# The vLLM that tests/vllm checks Baton against, in its own cached virtualenv (about 9.4 GB, 5-20
+# minutes on a new machine): never in .venv, whose install stays light.
+vllm-env:
+	deploy/vllm/env.sh >/dev/null
+
+test: lint dev-bin vllm-env
 	$(BIN)/pytest
 
 demo: $(STAMP) proto

@@ -55,7 +55,7 @@ from router.relay import DecodeRelay, Timing
 from router.stream import DecodeStream, FirstToken, StreamState
 from router.upstream import UpstreamPool, UpstreamResponse
 
-__all__ = ["Handoff", "JsonReply", "Timeouts"]
+__all__ = ["Handoff", "JsonReply", "Timeouts", "decode_body", "engine_headers", "prefill_body"]
 
 log = logging.getLogger("baton.gateway.handoff")
 
@@ -165,19 +165,14 @@ class Handoff:
     async def _prefill(
         self, target: PrefillView, request: _Request, tokens: int
     ) -> _Prefilled | JsonReply | None:
-        body = request.body
-        payload = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-        payload.update(max_tokens=1, stream=False, kv_transfer_params=_PREFILL_KV)
-        if "max_completion_tokens" in body:
-            payload["max_completion_tokens"] = 1
         self.pool.begin_prefill(target.name, tokens)
         started = time.perf_counter()
         try:
             data, status = await self._call(
                 target.name,
                 request.route,
-                orjson.dumps(payload),
-                _headers(request.request_id),
+                prefill_body(request.body),
+                engine_headers(request.request_id),
                 self.timeouts.prefill_s,
             )
             if status != 200:
@@ -265,7 +260,7 @@ class Handoff:
                 if prefilled is not None and not with_kv:
                     self.metrics.child(self.metrics.fallbacks, "decode_retry").inc()
             kv = prefilled if with_kv else None
-            payload = request.raw if kv is None else _with_kv(request.raw, kv.kv_transfer_params)
+            payload = decode_body(request.raw, kv.kv_transfer_params if kv else None)
             cached = kv.cached_tokens if kv is not None else None
             try:
                 if request.stream:
@@ -293,7 +288,7 @@ class Handoff:
                 rank.url,
                 request.route,
                 payload,
-                _headers(request.request_id, rank.dp_rank),
+                engine_headers(request.request_id, rank.dp_rank),
                 self.timeouts.first_token_s,
             )
             if status != 200:
@@ -326,7 +321,7 @@ class Handoff:
                 rank.url,
                 request.route,
                 payload,
-                _headers(request.request_id, rank.dp_rank),
+                engine_headers(request.request_id, rank.dp_rank),
                 self._read_timeout,
                 deadline,
             )
@@ -367,7 +362,24 @@ class Handoff:
         )
 
 
-def _headers(request_id: str, dp_rank: int = -1) -> dict[str, str]:
+def prefill_body(body: Mapping[str, object]) -> bytes:
+    """The prefill leg's body (step 2 of the module docstring): one token, not streamed, the
+    KV kept for a remote decode."""
+    payload = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    payload.update(max_tokens=1, stream=False, kv_transfer_params=_PREFILL_KV)
+    if "max_completion_tokens" in body:
+        payload["max_completion_tokens"] = 1
+    return orjson.dumps(payload)
+
+
+def decode_body(raw: bytes, kv_transfer_params: Mapping[str, object] | None) -> bytes:
+    """The decode leg's body: the client's bytes, with prefill's ``kv_transfer_params``
+    (verbatim) when the KV is to be pulled."""
+    return raw if kv_transfer_params is None else _with_kv(raw, kv_transfer_params)
+
+
+def engine_headers(request_id: str, dp_rank: int = -1) -> dict[str, str]:
+    """Both legs' headers: the request's one id, and the decode rank where there is one."""
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     if dp_rank >= 0:
         headers["X-data-parallel-rank"] = str(dp_rank)

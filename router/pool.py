@@ -30,6 +30,7 @@ from baton.core.files import load_yaml_model
 from router.policy import DecodeRankView, PoolSnapshot, PrefillView
 
 __all__ = [
+    "ENGINE_LOAD_METRICS",
     "Breaker",
     "DecodeServerSpec",
     "Pool",
@@ -40,6 +41,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("baton.gateway.pool")
+
+# vLLM's per-engine gauges whose sum is the decode load a rank carries (the ``engine`` label is
+# its global DP rank).
+ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 class DecodeServerSpec(BaseModel):
@@ -382,7 +387,7 @@ class Pool:
 def _engine_load(text: str) -> dict[str, int]:
     load: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
-        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        if family.name in ENGINE_LOAD_METRICS:
             for sample in family.samples:
                 engine = sample.labels.get("engine", "0")
                 load[engine] = load.get(engine, 0) + int(sample.value)

@@ -6,11 +6,20 @@ Request bodies are untrusted: pydantic models with vLLM's field names, unknown f
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "ChatCompletionRequest",
@@ -28,7 +37,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(BaseModel, ABC):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -44,6 +53,31 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return options
+
+    @property
+    @abstractmethod
+    def requested_max_tokens(self) -> int | None:
+        """The most tokens the request allows; None: what the context leaves."""
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> _SamplingRequest:
+        # vLLM's SamplingParams check, against the max tokens the request allows.
+        limit = self.requested_max_tokens
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={limit}, "
+                f"got {self.min_tokens}."
+            )
+        return self
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -54,6 +88,10 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     echo: bool = False
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return 16 if self.max_tokens is None else self.max_tokens  # vLLM turns null into 16
 
 
 class ChatCompletionRequest(_SamplingRequest):

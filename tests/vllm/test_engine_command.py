@@ -1,0 +1,114 @@
+"""Every command line the controller renders, parsed by vLLM 0.33's own ``vllm serve`` parser,
+and its JSON options built by vLLM's own config classes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from baton.core.api import ModelDeployment
+from baton.core.labels import ROLE_LABEL
+from controller.placement import DeploymentShape, plan_placement
+from controller.podspec import render_cell
+from controller.topology import synthetic_topology
+from tests.vllm.conftest import Vllm
+
+MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
+MTP = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}']
+
+
+def commands(role: str, **spec: Any) -> list[list[str]]:
+    """The engine command of every ``role`` pod of one placed cell."""
+    deployment = ModelDeployment.model_validate(
+        {"metadata": {"name": "dsv4"}, "spec": {"model": MODEL, **spec}}
+    )
+    plan = plan_placement([DeploymentShape.of(deployment)], synthetic_topology(1))
+    manifests = render_cell(
+        deployment.spec, plan.cells[0], deployment="dsv4", uid="u-1", namespace="serving"
+    )
+    return [
+        m["spec"]["containers"][0]["command"]
+        for m in manifests
+        if m["kind"] == "Pod" and m["metadata"]["labels"][ROLE_LABEL] == role
+    ]
+
+
+def serve(vllm: Vllm, command: list[str]) -> dict[str, Any]:
+    assert command[:2] == ["vllm", "serve"]
+    answer = vllm.ask("serve", argv=command[2:])
+    assert answer["ok"], f"vLLM refuses {' '.join(command)}: {answer['error']}"
+    args: dict[str, Any] = answer["args"]
+    return args
+
+
+@pytest.mark.parametrize(
+    ("eplb", "args"),
+    [(True, []), (True, MTP), (False, []), (False, MTP)],
+    ids=["eplb", "eplb-and-mtp", "no-eplb", "mtp-alone"],
+)
+def test_every_decode_line_parses_as_the_wide_ep_rank_it_is_meant_to_be(
+    vllm: Vllm, eplb: bool, args: list[str]
+) -> None:
+    lines = commands("decode", eplb={"enabled": eplb}, engine={"args": args})
+    assert len(lines) == 8
+    for index, command in enumerate(lines):
+        parsed = serve(vllm, command)
+        assert parsed["model"] == MODEL and parsed["served_model_name"] == [MODEL]
+        assert (parsed["data_parallel_size"], parsed["data_parallel_size_local"]) == (32, 4)
+        assert parsed["data_parallel_start_rank"] == 4 * index
+        assert parsed["data_parallel_address"] == (
+            "dsv4-cell-0-decode-0.dsv4-cell-0-decode.serving.svc"
+        )
+        assert parsed["data_parallel_hybrid_lb"] and parsed["enable_expert_parallel"]
+        kv = parsed["kv_transfer_config"]
+        assert (kv["kv_connector"], kv["kv_role"], kv["kv_load_failure_policy"]) == (
+            "NixlConnector",
+            "kv_both",
+            "fail",
+        )
+        assert parsed["enable_eplb"] is eplb
+        if eplb:
+            config = parsed["eplb_config"]
+            assert (config["window_size"], config["step_interval"]) == (1000, 3000)
+            assert config["num_redundant_experts"] == 32
+        speculative = parsed["speculative_config"]
+        assert speculative == (json.loads(MTP[1]) if args else None)
+
+
+def test_every_prefill_line_parses_as_a_dep2_instance(vllm: Vllm) -> None:
+    lines = commands("prefill", cell={"prefill": {"instances": 4}})
+    assert len(lines) == 4
+    for command in lines:
+        parsed = serve(vllm, command)
+        assert (parsed["data_parallel_size"], parsed["data_parallel_size_local"]) == (2, 2)
+        assert parsed["enable_expert_parallel"] and not parsed["enable_eplb"]
+        assert parsed["kv_transfer_config"]["kv_connector"] == "NixlConnector"
+
+
+@pytest.mark.parametrize("kind", ["eplb", "kv_transfer"])
+def test_the_json_options_build_vllms_own_config_classes(vllm: Vllm, kind: str) -> None:
+    flag = {"eplb": "--eplb-config", "kv_transfer": "--kv-transfer-config"}[kind]
+    command = commands("decode")[0]
+    value = json.loads(command[command.index(flag) + 1])
+    answer = vllm.ask("config", kind=kind, value=value)
+    assert answer["ok"], answer["error"]
+    assert {key: answer["config"][key] for key in value} == value
+
+
+def test_the_speculative_config_users_pass_has_vllms_fields_and_method(vllm: Vllm) -> None:
+    assert vllm.ask("config", kind="speculative", value=json.loads(MTP[1]))["ok"]
+    typo = vllm.ask("config", kind="speculative", value={"method": "mtp", "num_spec_tokens": 3})
+    assert not typo["ok"] and "num_spec_tokens" in typo["error"]
+
+
+def test_a_misspelt_engine_flag_is_refused_by_vllms_parser(vllm: Vllm) -> None:
+    command = commands("decode", engine={"args": ["--max-num-seqss", "64"]})[0]
+    answer = vllm.ask("serve", argv=command[2:])
+    assert not answer["ok"] and "--max-num-seqss" in answer["error"]
+
+
+def test_a_bad_eplb_config_is_refused_by_vllms_config_class(vllm: Vllm) -> None:
+    answer = vllm.ask("config", kind="eplb", value={"window_size": 0})
+    assert not answer["ok"] and "window_size" in answer["error"]
