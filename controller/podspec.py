@@ -66,6 +66,7 @@ EPLB_AGENT_PORT = 50100  # Baton's EPLB agent beside a decode engine (docs/eplb-
 Manifest = dict[str, Any]
 COMPUTE_DOMAIN_API = ("resource.nvidia.com", "v1beta1", "computedomains")
 _CHANNEL_CLAIM = "imex-channel"
+_SHM = "dshm"
 
 
 def _kv_transfer(spec: ModelDeploymentSpec) -> str:
@@ -204,6 +205,14 @@ def _pod(
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_PORT)},
         *({"name": e.name, "value": e.value} for e in spec.engine.env),
     ]
+    secret = spec.engine.api_key_secret
+    if secret is not None:  # an env var, not --api-key: a command line shows in `ps` and events
+        env.append(
+            {
+                "name": "VLLM_API_KEY",
+                "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
+            }
+        )
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -235,6 +244,9 @@ def _pod(
             },
             "tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
             "restartPolicy": "Never",  # a group restarts as a whole, by the controller
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+            # vLLM's workers share tensors through /dev/shm, which a container gets 64 MiB of.
+            "volumes": [{"name": _SHM, "emptyDir": {"medium": "Memory"}}],
             "containers": [
                 {
                     "name": "engine",
@@ -249,10 +261,31 @@ def _pod(
                         "requests": {gpu_resource: str(gpus)},
                         "limits": {gpu_resource: str(gpus)},
                     },
-                    "readinessProbe": {"httpGet": {"path": "/health", "port": API_PORT}},
+                    "volumeMounts": [{"name": _SHM, "mountPath": "/dev/shm"}],
+                    # Loading the weights takes minutes: liveness counts only once /health
+                    # has answered (the startup probe allows 30 minutes).
+                    "startupProbe": _health_probe(period_s=10, failures=180),
+                    "livenessProbe": _health_probe(period_s=10, failures=6),
+                    "readinessProbe": _health_probe(period_s=5, failures=2),
+                    # All a GPU container can drop: the device plugin hands the GPUs in and
+                    # NVLink needs no capability. The vLLM image runs as root, so runAsNonRoot
+                    # would refuse to start it; the pod meets Pod Security's "baseline" level.
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"]},
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
                 }
             ],
         },
+    }
+
+
+def _health_probe(*, period_s: int, failures: int) -> Manifest:
+    return {
+        "httpGet": {"path": "/health", "port": API_PORT},
+        "periodSeconds": period_s,
+        "failureThreshold": failures,
     }
 
 

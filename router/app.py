@@ -204,10 +204,11 @@ class _Api:
         timeouts = settings.timeouts()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s)
+        credentials = self.config.engine_headers
         async with aiohttp.ClientSession(
-            connector=connector, timeout=timeout, auto_decompress=False
+            connector=connector, timeout=timeout, auto_decompress=False, headers=credentials
         ) as session:
-            upstream = UpstreamPool(timeouts.connect_s)
+            upstream = UpstreamPool(timeouts.connect_s, credentials)
             self.handoff = Handoff(
                 self.pool, upstream, settings.routing_policy(), self.metrics, timeouts
             )

@@ -3,7 +3,9 @@
 Targets come from ``--prefill``/``--decode`` flags (one cell, "default"), a ``--pool`` file, or
 the status of a ModelDeployment (``--model-deployment NAMESPACE/NAME``, watched).
 API keys come from ``--api-key`` (repeatable), ``BATON_API_KEYS`` (comma-separated) and
-``--api-key-file`` (one per line); they are never logged.
+``--api-key-file`` (one per line); they are never logged. The engines' own key (vLLM's
+``--api-key``) comes from ``--engine-api-key-file``, a mounted Secret, and goes with every call
+to an engine.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from baton.core.follow import DeploymentRef
+from baton.core.secrets import read_token
 from router.app import create_gateway
 from router.pool import PoolCell, PoolSpec, load_pool_file, parse_decode_flag
 from router.settings import GatewayConfig, GatewaySettings
@@ -57,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY")
     parser.add_argument("--api-key-file", type=Path, metavar="FILE")
+    parser.add_argument(
+        "--engine-api-key-file",
+        type=Path,
+        metavar="FILE",
+        help="the engines' API key (vLLM's --api-key), sent on every engine call",
+    )
     GatewaySettings.add_flags(parser)
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
@@ -76,6 +85,15 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
             ) from exc
         keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     return tuple(keys)
+
+
+def _engine_api_key(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return read_token(path)
+    except ValueError as exc:
+        raise ValueError(f"--engine-api-key-file {exc}") from exc
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -107,6 +125,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         GatewaySettings.from_flags(args),
         pool_file=args.pool,
         model_deployment=deployment,
+        engine_api_key=_engine_api_key(args.engine_api_key_file),
     )
 
 

@@ -26,6 +26,7 @@ from ray.serve import Application
 
 from baton.core.files import describe_errors
 from baton.core.follow import DeploymentRef
+from baton.core.secrets import read_token
 from router.app import create_app
 from router.pool import load_pool_file
 from router.settings import GatewayConfig, GatewaySettings
@@ -47,6 +48,7 @@ class ServeArgs(GatewaySettings):
     pool_file: Path | None = None  # default: $BATON_POOL_FILE
     model_deployment: str | None = None  # NAMESPACE/NAME: the pool from its status instead
     kubeconfig: Path | None = None  # with model_deployment; default: the service account
+    engine_api_key_file: Path | None = None  # the engines' API key, a mounted Secret
 
 
 def config_from_serve_args(args: Mapping[str, object], environ: Mapping[str, str]) -> GatewayConfig:
@@ -70,12 +72,19 @@ def config_from_serve_args(args: Mapping[str, object], environ: Mapping[str, str
         )
     keys = tuple(k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip())
     settings = GatewaySettings(**parsed.model_dump(include=set(GatewaySettings.model_fields)))
+    engine_key = None
+    if parsed.engine_api_key_file is not None:
+        try:
+            engine_key = read_token(parsed.engine_api_key_file)
+        except ValueError as exc:
+            raise ValueError(f"router.serve:app: engine_api_key_file {exc}") from exc
     return GatewayConfig(
         load_pool_file(pool_file) if pool_file is not None else None,
         keys,
         settings,
         pool_file=pool_file,
         model_deployment=deployment,
+        engine_api_key=engine_key,
     )
 
 

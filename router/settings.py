@@ -115,6 +115,14 @@ class GatewayConfig:
     settings: GatewaySettings = field(default_factory=GatewaySettings)
     pool_file: Path | None = None  # reloaded when it changes
     model_deployment: DeploymentRef | None = None
+    # The engines' API key (vLLM's --api-key): sent on every call to an engine.
+    engine_api_key: str | None = field(default=None, repr=False)
+
+    @property
+    def engine_headers(self) -> dict[str, str]:
+        """What every call to an engine carries besides its own headers."""
+        key = self.engine_api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def _describe_flags(exc: ValidationError) -> str:

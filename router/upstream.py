@@ -263,10 +263,14 @@ class UpstreamResponse:
 
 
 class UpstreamPool:
-    """Keep-alive connections per engine (host, port), opened on demand."""
+    """Keep-alive connections per engine (host, port), opened on demand. ``headers`` go with
+    every request (the engines' credentials)."""
 
-    def __init__(self, connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self, connect_timeout: float = 5.0, headers: Mapping[str, str] | None = None
+    ) -> None:
         self.connect_timeout = connect_timeout
+        self.headers = dict(headers or {})
         self.idle: defaultdict[tuple[str, int], list[_Connection]] = defaultdict(list)
 
     async def post(
@@ -284,7 +288,7 @@ class UpstreamPool:
         with one deadline rather than an ``asyncio.timeout`` (a timer and a context per call).
         """
         key = _key(base_url)
-        head = _request_head(key, path, len(body), headers)
+        head = _request_head(key, path, len(body), {**self.headers, **headers})
         for attempt in (0, 1):
             conn, reused = await self._connection(key)
             # create_connection returns once connection_made has set it; it is never unset.

@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(parser, "--host", default="127.0.0.1")
     _flag(parser, "--port", type=int, default=8000)
     _flag(parser, "--served-model-name", nargs="+", default=None)
+    _flag(
+        parser,
+        "--api-key",
+        nargs="+",
+        default=None,
+        help="bearer tokens every /v1 route requires (default: $VLLM_API_KEY; none: open)",
+    )
     _flag(parser, "--data-parallel-size", "-dp", type=int, default=1)
     _flag(parser, "--data-parallel-size-local", "-dpl", type=int, default=None)
     _flag(parser, "--data-parallel-start-rank", "-dpr", type=int, default=0)
@@ -172,6 +179,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         eplb_agent_token_file=args.eplb_agent_token_file,
         eplb_agent_tls_cert=args.eplb_agent_tls_cert,
         eplb_agent_tls_key=args.eplb_agent_tls_key,
+        # vLLM's precedence: --api-key, else VLLM_API_KEY.
+        api_keys=tuple(k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k),
         time_scale=args.time_scale,
         seed=args.seed,
         enable_fault_injection=args.enable_fault_injection,

@@ -81,6 +81,8 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     side_channel_host: str = "localhost"
     side_channel_port: int = 5600
+    # vLLM's --api-key (or VLLM_API_KEY): bearer tokens every /v1 route requires; () = open.
+    api_keys: tuple[str, ...] = ()
     eplb_agent_port: int | None = None
     eplb_agent_token_file: str | None = None  # bearer token for Prepare/Commit/Abort
     eplb_agent_tls_cert: str | None = None  # PEM files; both or neither

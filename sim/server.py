@@ -9,11 +9,14 @@ in one event loop, and streaming costs it little per chunk.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import random
 import time
 import uuid
 from collections.abc import Coroutine
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -49,6 +52,31 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
     )
 
 
+# vLLM's guarded path prefixes: /health, /metrics and /version stay open with --api-key.
+_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def _authentication(tokens: tuple[str, ...]) -> Any:
+    """vLLM's API-key check: a bearer token matching one of ``tokens`` on every guarded path,
+    compared in constant time, else 401 ``{"error": "Unauthorized"}`` as vLLM answers it."""
+    digests = [hashlib.sha256(token.encode()).digest() for token in tokens]
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method != "OPTIONS" and request.path.startswith(_GUARDED):
+            scheme, _, param = request.headers.get("Authorization", "").partition(" ")
+            presented = hashlib.sha256(param.encode()).digest()
+            matched = False
+            for digest in digests:
+                matched |= hmac.compare_digest(presented, digest)
+            if scheme.lower() != "bearer" or not matched:
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return authenticate
+
+
 class ApiServer:
     """HTTP front of the ranks ``local_ranks`` of ``group``."""
 
@@ -71,7 +99,8 @@ class ApiServer:
         self.app = self._build_app()
 
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        middlewares = [_authentication(self.config.api_keys)] if self.config.api_keys else []
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)

@@ -50,6 +50,7 @@ GROUP, VERSION = API_VERSION.split("/")
 KIND: Final = "ModelDeployment"
 PLURAL = "modeldeployments"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
 class ConditionType(StrEnum):
@@ -131,6 +132,13 @@ class EnvVar(_Resource):
     value: str = ""
 
 
+class SecretKey(_Resource):
+    """One key of a Secret in the deployment's namespace."""
+
+    name: str = Field(pattern=_DNS_SUBDOMAIN, description="the Secret's name")
+    key: str = Field(min_length=1, description="the key within the Secret")
+
+
 class EngineSpec(_Resource):
     """What runs in the pods: vLLM in production, ``baton sim`` anywhere else."""
 
@@ -138,6 +146,11 @@ class EngineSpec(_Resource):
     image: str = Field(default="vllm/vllm-openai:v0.33.0", min_length=1)
     args: list[str] = Field(default_factory=list, description="extra engine flags")
     env: list[EnvVar] = Field(default_factory=list)
+    api_key_secret: SecretKey | None = Field(
+        default=None,
+        description="the engines' API key (vLLM's VLLM_API_KEY): every /v1 call must carry it; "
+        "give the gateway the same key (--engine-api-key-file)",
+    )
 
 
 class KVTransferSpec(_Resource):

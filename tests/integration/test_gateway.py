@@ -547,6 +547,29 @@ def test_api_keys_from_file_and_environment(start_sim, start_gateway, tmp_path) 
     assert "from-file" not in gateway.log() and "from-env" not in gateway.log()
 
 
+def test_engines_behind_an_api_key_are_served_with_the_engine_key_file(
+    start_sim, start_gateway, tmp_path
+) -> None:
+    # vLLM's --api-key guards /v1 on the engines; the gateway sends the key on every call.
+    prefill = start_engine(start_sim, "--api-key", "engine-secret")
+    decode = start_engine(start_sim, "--api-key", "engine-secret")
+    assert httpx.get(f"{decode.url}/v1/models").status_code == 401
+    key = tmp_path / "engine-key"
+    key.write_text("engine-secret\n")
+    flags = (f"--prefill={prefill.url}", f"--decode={decode.url}")
+    gateway = start_gateway(*flags, "--engine-api-key-file", str(key))
+    eventually(lambda: httpx.get(f"{gateway.url}/ready").status_code == 200)
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 4}
+    response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200
+    assert scrape(prefill.url, "vllm:prompt_tokens_total") > 0  # the P/D path, both legs
+    assert "engine-secret" not in gateway.log()
+    # The engines refuse a gateway without the key: its startup probe learnt no model.
+    keyless = start_gateway(*flags)
+    refused = httpx.post(f"{keyless.url}/v1/completions", json=body, timeout=30)
+    assert refused.status_code == 404 and "no healthy engine" in refused.json()["error"]["message"]
+
+
 def test_unknown_route_is_an_openai_404(stack: Stack) -> None:
     response = httpx.get(f"{stack.gateway.url}/v1/nothing")
     assert response.status_code == 404

@@ -150,3 +150,37 @@ def test_with_compute_domains_decode_pods_claim_the_cells_imex_channel_and_prefi
         "allocationMode": "Single",
     }
     assert domain["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+
+
+def test_engine_pods_get_shared_memory_probes_and_a_tight_security_context() -> None:
+    manifests, _ = rendered()
+    for pod in pods(manifests, "decode") + pods(manifests, "prefill"):
+        container = pod["spec"]["containers"][0]
+        assert pod["spec"]["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+        assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert container[probe]["httpGet"] == {"path": "/health", "port": 8000}
+        # liveness waits out the weights' loading behind the startup probe (30 minutes)
+        startup = container["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] == 1800
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        names = {e["name"]: e for e in container["env"]}
+        assert names["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"] == {
+            "fieldPath": "status.podIP"
+        }
+        assert "VLLM_API_KEY" not in names  # no Secret given: the engines are open
+
+
+def test_the_engines_api_key_comes_from_its_secret_never_the_command_line() -> None:
+    manifests, _ = rendered(engine={"apiKeySecret": {"name": "engine-key", "key": "token"}})
+    for pod in pods(manifests, "decode") + pods(manifests, "prefill"):
+        container = pod["spec"]["containers"][0]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["VLLM_API_KEY"]["valueFrom"] == {
+            "secretKeyRef": {"name": "engine-key", "key": "token"}
+        }
+        assert "--api-key" not in container["command"]
