@@ -254,11 +254,14 @@ def _swap_descent(
         give = np.take_along_axis(slot_load[layer], hot_slots, axis=1)
         # Swapping hot slot i with slot j: the hot rank trades give[i] for slot_load[j], and
         # slot j's rank the reverse; the pair's new peak decides.
+        # Two [layers, slots, physical] buffers, updated in place: this is the costly part.
         take = slot_load[layer][:, None, :]
-        hot_after = peak[layer, None, None] - give[:, :, None] + take
-        other_after = loads[layer][:, rank_of_slot][:, None, :] + give[:, :, None] - take
-        pair_peak = np.maximum(hot_after, other_after)
-        pair_peak = np.where(rank_of_slot[None, None, :] == hot[:, None, None], np.inf, pair_peak)
+        pair_peak = (peak[layer, None] - give)[:, :, None] + take
+        other = loads[layer][:, rank_of_slot]
+        other[rank_of_slot[None, :] == hot[:, None]] = np.inf  # no swap within the hot rank
+        other_after = other[:, None, :] + give[:, :, None]
+        other_after -= take
+        np.maximum(pair_peak, other_after, out=pair_peak)
         flat = pair_peak.reshape(len(layer), slots * num_physical)
         best = np.argmin(flat, axis=1)
         improves = flat[np.arange(len(layer)), best] < peak[layer] * (1 - 1e-12)
