@@ -54,6 +54,12 @@ def _controller(argv: Sequence[str]) -> int:
     return controller_main(argv)
 
 
+def _vllm_plugin(argv: Sequence[str]) -> int:
+    from eplb.plugin_install import main as plugin_main
+
+    return plugin_main(argv)
+
+
 def _crd(argv: Sequence[str]) -> int:
     from baton.core.crd import main as crd_main
 
@@ -69,6 +75,7 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "place": (_place, "dry-run placement of cells on NVL72 trays"),
     "crd": (_crd, "print the ModelDeployment CRD generated from baton/core/api.py"),
     "up": (_up, "all of Baton on one machine: a simulated rack, engines, gateway"),
+    "vllm-plugin": (_vllm_plugin, "install Baton's EPLB plugin for vLLM engines into a directory"),
 }
 
 

@@ -1,0 +1,262 @@
+"""Baton's EPLB inside vLLM engines: a vLLM general plugin that makes vLLM's expert rebalance use
+Baton's minimal-move algorithm, and reports each window to Baton's EPLB service.
+
+How vLLM 0.33 gets here (read in its ``vllm/plugins`` and ``vllm/distributed/eplb``): every
+process of an engine loads the ``vllm.general_plugins`` entry points, a worker before it builds
+its model and its ``EplbState``. That state takes its policy class from
+``EPLB_POLICIES[eplb_config.policy]``, and asynchronous EPLB (vLLM's default) accepts only the
+policy named ``default``; so :func:`register` puts Baton's class under that name rather than
+adding one. vLLM calls ``rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks,
+old_global_expert_indices)`` on every EP rank with the same inputs (the window's load, summed and
+all-reduced, ``[layers, logical experts]``; the placement in force, ``[layers, physical slots]``)
+and uses each rank's own answer, so the answer must be a function of the inputs alone: Baton's
+algorithm is deterministic numpy, identical on every rank.
+
+Fallbacks, each logged, each reported: a vLLM version this plugin was not written against leaves
+vLLM's policy in place (nothing is patched); any error in Baton's placement makes that window's
+placement vLLM's own. Nothing here raises into vLLM.
+
+Reports: EP rank 0 of each group posts a :class:`~baton.core.eplb_report.WindowReport` per
+rebalance (``eplb.reporter``) when the engine's pod says where (``BATON_EPLB_REPORT_URL``,
+``BATON_EPLB_TOKEN``, ``BATON_NAMESPACE``, ``BATON_DEPLOYMENT``, ``BATON_CELL``: the controller
+renders them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel
+
+from baton.core.eplb_report import (
+    INACTIVE_PATH,
+    REPORT_PATH,
+    PluginInactive,
+    Policy,
+    WindowReport,
+)
+from baton.core.experts import Placement, balance, moves
+from eplb.algorithm import rebalance
+from eplb.reporter import Reporter
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ENTRY_POINT_NAME",
+    "ENTRY_POINT_VALUE",
+    "SUPPORTED_VLLM",
+    "Rebalanced",
+    "rebalance_window",
+    "register",
+    "supported",
+    "window_report",
+]
+
+log = logging.getLogger("baton.eplb.vllm_plugin")
+
+# The vLLM releases whose EPLB entry point and state this plugin was written against.
+SUPPORTED_VLLM = ("0.33.",)
+# How vLLM finds the plugin: pyproject.toml declares the same entry point for installs of Baton.
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENTRY_POINT_NAME = "baton_eplb"
+ENTRY_POINT_VALUE = "eplb.vllm_plugin:register"
+_REPORTER: Reporter | None = None
+
+
+def supported(version: str) -> bool:
+    return version.startswith(SUPPORTED_VLLM)
+
+
+@dataclass(frozen=True, slots=True)
+class Rebalanced:
+    """One window's new placement, who made it, and what it does to the window."""
+
+    phy2log: np.ndarray  # [layers, physical slots]
+    policy: Policy
+    fallback: str | None
+    balance_before: float | None  # None: the old placement was not one
+    balance_after: float
+    experts_moved: int
+
+
+def rebalance_window(
+    load: np.ndarray,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_ranks: int,
+    old: np.ndarray | None,
+    vllm_default: Callable[[], np.ndarray],
+) -> Rebalanced:
+    """Baton's placement for a window vLLM hands its policy (keeping experts where they are
+    when ``old`` is a placement of the same shape), or ``vllm_default()`` if it fails."""
+    load = np.asarray(load, dtype=np.float64)
+    num_experts = load.shape[1]
+    previous = _placement(old, num_ranks, num_experts)
+    placed: Placement | None
+    policy: Policy
+    fallback: str | None
+    try:
+        placed = rebalance(
+            load, num_ranks, num_replicas - num_experts, num_nodes, num_groups, previous=previous
+        )
+        phy2log, policy, fallback = placed.phy2log, "baton", None
+    except Exception as exc:  # vLLM's own policy places this window instead
+        log.warning("Baton's EPLB failed (%s: %s); vLLM's policy places", type(exc).__name__, exc)
+        phy2log, policy, fallback = vllm_default(), "vllm_default", type(exc).__name__
+        placed = _placement(phy2log, num_ranks, num_experts)
+    before = balance(load, previous) if previous is not None else None
+    after = balance(load, placed) if placed is not None else 0.0
+    moved = moves(previous, placed) if previous is not None and placed is not None else 0
+    return Rebalanced(np.asarray(phy2log, dtype=np.int64), policy, fallback, before, after, moved)
+
+
+def _placement(phy2log: np.ndarray | None, num_ranks: int, num_experts: int) -> Placement | None:
+    """The placement ``phy2log`` describes, or None when it is not one (absent, or with -1
+    slots as vLLM's elastic EP leaves them)."""
+    if phy2log is None:
+        return None
+    try:
+        return Placement(np.asarray(phy2log), num_ranks, num_experts)
+    except ValueError:
+        return None
+
+
+def window_report(
+    result: Rebalanced, load: np.ndarray, num_ranks: int, vllm_version: str
+) -> WindowReport | None:
+    """The report of ``result`` for the group this engine belongs to, when its pod says."""
+    where = _where()
+    if where is None:
+        return None
+    layers, experts = np.asarray(load).shape
+    return WindowReport(
+        **where,
+        layers=layers,
+        experts=experts,
+        num_ranks=num_ranks,
+        load=np.asarray(load, dtype=np.int64).tolist(),
+        balance_before=result.balance_before,
+        balance_after=result.balance_after,
+        experts_moved=result.experts_moved,
+        policy=result.policy,
+        fallback=result.fallback,
+        vllm_version=vllm_version,
+    )
+
+
+def _where() -> dict[str, str] | None:
+    """The engine's group, as its pod's environment names it (all three, or None)."""
+    where = {
+        key: os.environ.get(f"BATON_{key.upper()}", "")
+        for key in ("namespace", "deployment", "cell")
+    }
+    return where if all(where.values()) else None
+
+
+def register() -> None:
+    """vLLM's general-plugin entry point: put Baton's policy under vLLM's ``default`` name."""
+    try:
+        import vllm
+        from vllm.distributed.eplb import policy as policies
+    except Exception as exc:  # not a vLLM process after all, or one that cannot import EPLB
+        log.warning("Baton's EPLB plugin not active: %s", exc)
+        return
+    version = str(vllm.__version__)
+    if not supported(version):
+        log.warning(
+            "Baton's EPLB plugin not active: written for vLLM %s, this is %s; vLLM's policy "
+            "places experts",
+            "/".join(f"{v}x" for v in SUPPORTED_VLLM),
+            version,
+        )
+        _submit(
+            INACTIVE_PATH,
+            lambda where: PluginInactive(
+                **where, vllm_version=version, reason="unsupported_vllm_version"
+            ),
+        )
+        return
+    default = policies.EPLB_POLICIES["default"]
+    if getattr(default, "baton", False):
+        return  # a forked worker inherits its parent's registration
+    policies.EPLB_POLICIES["default"] = _policy_class(default, policies.AbstractEplbPolicy, version)
+    log.info("Baton's EPLB plugin active: vLLM %s rebalances with Baton's algorithm", version)
+
+
+def _policy_class(default: Any, base: Any, version: str) -> Any:
+    """Baton's policy as vLLM's ``AbstractEplbPolicy`` subclass (torch in, torch out)."""
+    import torch
+
+    class BatonEplbPolicy(base):
+        baton = True
+
+        @classmethod
+        def rebalance_experts(
+            cls,
+            weight: Any,
+            num_replicas: int,
+            num_groups: int,
+            num_nodes: int,
+            num_ranks: int,
+            old_global_expert_indices: Any = None,
+        ) -> Any:
+            load = weight.cpu().numpy()
+            old = None if old_global_expert_indices is None else old_global_expert_indices.numpy()
+
+            def vllm_default() -> np.ndarray:
+                placed = default.rebalance_experts(
+                    weight,
+                    num_replicas,
+                    num_groups,
+                    num_nodes,
+                    num_ranks,
+                    old_global_expert_indices,
+                )
+                return np.asarray(placed.cpu().numpy(), dtype=np.int64)
+
+            try:
+                result = rebalance_window(
+                    load, num_replicas, num_groups, num_nodes, num_ranks, old, vllm_default
+                )
+            except Exception:  # never into vLLM: its own policy places this window
+                log.exception("Baton's EPLB plugin failed; vLLM's policy places")
+                return torch.from_numpy(vllm_default())
+            if load.sum() > 0 and _reports_here():  # not vLLM's profiling run
+                _report(result, load, num_ranks, version)
+            return torch.from_numpy(np.ascontiguousarray(result.phy2log))
+
+    return BatonEplbPolicy
+
+
+def _reports_here() -> bool:
+    """This process is EP rank 0 of its group: one report per group and window."""
+    try:
+        from vllm.distributed.parallel_state import get_ep_group
+
+        return bool(get_ep_group().rank_in_group == 0)
+    except Exception:  # no EP group (a test, a profiling process): nobody reports
+        return False
+
+
+def _report(result: Rebalanced, load: np.ndarray, num_ranks: int, version: str) -> None:
+    _submit(REPORT_PATH, lambda _: window_report(result, load, num_ranks, version))
+
+
+def _submit(path: str, build: Callable[[dict[str, str]], BaseModel | None]) -> None:
+    """Post what ``build`` makes for this engine's group, when the pod says where to."""
+    global _REPORTER
+    try:
+        url, where = os.environ.get("BATON_EPLB_REPORT_URL"), _where()
+        report = build(where) if url and where is not None else None
+        if url is None or report is None:
+            return
+        if _REPORTER is None:
+            _REPORTER = Reporter(url, os.environ.get("BATON_EPLB_TOKEN"))
+        _REPORTER.submit(path, report)
+    except Exception:  # reporting must never take the engine down
+        log.exception("EPLB report not sent")

@@ -1,0 +1,105 @@
+"""Baton's EPLB plugin inside vLLM 0.33: vLLM's own policy entry point returns Baton's placement
+with the plugin installed (as the controller's init container installs it), vLLM's default
+without, and the same bits on every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from baton.core.experts import Placement
+from baton.core.model import TARGET
+from baton.core.vllm_eplb import vllm_rebalance
+from eplb.algorithm import rebalance
+from eplb.plugin_install import install
+from sim.experts import DEP32_DECODE_TOKENS_PER_STEP, TARGET_SKEW, ExpertPopularity, sample_load
+from tests.vllm.conftest import ROOT, vllm_python
+
+RANKS, REDUNDANT = 32, 32
+
+
+@pytest.fixture(scope="module")
+def window() -> dict[str, Any]:
+    """A DEP32 target-model window on drifted load, and the placement in force, as vLLM has
+    them (int64 tensors' values)."""
+    rng = np.random.default_rng(11)
+    popularity = ExpertPopularity(TARGET, TARGET_SKEW, rng)
+
+    def load() -> np.ndarray:
+        probabilities = popularity.probabilities()
+        return sample_load(probabilities, DEP32_DECODE_TOKENS_PER_STEP, 6, rng, steps=200).sum(0)
+
+    old = vllm_rebalance(load(), RANKS, REDUNDANT)
+    popularity.advance(3000)
+    return {
+        "weight": load().tolist(),
+        "num_replicas": TARGET.experts + REDUNDANT,
+        "num_groups": 1,
+        "num_nodes": 1,
+        "num_ranks": RANKS,
+        "old": old.phy2log.tolist(),
+    }
+
+
+def call_policy(window: dict[str, Any], plugin: Path | None) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if plugin is not None:
+        env["PYTHONPATH"] = str(plugin)
+    done = subprocess.run(
+        [str(vllm_python()), str(ROOT / "tests/vllm/policy_probe.py")],
+        input=json.dumps(window),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer: dict[str, Any] = json.loads(done.stdout)
+    return answer
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("plugin")
+    install(directory)  # what `baton vllm-plugin install` writes in the init container
+    return directory
+
+
+def previous(window: dict[str, Any]) -> Placement:
+    return Placement(np.array(window["old"]), RANKS, TARGET.experts)
+
+
+def test_with_the_plugin_vllms_policy_entry_point_places_as_baton_does(
+    window: dict[str, Any], plugin: Path
+) -> None:
+    answer = call_policy(window, plugin)
+    assert answer["policy"] == "BatonEplbPolicy"
+    expected = rebalance(np.array(window["weight"]), RANKS, REDUNDANT, previous=previous(window))
+    assert np.array_equal(np.array(answer["phy2log"]), expected.phy2log)
+
+
+def test_every_rank_reaches_the_same_placement_bit_for_bit(
+    window: dict[str, Any], plugin: Path
+) -> None:
+    # Each EP rank runs the policy in its own process on the same all-reduced inputs.
+    first, second = call_policy(window, plugin), call_policy(window, plugin)
+    assert first["phy2log"] == second["phy2log"]
+
+
+def test_without_the_plugin_vllm_places_as_the_cores_copy_of_its_policy(
+    window: dict[str, Any],
+) -> None:
+    # vLLM's own default policy, and the simulator's in-engine EPLB (baton.core.vllm_eplb).
+    answer = call_policy(window, None)
+    assert answer["policy"] == "DefaultEplbPolicy"
+    expected = vllm_rebalance(
+        np.array(window["weight"]), RANKS, REDUNDANT, previous=previous(window)
+    )
+    assert np.array_equal(np.array(answer["phy2log"]), expected.phy2log)
