@@ -31,6 +31,7 @@ import json
 from typing import Any
 
 from baton.core.api import API_VERSION, KIND, ModelDeploymentSpec
+from baton.core.eplb_report import REPORT_URL_ENV, TOKEN_ENV, WHERE_ENV
 from baton.core.labels import (
     CELL_GATE,
     CELL_LABEL,
@@ -50,6 +51,7 @@ __all__ = [
     "DP_RPC_PORT",
     "EPLB_AGENT_PORT",
     "NIXL_PORT",
+    "PLUGIN_DIR",
     "channel_template_name",
     "compute_domain",
     "compute_domain_name",
@@ -67,6 +69,12 @@ Manifest = dict[str, Any]
 COMPUTE_DOMAIN_API = ("resource.nvidia.com", "v1beta1", "computedomains")
 _CHANNEL_CLAIM = "imex-channel"
 _SHM = "dshm"
+PLUGIN_DIR = "/opt/baton/vllm-plugin"
+_PLUGIN_VOLUME = "baton-eplb-plugin"
+_EPLB_TOKEN_VOLUME = "baton-eplb-token"
+_EPLB_TOKEN_DIR = "/etc/baton/eplb-token"
+# What the init container may use of the node: it copies a few hundred kB of Python.
+_PLUGIN_RESOURCES = {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}}
 
 
 def _kv_transfer(spec: ModelDeploymentSpec) -> str:
@@ -155,12 +163,18 @@ def decode_command(spec: ModelDeploymentSpec, cell: str, index: int, namespace: 
     ]
     eplb = spec.eplb
     if eplb.enabled:
-        config = {
+        config: dict[str, int | str] = {
             "window_size": eplb.window_size,
             "step_interval": eplb.step_interval,
             "num_redundant_experts": eplb.redundant_experts,
         }
+        if eplb.communicator != "auto":  # vLLM's own default otherwise
+            config["communicator"] = eplb.communicator
         command += ["--enable-eplb", "--eplb-config", json.dumps(config, separators=(",", ":"))]
+        if eplb.mode == "agent":
+            command += ["--eplb-agent-port", str(EPLB_AGENT_PORT)]
+            if eplb.token_secret is not None:
+                command += ["--eplb-agent-token-file", f"{_EPLB_TOKEN_DIR}/{eplb.token_secret.key}"]
     return [*command, *spec.engine.args]
 
 
@@ -281,6 +295,74 @@ def _pod(
     }
 
 
+def _with_eplb(
+    pod: Manifest, spec: ModelDeploymentSpec, *, namespace: str, deployment: str, cell: str
+) -> None:
+    """Give a decode pod what its EPLB mode needs.
+
+    Plugin mode: an init container from Baton's image installs the plugin into a volume on the
+    engine's ``PYTHONPATH`` (vLLM finds it by its entry point; no custom vLLM image), and the
+    engine's environment says where to report and for which group. Agent mode: the agent's
+    token as a file (the agent's flags are on the command line).
+    """
+    eplb = spec.eplb
+    if not eplb.enabled:
+        return
+    pod_spec = pod["spec"]
+    engine = pod_spec["containers"][0]
+    token = eplb.token_secret
+    if eplb.mode == "agent":
+        if token is not None:
+            pod_spec["volumes"].append(
+                {
+                    "name": _EPLB_TOKEN_VOLUME,
+                    "secret": {
+                        "secretName": token.name,
+                        "items": [{"key": token.key, "path": token.key}],
+                    },
+                }
+            )
+            engine["volumeMounts"].append(
+                {"name": _EPLB_TOKEN_VOLUME, "mountPath": _EPLB_TOKEN_DIR, "readOnly": True}
+            )
+        return
+    pod_spec["volumes"].append({"name": _PLUGIN_VOLUME, "emptyDir": {}})
+    pod_spec["initContainers"] = [
+        {
+            "name": "eplb-plugin",
+            "image": eplb.plugin_image,
+            "command": ["baton", "vllm-plugin", "install", PLUGIN_DIR],
+            "volumeMounts": [{"name": _PLUGIN_VOLUME, "mountPath": PLUGIN_DIR}],
+            "resources": _PLUGIN_RESOURCES,
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"]},
+                "readOnlyRootFilesystem": True,
+                "runAsNonRoot": True,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+        }
+    ]
+    engine["volumeMounts"].append(
+        {"name": _PLUGIN_VOLUME, "mountPath": PLUGIN_DIR, "readOnly": True}
+    )
+    where = {"namespace": namespace, "deployment": deployment, "cell": cell}
+    env: list[Manifest] = [
+        {"name": "PYTHONPATH", "value": PLUGIN_DIR},
+        *({"name": variable, "value": where[key]} for key, variable in WHERE_ENV.items()),
+    ]
+    if eplb.report_url is not None:
+        env.append({"name": REPORT_URL_ENV, "value": eplb.report_url})
+    if token is not None:
+        env.append(
+            {
+                "name": TOKEN_ENV,
+                "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}},
+            }
+        )
+    engine["env"].extend(env)
+
+
 def _health_probe(*, period_s: int, failures: int) -> Manifest:
     return {
         "httpGet": {"path": "/health", "port": API_PORT},
@@ -348,6 +430,7 @@ def render_cell(
         # hostname + subdomain give rank 0's pod the DNS name the others dial
         pod["spec"]["hostname"] = decode_pod_name(cell.name, index)
         pod["spec"]["subdomain"] = decode_service(cell.name)
+        _with_eplb(pod, spec, namespace=namespace, deployment=deployment, cell=cell.name)
         if compute_domain:
             pod["spec"]["resourceClaims"] = [
                 {

@@ -117,6 +117,8 @@ def cell_status(
 ) -> tuple[CellStatus, CellEndpoints]:
     """Where ``cell`` runs and how it is doing, and the endpoints of its ready pods."""
     gpus_per_pod = view.model.spec.cell.decode.gpus_per_pod
+    eplb = view.model.spec.eplb
+    agents = eplb.enabled and eplb.mode == "agent"  # plugin mode: the engines report instead
     pods = view.pods
     decode_names = [decode_pod_name(cell.name, i) for i in range(len(cell.decode_trays))]
     prefill = []
@@ -141,7 +143,8 @@ def cell_status(
                         url=f"http://{ip}:{API_PORT}", ranks=list(range(gpus_per_pod))
                     )
                 )
-                endpoints.eplb_agents.append(f"{ip}:{EPLB_AGENT_PORT}")
+                if agents:
+                    endpoints.eplb_agents.append(f"{ip}:{EPLB_AGENT_PORT}")
     status = CellStatus(
         name=cell.name,
         domain=cell.domain,

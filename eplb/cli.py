@@ -11,12 +11,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import uvicorn
 from prometheus_client import CollectorRegistry, start_http_server
 
 from baton.core.follow import DeploymentRef
 from baton.core.secrets import read_token
 from eplb.config import EplbServiceConfig, GroupSource, StaticGroups, load_config
-from eplb.discovery import ModelDeploymentGroups, publish_status
+from eplb.discovery import ModelDeploymentGroups, model_names, publish_status
+from eplb.engine_reports import EngineReports, create_report_app
 from eplb.metrics import EplbMetrics
 from eplb.service import EplbService
 
@@ -49,7 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-host", default="127.0.0.1", help="address of /metrics (default 127.0.0.1)"
     )
     parser.add_argument(
-        "--token-file", default=None, help="bearer token the agents expect (a mounted Secret)"
+        "--report-port",
+        type=int,
+        default=None,
+        help="take the windows vLLM engines rebalanced with Baton's plugin here (POST "
+        "/v1/windows); the agents are then not needed",
+    )
+    parser.add_argument("--report-host", default="127.0.0.1", help="address of the report endpoint")
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        help="bearer token the agents expect and the engines' reports carry (a mounted Secret)",
     )
     parser.add_argument("--tls-ca", default=None, help="PEM CA bundle: talk TLS to the agents")
     parser.add_argument(
@@ -64,28 +76,44 @@ async def _serve(
     deployment: DeploymentRef | None,
     token: str | None,
     tls_ca: bytes | None,
+    report_address: tuple[str, int] | None,
 ) -> None:
     loop = asyncio.get_running_loop()
+    reports = EngineReports(metrics, lambda: model_names({}), config.expert_bytes_of, deployment)
     source: GroupSource = StaticGroups(config.groups)
     follower = None
     if deployment is not None:
-        follower = ModelDeploymentGroups(deployment, loop)
+        follower = ModelDeploymentGroups(deployment, loop, reports)
+        reports.model_names = follower.model_names
         follower.start()
         source = follower
     service = EplbService(config, source, metrics, token=token, tls_ca=tls_ca)
-    task = asyncio.create_task(service.run())
-    publisher = None
+    tasks = [asyncio.create_task(service.run())]
     if deployment is not None:
-        publisher = asyncio.create_task(publish_status(service, deployment))
+        tasks.append(asyncio.create_task(publish_status(service, reports, deployment)))
+    if report_address is not None:
+        host, port = report_address
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_report_app(reports, token),
+                host=host,
+                port=port,
+                loop="none",
+                log_level="warning",
+                lifespan="off",
+            )
+        )
+        # uvicorn takes SIGINT/SIGTERM while it serves and stops; everything stops with it
+        tasks.append(asyncio.create_task(server.serve()))
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, task.cancel)
+        loop.add_signal_handler(sig, tasks[0].cancel)
     try:
-        await task
-    except asyncio.CancelledError:
-        log.info("baton eplb stopping")
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if publisher is not None:
-            publisher.cancel()
+        log.info("baton eplb stopping")
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if follower is not None:
             follower.stop()
 
@@ -105,10 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "(the groups come from the ModelDeployment's status)"
                 )
             deployment = DeploymentRef.parse(args.model_deployment, args.kubeconfig)
-        elif not config.groups:
+        elif not config.groups and args.report_port is None:
             raise ValueError(
                 f"{args.config}: field 'groups': list the decode groups and their agents, "
-                "or pass --model-deployment NAMESPACE/NAME"
+                "pass --model-deployment NAMESPACE/NAME, or take the engines' reports with "
+                "--report-port"
             )
         token = read_token(args.token_file) if args.token_file else None
         tls_ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
@@ -122,5 +151,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = EplbMetrics(registry, per_layer=config.per_layer_metrics)
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=registry)
-    asyncio.run(_serve(config, metrics, deployment, token, tls_ca))
+    report_address = None if args.report_port is None else (args.report_host, args.report_port)
+    asyncio.run(_serve(config, metrics, deployment, token, tls_ca, report_address))
     return 0

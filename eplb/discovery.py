@@ -14,20 +14,30 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.client.rest import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from baton.core.api import GROUP, PLURAL, VERSION, Endpoints, EplbSpec
+from baton.core.api import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    Endpoints,
+    EplbSpec,
+    ModelDeploymentStatus,
+)
 from baton.core.follow import DeploymentRef, StatusFollower, custom_objects_api
 from eplb.config import GroupSpec
+from eplb.engine_reports import EngineReports
 from eplb.service import EplbService
 
 __all__ = [
     "ModelDeploymentGroups",
     "deployment_eplb_status",
     "groups_from_deployment",
+    "model_names",
     "publish_status",
 ]
 
@@ -53,14 +63,41 @@ def groups_from_deployment(obj: Mapping[str, Any]) -> tuple[GroupSpec, ...]:
     )
 
 
-class ModelDeploymentGroups:
-    """A :class:`~eplb.config.GroupSource` following a ModelDeployment's status."""
+def model_names(obj: Mapping[str, Any]) -> dict[int, str]:
+    """Each model of ``spec.eplb.models`` by its logical expert count."""
+    eplb = EplbSpec.model_validate((obj.get("spec") or {}).get("eplb") or {})
+    return {model.experts: model.name for model in eplb.models}
 
-    def __init__(self, ref: DeploymentRef, loop: asyncio.AbstractEventLoop) -> None:
+
+def cell_names(obj: Mapping[str, Any]) -> set[str]:
+    status = ModelDeploymentStatus.model_validate(obj.get("status") or {})
+    return {cell.name for cell in status.cells}
+
+
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    groups: tuple[GroupSpec, ...]
+    model_names: dict[int, str]
+    cells: set[str]
+
+
+def _read(obj: Mapping[str, Any]) -> _Reading:
+    return _Reading(groups_from_deployment(obj), model_names(obj), cell_names(obj))
+
+
+class ModelDeploymentGroups:
+    """A :class:`~eplb.config.GroupSource` following a ModelDeployment: its decode groups, the
+    names of its models (``spec.eplb.models``) and its cells, which bound the engines' reports."""
+
+    def __init__(
+        self, ref: DeploymentRef, loop: asyncio.AbstractEventLoop, reports: EngineReports
+    ) -> None:
         self.ref = ref
+        self.reports = reports
         self._groups: tuple[GroupSpec, ...] = ()
+        self._model_names: dict[int, str] = model_names({})
         self._changed = asyncio.Event()
-        self._follower = StatusFollower(ref, loop, groups_from_deployment, self._take)
+        self._follower = StatusFollower(ref, loop, _read, self._take)
 
     def start(self) -> None:
         self._follower.start()
@@ -71,25 +108,39 @@ class ModelDeploymentGroups:
     def decode_groups(self) -> tuple[GroupSpec, ...]:
         return self._groups
 
+    def model_names(self) -> dict[int, str]:
+        return self._model_names
+
     async def changed(self) -> None:
         await self._changed.wait()
         self._changed.clear()
 
-    def _take(self, groups: tuple[GroupSpec, ...]) -> None:
-        self._groups = groups
-        self._changed.set()
+    def _take(self, reading: _Reading) -> None:
+        self._model_names = reading.model_names
+        self.reports.keep_cells(reading.cells)
+        if reading.groups != self._groups:
+            self._groups = reading.groups
+            self._changed.set()
 
 
-def deployment_eplb_status(service: EplbService) -> dict[str, Any]:
-    """``status.eplb`` and the ``balance`` summary for the service's groups (empty: no figure)."""
+def deployment_eplb_status(
+    service: EplbService, reports: EngineReports | None = None
+) -> dict[str, Any]:
+    """``status.eplb`` and the ``balance`` summary for the service's groups and the engines'
+    reports (empty: no figure yet)."""
     models: dict[str, dict[str, Any]] = {}
-    for runner in service.runners.values():
-        for model, balance in runner.balance.items():
+
+    def take(balances: Mapping[str, float], latest: Mapping[str, int | str], key: str) -> None:
+        for model, balance in balances.items():
             entry = models.setdefault(model, {"balance": balance})
             entry["balance"] = min(entry["balance"], balance)
-            step = runner.last_rebalance_step.get(model)
-            if step is not None:
-                entry["lastRebalanceStep"] = max(entry.get("lastRebalanceStep", step), step)
+            if model in latest:
+                entry[key] = max(entry.get(key, latest[model]), latest[model])
+
+    for runner in service.runners.values():
+        take(runner.balance, runner.last_rebalance_step, "lastRebalanceStep")
+    for cell in reports.cells.values() if reports is not None else ():
+        take(cell.balance, cell.last_rebalance_time, "lastRebalanceTime")
     if not models:
         return {}
     for entry in models.values():
@@ -101,14 +152,17 @@ def deployment_eplb_status(service: EplbService) -> dict[str, Any]:
 
 
 async def publish_status(
-    service: EplbService, ref: DeploymentRef, interval_s: float = 10.0
+    service: EplbService,
+    reports: EngineReports,
+    ref: DeploymentRef,
+    interval_s: float = 10.0,
 ) -> None:
     """Patch the ModelDeployment's status with the service's figures whenever they change."""
     api = await asyncio.to_thread(custom_objects_api, ref)
     published: dict[str, Any] = {}
     while True:
         await asyncio.sleep(interval_s)
-        status = deployment_eplb_status(service)
+        status = deployment_eplb_status(service, reports)
         if not status or status == published:
             continue
         try:

@@ -1,5 +1,8 @@
 """Prometheus metrics of the EPLB service (prefix ``baton_eplb_``), on a registry passed in.
 
+Agent mode (the service decides and switches) and plugin mode (the engines do, and report each
+window: ``eplb.engine_reports``) export the same balance, move and byte series.
+
 Balance figures are *window balances* (sum over layers of mean rank load / sum of max rank load,
 the load summed over a window), the quantity the algorithm predicts, except
 ``baton_eplb_step_balance``, which is vLLM's per-step balancedness averaged over the last window.
@@ -62,6 +65,20 @@ class EplbMetrics:
             "baton_eplb_bytes_moved",
             "Expert weight bytes copied over NVLink by committed switches",
             labels,
+            registry=registry,
+        )
+        self.engine_windows = Counter(
+            "baton_eplb_engine_windows",
+            "Rebalances vLLM engines made themselves (plugin mode), by who placed: baton, or "
+            "vllm_default after a fallback",
+            (*labels, "policy"),
+            registry=registry,
+        )
+        self.plugin_inactive = Gauge(
+            "baton_eplb_plugin_inactive",
+            "1 while a group's engines run vLLM's own policy because Baton's plugin is not "
+            "active there (reason: unsupported_vllm_version)",
+            ("group", "reason", "vllm_version"),
             registry=registry,
         )
         self.reports_dropped = Counter(

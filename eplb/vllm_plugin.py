@@ -17,9 +17,8 @@ vLLM's policy in place (nothing is patched); any error in Baton's placement make
 placement vLLM's own. Nothing here raises into vLLM.
 
 Reports: EP rank 0 of each group posts a :class:`~baton.core.eplb_report.WindowReport` per
-rebalance (``eplb.reporter``) when the engine's pod says where (``BATON_EPLB_REPORT_URL``,
-``BATON_EPLB_TOKEN``, ``BATON_NAMESPACE``, ``BATON_DEPLOYMENT``, ``BATON_CELL``: the controller
-renders them).
+rebalance (``eplb.reporter``) when the engine's pod says where (the environment variables
+``baton.core.eplb_report`` names; the controller renders them).
 """
 
 from __future__ import annotations
@@ -36,6 +35,9 @@ from pydantic import BaseModel
 from baton.core.eplb_report import (
     INACTIVE_PATH,
     REPORT_PATH,
+    REPORT_URL_ENV,
+    TOKEN_ENV,
+    WHERE_ENV,
     PluginInactive,
     Policy,
     WindowReport,
@@ -151,10 +153,7 @@ def window_report(
 
 def _where() -> dict[str, str] | None:
     """The engine's group, as its pod's environment names it (all three, or None)."""
-    where = {
-        key: os.environ.get(f"BATON_{key.upper()}", "")
-        for key in ("namespace", "deployment", "cell")
-    }
+    where = {key: os.environ.get(variable, "") for key, variable in WHERE_ENV.items()}
     return where if all(where.values()) else None
 
 
@@ -251,12 +250,12 @@ def _submit(path: str, build: Callable[[dict[str, str]], BaseModel | None]) -> N
     """Post what ``build`` makes for this engine's group, when the pod says where to."""
     global _REPORTER
     try:
-        url, where = os.environ.get("BATON_EPLB_REPORT_URL"), _where()
+        url, where = os.environ.get(REPORT_URL_ENV), _where()
         report = build(where) if url and where is not None else None
         if url is None or report is None:
             return
         if _REPORTER is None:
-            _REPORTER = Reporter(url, os.environ.get("BATON_EPLB_TOKEN"))
+            _REPORTER = Reporter(url, os.environ.get(TOKEN_ENV))
         _REPORTER.submit(path, report)
     except Exception:  # reporting must never take the engine down
         log.exception("EPLB report not sent")

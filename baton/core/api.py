@@ -21,6 +21,7 @@ from baton.core.model import DRAFT, TARGET
 
 __all__ = [
     "API_VERSION",
+    "BATON_IMAGE",
     "GROUP",
     "KIND",
     "PLURAL",
@@ -49,6 +50,8 @@ API_VERSION: Final = "baton.dev/v1alpha1"
 GROUP, VERSION = API_VERSION.split("/")
 KIND: Final = "ModelDeployment"
 PLURAL = "modeldeployments"
+# Baton's own image at this version (the chart's default): the EPLB plugin's init container.
+BATON_IMAGE: Final = "ghcr.io/baton-dev/baton:0.1.0"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
@@ -165,10 +168,39 @@ class EplbModelSpec(_Resource):
 
 
 class EplbSpec(_Resource):
+    """Expert-parallel load balancing of the decode groups."""
+
     enabled: bool = True
+    mode: Literal["plugin", "agent"] = Field(
+        default="plugin",
+        description="plugin: vLLM rebalances in-engine with Baton's algorithm (an init container "
+        "delivers the plugin) and reports each window to the EPLB service; agent: the EPLB "
+        "service decides and switches through an EPLB agent beside each engine (baton sim "
+        "serves one; vLLM does not)",
+    )
     step_interval: int = Field(default=3000, ge=1)
     window_size: int = Field(default=1000, ge=1)
     redundant_experts: int = Field(default=32, ge=0, le=1024)
+    communicator: Literal["auto", "torch_nccl", "torch_gloo", "nixl", "pynccl"] = Field(
+        default="auto",
+        description="vLLM's expert-weight transfer backend (auto: vLLM chooses)",
+    )
+    plugin_image: str = Field(
+        default=BATON_IMAGE,
+        min_length=1,
+        description="the image whose init container installs the plugin (plugin mode)",
+    )
+    report_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
+        description="the EPLB service's report endpoint, e.g. http://baton-eplb.serving.svc:9091 "
+        "(plugin mode); unset: the engines rebalance with Baton's algorithm and report nothing",
+    )
+    token_secret: SecretKey | None = Field(
+        default=None,
+        description="bearer token between the engines and the EPLB service: the reports carry "
+        "it (plugin mode), the agents require it (agent mode)",
+    )
     models: list[EplbModelSpec] = Field(
         default_factory=lambda: [
             EplbModelSpec(name=model.name, experts=model.experts, top_k=model.top_k)
@@ -182,6 +214,11 @@ class EplbSpec(_Resource):
             raise ValueError(
                 f"windowSize ({self.window_size}) must not exceed stepInterval "
                 f"({self.step_interval})"
+            )
+        if self.communicator in ("torch_nccl", "pynccl"):
+            raise ValueError(
+                f"communicator {self.communicator}: vLLM's asynchronous EPLB (its default, which "
+                "Baton's plugin needs) cannot use it; use torch_gloo, nixl or auto"
             )
         return self
 
@@ -263,7 +300,12 @@ class Endpoints(_Resource):
 
 class EplbModelStatus(_Resource):
     balance: float | None = Field(default=None, ge=0, le=1)
-    last_rebalance_step: int | None = Field(default=None, ge=0)
+    last_rebalance_step: int | None = Field(
+        default=None, ge=0, description="engine step of the last switch (agent mode)"
+    )
+    last_rebalance_time: str | None = Field(
+        default=None, description="when the engines last reported a rebalance (plugin mode)"
+    )
 
 
 class ModelDeploymentStatus(_Resource):

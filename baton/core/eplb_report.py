@@ -6,6 +6,10 @@ service exports the figures as ``baton_eplb_*`` metrics and writes the balance i
 ModelDeployment's status. The report is informative: the engine decided and switched already.
 An engine whose vLLM the plugin was not written for posts :class:`PluginInactive` instead, once
 per process, to ``POST /v1/inactive``.
+
+The engine learns where to report from its pod's environment, which the controller renders:
+``REPORT_URL_ENV``, ``TOKEN_ENV``, and ``WHERE_ENV`` naming the report's namespace, deployment
+and cell.
 """
 
 from __future__ import annotations
@@ -14,10 +18,22 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["INACTIVE_PATH", "REPORT_PATH", "PluginInactive", "Policy", "WindowReport"]
+__all__ = [
+    "INACTIVE_PATH",
+    "REPORT_PATH",
+    "REPORT_URL_ENV",
+    "TOKEN_ENV",
+    "WHERE_ENV",
+    "PluginInactive",
+    "Policy",
+    "WindowReport",
+]
 
 REPORT_PATH = "/v1/windows"
 INACTIVE_PATH = "/v1/inactive"
+REPORT_URL_ENV = "BATON_EPLB_REPORT_URL"
+TOKEN_ENV = "BATON_EPLB_TOKEN"
+WHERE_ENV = {"namespace": "BATON_NAMESPACE", "deployment": "BATON_DEPLOYMENT", "cell": "BATON_CELL"}
 
 Policy = Literal["baton", "vllm_default"]
 

@@ -42,10 +42,11 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
             "servedModelName": "dsv4",
             "engine": {
                 "command": [sys.executable, "-m", "baton.cli", "sim"],
-                "args": ["--profile", "instant", "--eplb-agent-port", "50100"],
+                "args": ["--profile", "instant"],
             },
             "cell": {"decode": {"dep": 4, "spareTrays": 0}, "prefill": {"instances": 1}},
-            "eplb": {"stepInterval": 40, "windowSize": 40},  # decisions within seconds here
+            # the simulator's agents; decisions within seconds here
+            "eplb": {"mode": "agent", "stepInterval": 40, "windowSize": 40},
         },
     )
     wait_ready(api, namespace, "dsv4")

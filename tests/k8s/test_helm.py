@@ -14,6 +14,7 @@ import yaml
 from kubernetes import client, utils
 from kubernetes.client.rest import ApiException
 
+from eplb.cli import build_parser as eplb_parser
 from eplb.config import load_config
 from rigs.devcluster import ROOT, ControlPlane, binaries_dir, write_kubeconfig
 from rigs.processes import stop_process
@@ -152,3 +153,20 @@ def test_controller_runs_a_deployment_with_the_charts_rbac_alone(
     config = tmp_path / "eplb.yaml"
     config.write_text(config_map["data"]["eplb.yaml"])
     assert load_config(config).apply_margin_steps == 50
+
+    # The EPLB service's command line parses, and its Service reaches the engines' reports.
+    [service_deployment] = [
+        obj
+        for obj in release
+        if obj["kind"] == "Deployment" and obj["metadata"]["name"].endswith("-eplb")
+    ]
+    [container] = service_deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["baton", "eplb"]
+    args = eplb_parser().parse_args(container["args"])
+    [service] = [
+        obj
+        for obj in release
+        if obj["kind"] == "Service" and obj["metadata"]["name"].endswith("-eplb")
+    ]
+    ports = {port["name"]: port["port"] for port in service["spec"]["ports"]}
+    assert ports["reports"] == args.report_port and args.report_host == "0.0.0.0"

@@ -5,7 +5,8 @@ uvicorn[standard], urllib3 through kubernetes) is gone, or changed, the day that
 release drops or re-pins it. The services and commands may import only ``[project]
 dependencies``; the benchmarks (``bench/``, run by ``make bench`` and ``make demo``, which install
 the test extra for vllm-router anyway) may also import the test extra; a module that only some
-users run may import its own extra (``EXTRAS``).
+users run may import its own extra (``EXTRAS``); a module that runs only inside a vLLM engine may
+import what every vLLM install has (``IN_ENGINE``), which tests/vllm check against vLLM itself.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ OWN = tuple(
 BENCH = "bench"
 # Modules that may import an extra of their own, and which.
 EXTRAS = {"router/serve.py": "serve"}
+# Modules loaded by vLLM's engine processes (the EPLB plugin), and what vLLM brings them.
+IN_ENGINE = {"eplb/vllm_plugin.py": ("vllm", "torch")}
 
 
 def normalized(name: str) -> str:
@@ -101,6 +104,8 @@ def distributions_of(module: str) -> frozenset[str]:
 def test_every_package_the_production_code_imports_is_declared() -> None:
     problems = []
     for path, line, module in third_party_imports():
+        if module.partition(".")[0] in IN_ENGINE.get(path.as_posix(), ()):
+            continue
         extra = "test" if path.parts[0] == BENCH else EXTRAS.get(path.as_posix())
         allowed = RUNTIME | OPTIONAL[extra] if extra else RUNTIME
         where = "[project] dependencies" + (f" or the {extra} extra" if extra else "")

@@ -1,15 +1,20 @@
 """eplb/discovery.py and the service's group supervision: groups from a
-ModelDeployment's status, runners kept in step with them, balance figures for status."""
+ModelDeployment's status, runners kept in step with them, balance figures for status from the
+agents' groups and the engines' reports."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
+from baton.core.eplb_report import WindowReport
+from baton.core.follow import DeploymentRef
 from eplb.config import EplbServiceConfig, GroupSpec
-from eplb.discovery import deployment_eplb_status, groups_from_deployment
+from eplb.discovery import deployment_eplb_status, groups_from_deployment, model_names
+from eplb.engine_reports import EngineReports, ReportRejected
 from eplb.metrics import EplbMetrics
 from eplb.service import EplbService, GroupRunner
 
@@ -113,3 +118,63 @@ def test_status_reports_each_models_worst_cell_and_the_last_rebalance() -> None:
         },
         "balance": "0.870",
     }
+
+
+def _engine_window(cell: str, experts: int, before: float | None, after: float) -> WindowReport:
+    return WindowReport(
+        namespace="serving",
+        deployment="dsv4",
+        cell=cell,
+        layers=1,
+        experts=experts,
+        num_ranks=4,
+        load=[[1] * experts],
+        balance_before=before,
+        balance_after=after,
+        experts_moved=3,
+        policy="baton",
+        vllm_version="0.33.0",
+    )
+
+
+def _reports(service: EplbService) -> EngineReports:
+    return EngineReports(
+        service.metrics,
+        lambda: model_names({}),
+        EplbServiceConfig().expert_bytes_of,
+        DeploymentRef("serving", "dsv4"),
+    )
+
+
+def test_engine_reports_give_status_each_models_worst_measured_cell_and_its_time() -> None:
+    service = EplbService(EplbServiceConfig(), Groups(()), EplbMetrics(CollectorRegistry()))
+    reports = _reports(service)
+    reports.window(_engine_window("c0", 384, 0.93, 0.97))
+    reports.window(_engine_window("c1", 384, 0.89, 0.96))
+    reports.window(_engine_window("c1", 128, None, 0.99))  # nothing measured yet for the draft
+    status = deployment_eplb_status(service, reports)
+    assert status["balance"] == "0.890"
+    assert status["eplb"]["target"]["balance"] == 0.89
+    assert status["eplb"]["target"]["lastRebalanceTime"].endswith("Z")
+    assert "draft" not in status["eplb"]
+    reports.keep_cells({"c0"})
+    assert deployment_eplb_status(service, reports)["balance"] == "0.930"
+
+
+def test_the_spec_names_the_models_engines_report_by_expert_count() -> None:
+    spec = {"spec": {"eplb": {"models": [{"name": "big", "experts": 256, "topK": 8}]}}}
+    assert model_names(spec) == {256: "big"}
+    assert model_names({}) == {384: "target", 128: "draft"}
+
+
+def test_engine_reports_for_another_deployment_or_an_unknown_model_are_refused() -> None:
+    service = EplbService(EplbServiceConfig(), Groups(()), EplbMetrics(CollectorRegistry()))
+    reports = _reports(service)
+    other = _engine_window("c0", 384, 0.9, 0.95).model_copy(update={"deployment": "other"})
+    with pytest.raises(ReportRejected) as refused:
+        reports.window(other)
+    assert (refused.value.status, refused.value.param) == (404, "deployment")
+    with pytest.raises(ReportRejected) as unknown:
+        reports.window(_engine_window("c0", 200, 0.9, 0.95))
+    assert (unknown.value.status, unknown.value.param) == (400, "experts")
+    assert reports.cells == {}

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
-from baton.core.api import ModelDeployment
+from baton.core.api import BATON_IMAGE, ModelDeployment
+from baton.core.eplb_report import REPORT_URL_ENV, TOKEN_ENV, WHERE_ENV
 from baton.core.labels import CELL_GATE, CELL_LABEL, DEPLOYMENT_LABEL, RANK_LABEL, ROLE_LABEL
 from controller.placement import DeploymentShape, plan_placement
-from controller.podspec import compute_domain, render_cell
+from controller.podspec import PLUGIN_DIR, compute_domain, render_cell
 from controller.topology import synthetic_topology
 from sim.cli import build_parser, config_from_args, split_unknown_flags
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def rendered(**spec: object) -> tuple[list[dict], ModelDeployment]:
@@ -156,8 +161,8 @@ def test_engine_pods_get_shared_memory_probes_and_a_tight_security_context() -> 
     manifests, _ = rendered()
     for pod in pods(manifests, "decode") + pods(manifests, "prefill"):
         container = pod["spec"]["containers"][0]
-        assert pod["spec"]["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-        assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+        assert pod["spec"]["volumes"][0] == {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+        assert container["volumeMounts"][0] == {"name": "dshm", "mountPath": "/dev/shm"}
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert container[probe]["httpGet"] == {"path": "/health", "port": 8000}
         # liveness waits out the weights' loading behind the startup probe (30 minutes)
@@ -184,3 +189,78 @@ def test_the_engines_api_key_comes_from_its_secret_never_the_command_line() -> N
             "secretKeyRef": {"name": "engine-key", "key": "token"}
         }
         assert "--api-key" not in container["command"]
+
+
+def test_plugin_mode_installs_the_plugin_from_batons_image_onto_the_engines_python_path() -> None:
+    manifests, _ = rendered(
+        eplb={
+            "reportUrl": "http://baton-eplb.serving.svc:9091",
+            "tokenSecret": {"name": "eplb-token", "key": "token"},
+        }
+    )
+    for pod in pods(manifests, "decode"):
+        [init] = pod["spec"]["initContainers"]
+        assert init["image"] == BATON_IMAGE
+        assert init["command"] == ["baton", "vllm-plugin", "install", PLUGIN_DIR]
+        assert init["securityContext"]["runAsNonRoot"] is True
+        engine = pod["spec"]["containers"][0]
+        [volume] = [v for v in pod["spec"]["volumes"] if "emptyDir" in v and v["name"] != "dshm"]
+        assert {"name": volume["name"], "mountPath": PLUGIN_DIR} in init["volumeMounts"]
+        assert {"name": volume["name"], "mountPath": PLUGIN_DIR, "readOnly": True} in engine[
+            "volumeMounts"
+        ]
+        env = {e["name"]: e for e in engine["env"]}
+        assert env["PYTHONPATH"]["value"] == PLUGIN_DIR
+        cell = pod["metadata"]["labels"][CELL_LABEL]
+        where = {key: env[variable]["value"] for key, variable in WHERE_ENV.items()}
+        assert where == {"namespace": "serving", "deployment": "dsv4", "cell": cell}
+        assert env[REPORT_URL_ENV]["value"] == "http://baton-eplb.serving.svc:9091"
+        assert env[TOKEN_ENV]["valueFrom"] == {
+            "secretKeyRef": {"name": "eplb-token", "key": "token"}
+        }
+        command = engine["command"]
+        assert "--eplb-agent-port" not in command  # vLLM has no such flag
+    for pod in pods(manifests, "prefill"):  # prefill instances run no EPLB
+        assert "initContainers" not in pod["spec"]
+        assert "--enable-eplb" not in pod["spec"]["containers"][0]["command"]
+
+
+def test_agent_mode_serves_the_simulators_agent_with_its_token_as_a_file() -> None:
+    manifests, _ = rendered(
+        eplb={"mode": "agent", "tokenSecret": {"name": "eplb-token", "key": "token"}}
+    )
+    for pod in pods(manifests, "decode"):
+        assert "initContainers" not in pod["spec"]
+        engine = pod["spec"]["containers"][0]
+        command = engine["command"]
+        assert flag(command, "--eplb-agent-port") == "50100"
+        path = flag(command, "--eplb-agent-token-file")
+        [mount] = [m for m in engine["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"]["secretName"] == "eplb-token"
+        assert mount["readOnly"] is True
+        assert TOKEN_ENV not in {e["name"] for e in engine["env"]}
+
+
+@pytest.mark.parametrize(
+    ("communicator", "rendered_as"),
+    [("auto", None), ("nixl", "nixl"), ("torch_gloo", "torch_gloo")],
+)
+def test_the_eplb_communicator_is_rendered_unless_vllm_chooses(
+    communicator: str, rendered_as: str | None
+) -> None:
+    manifests, _ = rendered(eplb={"communicator": communicator})
+    command = pods(manifests, "decode")[0]["spec"]["containers"][0]["command"]
+    assert json.loads(flag(command, "--eplb-config")).get("communicator") == rendered_as
+
+
+@pytest.mark.parametrize("communicator", ["torch_nccl", "pynccl"])
+def test_communicators_vllms_async_eplb_refuses_are_refused_with_the_fix(communicator: str) -> None:
+    with pytest.raises(ValueError, match="use torch_gloo, nixl or auto"):
+        rendered(eplb={"communicator": communicator})
+
+
+def test_batons_image_default_is_the_charts() -> None:
+    chart = yaml.safe_load((ROOT / "helm/baton/Chart.yaml").read_text())
+    values = yaml.safe_load((ROOT / "helm/baton/values.yaml").read_text())
+    assert f"{values['image']['repository']}:{chart['appVersion']}" == BATON_IMAGE

@@ -87,14 +87,38 @@ def test_every_prefill_line_parses_as_a_dep2_instance(vllm: Vllm) -> None:
         assert parsed["kv_transfer_config"]["kv_connector"] == "NixlConnector"
 
 
-@pytest.mark.parametrize("kind", ["eplb", "kv_transfer"])
-def test_the_json_options_build_vllms_own_config_classes(vllm: Vllm, kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "eplb"),
+    [
+        ("eplb", {}),
+        ("eplb", {"communicator": "nixl"}),
+        ("eplb", {"communicator": "torch_gloo"}),
+        ("kv_transfer", {}),
+    ],
+    ids=["eplb", "eplb-nixl", "eplb-torch-gloo", "kv_transfer"],
+)
+def test_the_json_options_build_vllms_own_config_classes(
+    vllm: Vllm, kind: str, eplb: dict[str, str]
+) -> None:
     flag = {"eplb": "--eplb-config", "kv_transfer": "--kv-transfer-config"}[kind]
-    command = commands("decode")[0]
+    command = commands("decode", eplb=eplb)[0]
     value = json.loads(command[command.index(flag) + 1])
     answer = vllm.ask("config", kind=kind, value=value)
     assert answer["ok"], answer["error"]
     assert {key: answer["config"][key] for key in value} == value
+    if kind == "eplb":  # asynchronous (vLLM's default), which the plugin's hook needs
+        assert answer["config"]["use_async"] is True
+        assert answer["config"]["communicator"] == eplb.get("communicator")
+
+
+@pytest.mark.parametrize("communicator", ["torch_nccl", "pynccl"])
+def test_the_communicators_baton_refuses_are_the_ones_vllms_async_eplb_refuses(
+    vllm: Vllm, communicator: str
+) -> None:
+    answer = vllm.ask("config", kind="eplb", value={"communicator": communicator})
+    assert not answer["ok"] and communicator in answer["error"]
+    with pytest.raises(ValueError, match=communicator):
+        commands("decode", eplb={"communicator": communicator})
 
 
 def test_the_speculative_config_users_pass_has_vllms_fields_and_method(vllm: Vllm) -> None:

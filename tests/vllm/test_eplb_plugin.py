@@ -1,23 +1,27 @@
 """Baton's EPLB plugin inside vLLM 0.33: vLLM's own policy entry point returns Baton's placement
-with the plugin installed (as the controller's init container installs it), vLLM's default
-without, and the same bits on every rank."""
+with the plugin installed (by the init container the controller renders, onto the engine's
+PYTHONPATH), vLLM's default without, and the same bits on every rank."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from baton.core.api import ModelDeployment
 from baton.core.experts import Placement
 from baton.core.model import TARGET
 from baton.core.vllm_eplb import vllm_rebalance
+from controller.placement import DeploymentShape, plan_placement
+from controller.podspec import PLUGIN_DIR, render_cell
+from controller.topology import synthetic_topology
 from eplb.algorithm import rebalance
-from eplb.plugin_install import install
 from sim.experts import DEP32_DECODE_TOKENS_PER_STEP, TARGET_SKEW, ExpertPopularity, sample_load
 from tests.vllm.conftest import ROOT, vllm_python
 
@@ -67,8 +71,26 @@ def call_policy(window: dict[str, Any], plugin: Path | None) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plugin as a decode pod gets it: its init container's command, run here with the
+    shared volume at a temporary directory; the engine's PYTHONPATH names that volume."""
+    deployment = ModelDeployment.model_validate(
+        {"metadata": {"name": "dsv4"}, "spec": {"model": "deepseek-ai/DeepSeek-V4.1-Flash"}}
+    )
+    plan = plan_placement([DeploymentShape.of(deployment)], synthetic_topology(1))
+    pod = next(
+        m
+        for m in render_cell(
+            deployment.spec, plan.cells[0], deployment="dsv4", uid="u", namespace="serving"
+        )
+        if m["kind"] == "Pod"
+    )
+    [init] = pod["spec"]["initContainers"]
+    engine_env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert engine_env["PYTHONPATH"] == PLUGIN_DIR
     directory = tmp_path_factory.mktemp("plugin")
-    install(directory)  # what `baton vllm-plugin install` writes in the init container
+    assert init["command"][0] == "baton" and init["command"][-1] == PLUGIN_DIR
+    command = [sys.executable, "-m", "baton.cli", *init["command"][1:-1], str(directory)]
+    subprocess.run(command, check=True, cwd=ROOT, timeout=120)
     return directory
 
 

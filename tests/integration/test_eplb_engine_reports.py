@@ -1,0 +1,237 @@
+"""Plugin mode: the engines' window reports reach a running ``baton eplb`` and show in its
+metrics, sent by the reporter the plugin uses inside vLLM; bad reports get OpenAI error bodies."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from baton.core.eplb_report import INACTIVE_PATH, REPORT_PATH, PluginInactive, WindowReport
+from baton.core.model import DRAFT, TARGET
+from baton.core.vllm_eplb import vllm_rebalance
+from eplb.reporter import Reporter
+from eplb.vllm_plugin import rebalance_window
+from tests.helpers import ROOT, eventually, free_port, scrape, stop_process, wait_healthy
+
+TOKEN = "engine-report-secret"
+RANKS, REDUNDANT = 32, 32
+
+
+@dataclass
+class Service:
+    url: str
+    metrics: str
+    log_path: Path
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    tmp = tmp_path_factory.mktemp("eplb-reports")
+    config = tmp / "eplb.yaml"
+    config.write_text("windowSize: 1000\nstepInterval: 3000\n")
+    token = tmp / "token"
+    token.write_text(TOKEN + "\n")
+    port, metrics_port = free_port(), free_port()
+    log_path = tmp / "eplb.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "baton.cli", "eplb", "--config", str(config)),
+                *("--report-port", str(port), "--metrics-port", str(metrics_port)),
+                *("--token-file", str(token)),
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process, log_path)
+        yield Service(url, f"http://127.0.0.1:{metrics_port}", log_path)
+    finally:
+        stop_process(process)
+    assert process.returncode == 0, log_path.read_text()
+
+
+def _drifting_load(seed: int, layers: int, experts: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.zipf(1.3, size=(layers, experts)).clip(max=5_000) * 10
+
+
+def _window(cell: str, load: np.ndarray, old: np.ndarray) -> tuple[WindowReport, np.ndarray]:
+    """What EP rank 0 of ``cell`` reports after vLLM called the plugin's policy on ``load``."""
+    slots = load.shape[1] + REDUNDANT
+    result = rebalance_window(
+        load, slots, 1, 1, RANKS, old, lambda: vllm_rebalance(load, RANKS, REDUNDANT).phy2log
+    )
+    report = WindowReport(
+        namespace="serving",
+        deployment="dsv4",
+        cell=cell,
+        layers=load.shape[0],
+        experts=load.shape[1],
+        num_ranks=RANKS,
+        load=load.astype(np.int64).tolist(),
+        balance_before=result.balance_before,
+        balance_after=result.balance_after,
+        experts_moved=result.experts_moved,
+        policy=result.policy,
+        fallback=result.fallback,
+        vllm_version="0.33.0",
+    )
+    return report, result.phy2log
+
+
+def _initial(layers: int, experts: int) -> np.ndarray:
+    """vLLM's placement before its first rebalance: logical experts in order, then the
+    redundant slots on the first experts."""
+    slots = np.arange(experts + REDUNDANT) % experts
+    return np.tile(slots, (layers, 1))
+
+
+def test_window_reports_from_the_plugins_reporter_show_in_the_services_metrics(
+    service: Service,
+) -> None:
+    reporter = Reporter(service.url, TOKEN)
+    placement = _initial(TARGET.layers, TARGET.experts)
+    first, placement = _window(
+        "cell-0", _drifting_load(1, TARGET.layers, TARGET.experts), placement
+    )
+    reporter.submit(REPORT_PATH, first)
+    labels = {"group": "cell-0", "model": "target"}
+    assert eventually(
+        lambda: (
+            scrape(service.metrics, "baton_eplb_engine_windows_total", **labels, policy="baton")
+            == 1
+        )
+    )
+    assert scrape(service.metrics, "baton_eplb_balance", **labels, stage="before") == pytest.approx(
+        first.balance_before
+    )
+    assert scrape(
+        service.metrics, "baton_eplb_balance", **labels, stage="predicted"
+    ) == pytest.approx(first.balance_after)
+    assert scrape(service.metrics, "baton_eplb_experts_moved_total", **labels) == (
+        first.experts_moved
+    )
+    assert scrape(service.metrics, "baton_eplb_bytes_moved_total", **labels) > 0
+
+    # The next window measures what the first one's placement achieved.
+    second, _ = _window("cell-0", _drifting_load(2, TARGET.layers, TARGET.experts), placement)
+    reporter.submit(REPORT_PATH, second)
+    assert eventually(
+        lambda: (
+            scrape(service.metrics, "baton_eplb_balance", **labels, stage="achieved")
+            == pytest.approx(second.balance_before)
+        )
+    )
+    assert second.experts_moved < first.experts_moved
+    assert reporter.failed == 0
+
+
+def test_the_draft_model_is_named_by_its_expert_count(service: Service) -> None:
+    reporter = Reporter(service.url, TOKEN)
+    load = _drifting_load(3, DRAFT.layers, DRAFT.experts)
+    report, _ = _window("cell-1", load, _initial(DRAFT.layers, DRAFT.experts))
+    reporter.submit(REPORT_PATH, report)
+    assert eventually(
+        lambda: (
+            scrape(
+                service.metrics, "baton_eplb_engine_windows_total", group="cell-1", model="draft"
+            )
+            == 1
+        )
+    )
+
+
+def test_an_inactive_plugin_shows_until_its_cell_reports_a_window(service: Service) -> None:
+    reporter = Reporter(service.url, TOKEN)
+    inactive = PluginInactive(
+        namespace="serving",
+        deployment="dsv4",
+        cell="cell-2",
+        vllm_version="0.34.0",
+        reason="unsupported_vllm_version",
+    )
+    reporter.submit(INACTIVE_PATH, inactive)
+    assert eventually(
+        lambda: (
+            scrape(
+                service.metrics,
+                "baton_eplb_plugin_inactive",
+                group="cell-2",
+                reason="unsupported_vllm_version",
+                vllm_version="0.34.0",
+            )
+            == 1
+        )
+    )
+    report, _ = _window(
+        "cell-2",
+        _drifting_load(4, TARGET.layers, TARGET.experts),
+        _initial(TARGET.layers, TARGET.experts),
+    )
+    reporter.submit(REPORT_PATH, report)
+    assert eventually(
+        lambda: scrape(service.metrics, "baton_eplb_plugin_inactive", group="cell-2") == 0
+    )
+
+
+def _post(service: Service, body: object, token: str | None = TOKEN) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.post(service.url + REPORT_PATH, json=body, headers=headers, timeout=5)
+
+
+def _report_body(**changes: object) -> dict[str, object]:
+    report, _ = _window(
+        "cell-9",
+        _drifting_load(5, DRAFT.layers, DRAFT.experts),
+        _initial(DRAFT.layers, DRAFT.experts),
+    )
+    return report.model_dump() | changes
+
+
+@pytest.mark.parametrize(
+    ("token", "changes", "status", "kind", "param"),
+    [
+        (None, {}, 401, "authentication_error", None),
+        ("wrong", {}, 401, "authentication_error", None),
+        (TOKEN, {"balance_after": 1.5}, 400, "invalid_request_error", "balance_after"),
+        (TOKEN, {"layers": 2}, 400, "invalid_request_error", None),
+        (TOKEN, {"surprise": 1}, 400, "invalid_request_error", "surprise"),
+    ],
+    ids=["no-token", "wrong-token", "balance-out-of-range", "load-shape", "unknown-field"],
+)
+def test_bad_reports_get_an_openai_error_and_change_nothing(
+    service: Service,
+    token: str | None,
+    changes: dict[str, object],
+    status: int,
+    kind: str,
+    param: str | None,
+) -> None:
+    response = _post(service, _report_body(**changes), token)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["type"] == kind
+    assert error["param"] == param
+    assert error["message"]
+    assert scrape(service.metrics, "baton_eplb_engine_windows_total", group="cell-9") == 0
+
+
+def test_a_model_the_service_does_not_know_is_refused_with_the_fix(service: Service) -> None:
+    load = _drifting_load(6, 2, 64)
+    report, _ = _window("cell-9", load, _initial(2, 64))
+    response = _post(service, report.model_dump())
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "experts"
+    assert "spec.eplb.models" in error["message"]
+    assert "target (384 experts)" in error["message"]
