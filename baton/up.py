@@ -6,7 +6,10 @@
 3. ``baton sim --cluster`` in one process: per placed cell a DEP32 decode group (one hybrid-LB
    API server per decode tray, four local ranks each) and its DEP2 prefill instances, at the
    placed roles.
-4. The EPLB service against every decode group's agent (each group serves one).
+4. The EPLB service, in one of the two modes of a ModelDeployment's ``spec.eplb.mode``
+   (``--eplb-mode``): ``agent`` (the default) drives every decode group's agent (each group
+   serves one); ``plugin`` has every decode group rebalance in-engine with Baton's vLLM plugin
+   (``baton sim --eplb-policy-plugin baton``) and report each window to the service.
 5. ``baton gateway`` on 127.0.0.1:8000 (``--port``) with a pool file of the placed cells.
 
 It prints the rack map and the URLs, and on Ctrl-C or SIGTERM stops every process it started
@@ -25,11 +28,13 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import yaml
 from pydantic import BaseModel
 
+from baton.core.eplb_report import REPORT_URL_ENV, WHERE_ENV
 from baton.core.model import MODEL, SERVED_MODEL_NAME
 from controller.placement import DeploymentShape, Plan, plan_placement
 from controller.topology import synthetic_topology
@@ -39,21 +44,27 @@ from router.pool import DecodeServerSpec, PoolCell, PoolSpec
 from sim.cluster import ClusterSpec, DecodeGroupSpec, PrefillInstancesSpec
 from sim.config import EplbConfig
 
-__all__ = ["StackLayout", "layout_stack", "main"]
+__all__ = ["EplbMode", "StackLayout", "layout_stack", "main"]
+
+EplbMode = Literal["agent", "plugin"]
 
 
 @dataclass(frozen=True, slots=True)
 class StackLayout:
     """What to start for a plan, in the models of the files each process reads: the
     simulator's cluster file, the gateway's pool file and the EPLB service's configuration
-    (every decode group's agent)."""
+    (every decode group's agent in agent mode), and in plugin mode the port the service takes
+    the engines' reports on."""
 
     cluster: ClusterSpec
     pool: PoolSpec
     eplb: EplbServiceConfig
+    report_port: int | None = None
 
 
-def layout_stack(plan: Plan, *, time_scale: float, gpus_per_tray: int = 4) -> StackLayout:
+def layout_stack(
+    plan: Plan, *, time_scale: float, eplb_mode: EplbMode = "agent", gpus_per_tray: int = 4
+) -> StackLayout:
     """Engines at the placed roles, on free loopback ports, and the pool that routes to them."""
     decode_groups: list[DecodeGroupSpec] = []
     prefill: list[PrefillInstancesSpec] = []
@@ -63,7 +74,7 @@ def layout_stack(plan: Plan, *, time_scale: float, gpus_per_tray: int = 4) -> St
         servers = len(cell.decode_trays)
         ranks = servers * gpus_per_tray
         decode_port = free_port_block(servers)
-        agent_port = free_port_block(1)
+        agent_port = free_port_block(1) if eplb_mode == "agent" else None
         decode_groups.append(
             DecodeGroupSpec(
                 name=cell.name,
@@ -72,10 +83,12 @@ def layout_stack(plan: Plan, *, time_scale: float, gpus_per_tray: int = 4) -> St
                 port=decode_port,
                 side_channel_port=free_port_block(ranks),
                 eplb_agent_port=agent_port,
+                eplb_policy_plugin="baton" if eplb_mode == "plugin" else None,
                 eplb=EplbConfig(num_redundant_experts=32),
             )
         )
-        eplb_groups.append(GroupSpec(name=cell.name, agents=(f"127.0.0.1:{agent_port}",)))
+        if agent_port is not None:
+            eplb_groups.append(GroupSpec(name=cell.name, agents=(f"127.0.0.1:{agent_port}",)))
         instances = len(cell.prefill)
         prefill_port = free_port_block(max(instances, 1))
         if instances:
@@ -108,10 +121,17 @@ def layout_stack(plan: Plan, *, time_scale: float, gpus_per_tray: int = 4) -> St
         decode_groups=decode_groups,
         prefill=prefill,
     )
+    if eplb_mode == "agent":
+        return StackLayout(
+            cluster=cluster,
+            pool=PoolSpec(cells=tuple(cells)),
+            eplb=EplbServiceConfig(groups=tuple(eplb_groups)),
+        )
     return StackLayout(
         cluster=cluster,
         pool=PoolSpec(cells=tuple(cells)),
-        eplb=EplbServiceConfig(groups=tuple(eplb_groups)),
+        eplb=EplbServiceConfig(),
+        report_port=free_port_block(1),
     )
 
 
@@ -146,6 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--port", type=int, default=8000, help="the gateway's port")
     parser.add_argument(
+        "--eplb-mode",
+        choices=["agent", "plugin"],
+        default="agent",
+        help="agent: the EPLB service switches every decode group through its agent; plugin: "
+        "the engines rebalance in-engine with Baton's vLLM plugin and report to the service",
+    )
+    parser.add_argument(
         "--eplb-metrics-port",
         type=int,
         default=None,
@@ -166,11 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"baton up: cannot place {cell.name}: {cell.message}", file=sys.stderr)
         return 1
     print(_rack_map(plan, args.racks))
-    return _run(plan, args)
+    return _run(plan, args, shape.name)
 
 
-def _run(plan: Plan, args: argparse.Namespace) -> int:
-    layout = layout_stack(plan, time_scale=args.time_scale)
+def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
+    layout = layout_stack(plan, time_scale=args.time_scale, eplb_mode=args.eplb_mode)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -183,9 +210,15 @@ def _run(plan: Plan, args: argparse.Namespace) -> int:
         pool_file.write_text(_yaml(layout.pool))
         eplb_file.write_text(_yaml(layout.eplb))
         python = [sys.executable, "-m", "baton.cli"]
+        reports: list[str] = []
+        engine_env = dict(os.environ)
+        if layout.report_port is not None:
+            reports = ["--report-port", str(layout.report_port)]
+            engine_env |= _report_env(deployment, layout.report_port)
         try:
             engines = subprocess.Popen(
-                [*python, "sim", "--cluster", str(cluster_file), "--log-level", "warning"]
+                [*python, "sim", "--cluster", str(cluster_file), "--log-level", "warning"],
+                env=engine_env,
             )
             processes.append(engines)
             for pool_cell in layout.pool.cells:
@@ -201,6 +234,7 @@ def _run(plan: Plan, args: argparse.Namespace) -> int:
                         str(eplb_file),
                         "--metrics-port",
                         str(eplb_metrics),
+                        *reports,
                         "--log-level",
                         "warning",
                     ]
@@ -242,10 +276,25 @@ def _run(plan: Plan, args: argparse.Namespace) -> int:
                 stop_process(process)
 
 
+def _report_env(deployment: str, port: int) -> dict[str, str]:
+    """Where the engines' plugin reports, as the controller tells a pod (each simulated group
+    names its own cell)."""
+    return {
+        REPORT_URL_ENV: f"http://127.0.0.1:{port}",
+        WHERE_ENV["namespace"]: "default",
+        WHERE_ENV["deployment"]: deployment,
+    }
+
+
 def _print_urls(layout: StackLayout, gateway_url: str, eplb_metrics: str) -> None:
     print(f"\nBaton is up: OpenAI API at {gateway_url}/v1 (model {SERVED_MODEL_NAME})")
     print(f"  gateway metrics   {gateway_url}/metrics")
     print(f"  EPLB metrics      {eplb_metrics}")
+    if layout.report_port is not None:
+        print(
+            f"  EPLB reports      http://127.0.0.1:{layout.report_port}/v1/windows "
+            "(engines rebalance in-engine with Baton's plugin)"
+        )
     for cell in layout.pool.cells:
         print(
             f"  {cell.name}: {len(cell.decode)} decode API servers "

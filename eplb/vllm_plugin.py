@@ -12,6 +12,10 @@ all-reduced, ``[layers, logical experts]``; the placement in force, ``[layers, p
 and uses each rank's own answer, so the answer must be a function of the inputs alone: Baton's
 algorithm is deterministic numpy, identical on every rank.
 
+``baton sim`` loads the same policy through an entry point of its own
+(:func:`simulated_engine_policy`), so the simulator's in-engine EPLB can run what vLLM engines
+run with the plugin.
+
 Fallbacks, each logged, each reported: a vLLM version this plugin was not written against leaves
 vLLM's policy in place (nothing is patched); any error in Baton's placement makes that window's
 placement vLLM's own. Nothing here raises into vLLM.
@@ -43,6 +47,7 @@ from baton.core.eplb_report import (
     WindowReport,
 )
 from baton.core.experts import Placement, balance, moves
+from baton.core.vllm_eplb import vllm_rebalance
 from eplb.algorithm import rebalance
 from eplb.reporter import Reporter
 
@@ -50,10 +55,14 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "ENTRY_POINT_NAME",
     "ENTRY_POINT_VALUE",
+    "SIMULATOR_ENTRY_POINT_GROUP",
     "SUPPORTED_VLLM",
     "Rebalanced",
+    "SimulatedPolicy",
+    "place_and_report",
     "rebalance_window",
     "register",
+    "simulated_engine_policy",
     "supported",
     "window_report",
 ]
@@ -66,7 +75,14 @@ SUPPORTED_VLLM = ("0.33.",)
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "baton_eplb"
 ENTRY_POINT_VALUE = "eplb.vllm_plugin:register"
+# How `baton sim` finds the same policy (pyproject.toml declares it under the name "baton"):
+# by entry point, as vLLM finds the plugin, never by import.
+SIMULATOR_ENTRY_POINT_GROUP = "baton.sim.eplb_policies"
+SIMULATOR_VERSION = "baton-sim"
 _REPORTER: Reporter | None = None
+# vLLM's policy call, numpy in and out: (load, num_replicas, num_groups, num_nodes, num_ranks,
+# placement in force) -> new placement [layers, physical slots].
+SimulatedPolicy = Callable[[np.ndarray, int, int, int, int, np.ndarray], np.ndarray]
 
 
 def supported(version: str) -> bool:
@@ -129,10 +145,15 @@ def _placement(phy2log: np.ndarray | None, num_ranks: int, num_experts: int) -> 
 
 
 def window_report(
-    result: Rebalanced, load: np.ndarray, num_ranks: int, vllm_version: str
+    result: Rebalanced,
+    load: np.ndarray,
+    num_ranks: int,
+    vllm_version: str,
+    cell: str | None = None,
 ) -> WindowReport | None:
-    """The report of ``result`` for the group this engine belongs to, when its pod says."""
-    where = _where()
+    """The report of ``result`` for the group this engine belongs to, when its pod says
+    (``cell`` in place of the pod's, for a simulator process serving many groups)."""
+    where = _where(cell)
     if where is None:
         return None
     layers, experts = np.asarray(load).shape
@@ -151,9 +172,12 @@ def window_report(
     )
 
 
-def _where() -> dict[str, str] | None:
-    """The engine's group, as its pod's environment names it (all three, or None)."""
+def _where(cell: str | None = None) -> dict[str, str] | None:
+    """The engine's group, as its pod's environment names it (all three, or None); ``cell``
+    overrides the environment's cell."""
     where = {key: os.environ.get(variable, "") for key, variable in WHERE_ENV.items()}
+    if cell is not None:
+        where["cell"] = cell
     return where if all(where.values()) else None
 
 
@@ -218,18 +242,84 @@ def _policy_class(default: Any, base: Any, version: str) -> Any:
                 )
                 return np.asarray(placed.cpu().numpy(), dtype=np.int64)
 
-            try:
-                result = rebalance_window(
-                    load, num_replicas, num_groups, num_nodes, num_ranks, old, vllm_default
-                )
-            except Exception:  # never into vLLM: its own policy places this window
-                log.exception("Baton's EPLB plugin failed; vLLM's policy places")
-                return torch.from_numpy(vllm_default())
-            if load.sum() > 0 and _reports_here():  # not vLLM's profiling run
-                _report(result, load, num_ranks, version)
-            return torch.from_numpy(np.ascontiguousarray(result.phy2log))
+            phy2log = place_and_report(
+                load,
+                num_replicas,
+                num_groups,
+                num_nodes,
+                num_ranks,
+                old,
+                vllm_default,
+                reports=_reports_here,
+                version=version,
+            )
+            return torch.from_numpy(np.ascontiguousarray(phy2log))
 
     return BatonEplbPolicy
+
+
+def place_and_report(
+    load: np.ndarray,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_ranks: int,
+    old: np.ndarray | None,
+    vllm_default: Callable[[], np.ndarray],
+    *,
+    reports: Callable[[], bool],
+    version: str,
+    cell: str | None = None,
+) -> np.ndarray:
+    """One window as the engine's policy answers it: Baton's placement (vLLM's on any error),
+    reported when ``reports()`` says this process is the group's reporter."""
+    try:
+        result = rebalance_window(
+            load, num_replicas, num_groups, num_nodes, num_ranks, old, vllm_default
+        )
+    except Exception:  # never into the engine: its own policy places this window
+        log.exception("Baton's EPLB plugin failed; vLLM's policy places")
+        return vllm_default()
+    if load.sum() > 0 and reports():  # not vLLM's profiling run
+        _submit(REPORT_PATH, lambda _: window_report(result, load, num_ranks, version, cell), cell)
+    return result.phy2log
+
+
+def simulated_engine_policy(cell: str | None) -> SimulatedPolicy:
+    """The plugin as ``baton sim`` loads it for decode group ``cell`` (entry point
+    ``baton`` of ``SIMULATOR_ENTRY_POINT_GROUP``; None: the group ``BATON_CELL`` names): the
+    placement, fallback and report the plugin makes inside vLLM, numpy in and out. The
+    simulator runs a whole group in one process, so that process reports every window."""
+
+    def policy(
+        load: np.ndarray,
+        num_replicas: int,
+        num_groups: int,
+        num_nodes: int,
+        num_ranks: int,
+        old: np.ndarray,
+    ) -> np.ndarray:
+        def vllm_default() -> np.ndarray:
+            experts = load.shape[1]
+            previous = _placement(old, num_ranks, experts)
+            redundant = num_replicas - experts
+            placed = vllm_rebalance(load, num_ranks, redundant, num_nodes, num_groups, previous)
+            return placed.phy2log
+
+        return place_and_report(
+            load,
+            num_replicas,
+            num_groups,
+            num_nodes,
+            num_ranks,
+            old,
+            vllm_default,
+            reports=lambda: True,
+            version=SIMULATOR_VERSION,
+            cell=cell,
+        )
+
+    return policy
 
 
 def _reports_here() -> bool:
@@ -242,15 +332,13 @@ def _reports_here() -> bool:
         return False
 
 
-def _report(result: Rebalanced, load: np.ndarray, num_ranks: int, version: str) -> None:
-    _submit(REPORT_PATH, lambda _: window_report(result, load, num_ranks, version))
-
-
-def _submit(path: str, build: Callable[[dict[str, str]], BaseModel | None]) -> None:
+def _submit(
+    path: str, build: Callable[[dict[str, str]], BaseModel | None], cell: str | None = None
+) -> None:
     """Post what ``build`` makes for this engine's group, when the pod says where to."""
     global _REPORTER
     try:
-        url, where = os.environ.get(REPORT_URL_ENV), _where()
+        url, where = os.environ.get(REPORT_URL_ENV), _where(cell)
         report = build(where) if url and where is not None else None
         if url is None or report is None:
             return

@@ -25,6 +25,7 @@ from baton.core.model import MODEL
 from baton.core.secrets import read_token
 from sim.cluster import load_cluster
 from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
+from sim.moe import policy_plugins
 from sim.profile import ProfileError, load_profile
 from sim.runner import SimProcess, start_cluster, start_single
 
@@ -106,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(sim, "--eplb-agent-port", type=int, default=None)
     _flag(
         sim,
+        "--eplb-policy-plugin",
+        default=None,
+        help="in-engine EPLB with the policy an installed plugin provides under this name "
+        "(baton: Baton's vLLM plugin, reporting as $BATON_EPLB_REPORT_URL says) in place of "
+        "vLLM's default",
+    )
+    _flag(
+        sim,
         "--eplb-agent-token-file",
         default=None,
         help="file holding the bearer token the EPLB service must send (a mounted Secret)",
@@ -155,6 +164,12 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     eplb = _json_flag("--eplb-config", args.eplb_config, EplbConfig)
     spec = _json_flag("--speculative-config", args.speculative_config, SpeculativeConfig)
     _check_agent_security(args)
+    plugin = args.eplb_policy_plugin
+    if plugin is not None and plugin not in policy_plugins():
+        raise CliError(
+            f"--eplb-policy-plugin {plugin}: not installed; installed: "
+            f"{', '.join(policy_plugins()) or 'none'}"
+        )
     return EngineConfig(
         model=args.model,
         served_model_names=tuple(args.served_model_name or [args.model]),
@@ -176,6 +191,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         side_channel_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", args.host),
         side_channel_port=int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")),
         eplb_agent_port=args.eplb_agent_port,
+        eplb_policy_plugin=args.eplb_policy_plugin,
         eplb_agent_token_file=args.eplb_agent_token_file,
         eplb_agent_tls_cert=args.eplb_agent_tls_cert,
         eplb_agent_tls_key=args.eplb_agent_tls_key,

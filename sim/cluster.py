@@ -13,6 +13,8 @@ a DEP32 decode group (8 hybrid-LB API servers of 4 local ranks, or one server fo
     decode_groups:
       - {name: cell-0, data_parallel_size: 32, api_servers: 8, port: 8200,
          side_channel_port: 5700, eplb_agent_port: 50100}
+      # or, in place of the agent, vLLM's in-engine EPLB with Baton's plugin:
+      #    eplb_policy_plugin: baton
     prefill:
       - {name: cell-0-prefill, instances: 18, data_parallel_size: 2, port: 8100,
          side_channel_port: 5600}
@@ -29,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from baton.core.files import load_yaml_model
 from baton.core.model import MODEL, SERVED_MODEL_NAME
 from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
+from sim.moe import policy_plugins
 from sim.profile import load_profile
 
 __all__ = [
@@ -53,12 +56,25 @@ class DecodeGroupSpec(_Spec):
     port: int = Field(ge=1, le=65535)
     side_channel_port: int = Field(ge=1, le=65535)
     eplb_agent_port: int | None = Field(default=None, ge=1, le=65535)
+    eplb_policy_plugin: str | None = Field(
+        default=None, description="the in-engine EPLB policy plugin (sim --eplb-policy-plugin)"
+    )
     max_num_seqs: int = Field(default=256, ge=1)
     enable_eplb: bool = True
     eplb: EplbConfig = Field(default_factory=EplbConfig)
     speculative: SpeculativeConfig = Field(
         default_factory=lambda: SpeculativeConfig(method="mtp", num_speculative_tokens=3)
     )
+
+    @model_validator(mode="after")
+    def _policy_installed(self) -> DecodeGroupSpec:
+        plugin = self.eplb_policy_plugin
+        if plugin is not None and plugin not in policy_plugins():
+            raise ValueError(
+                f"eplb_policy_plugin {plugin!r} is not installed; installed: "
+                f"{', '.join(policy_plugins()) or 'none'}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _servers_divide_ranks(self) -> DecodeGroupSpec:
@@ -125,6 +141,8 @@ def engine_configs(spec: ClusterSpec) -> Iterator[tuple[EngineConfig, list[int],
             speculative=group.speculative,
             side_channel_port=group.side_channel_port,
             eplb_agent_port=group.eplb_agent_port,
+            eplb_policy_plugin=group.eplb_policy_plugin,
+            group_name=group.name,
             seed=spec.seed * 7919 + index,
         )
         yield config, [group.port + i for i in range(group.api_servers)], per_server

@@ -84,6 +84,9 @@ class EngineConfig:
     # vLLM's --api-key (or VLLM_API_KEY): bearer tokens every /v1 route requires; () = open.
     api_keys: tuple[str, ...] = ()
     eplb_agent_port: int | None = None
+    # --eplb-policy-plugin: the in-engine policy from an installed plugin (None: vLLM's default)
+    eplb_policy_plugin: str | None = None
+    group_name: str | None = None  # the decode group's name, from a cluster file
     eplb_agent_token_file: str | None = None  # bearer token for Prepare/Commit/Abort
     eplb_agent_tls_cert: str | None = None  # PEM files; both or neither
     eplb_agent_tls_key: str | None = None

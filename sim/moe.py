@@ -7,7 +7,10 @@ and its balance sets the step's MoE time (``sim.perf``).
 Who re-places experts:
 - ``--enable-eplb`` alone: the engine does, as vLLM 0.33 does inside the engine: every
   ``step_interval`` steps from the load of the last ``window_size`` steps, with vLLM's default
-  policy (``baton.core.vllm_eplb``, which keeps only the experts that stay on the same GPU).
+  policy (``baton.core.vllm_eplb``, which keeps only the experts that stay on the same GPU), or
+  with ``--eplb-policy-plugin NAME`` the policy an installed plugin provides under that name
+  (entry point group ``baton.sim.eplb_policies``): ``baton`` is Baton's vLLM plugin, which
+  places with Baton's algorithm and reports each window, as it does inside vLLM.
 - with ``--eplb-agent-port``: Baton's EPLB service does, through the agent's two-phase
   Prepare/Commit (``sim.agent``); the engine never rebalances on its own.
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 
 import numpy as np
 
@@ -52,7 +56,15 @@ __all__ = [
     "ModelState",
     "StagedSwitch",
     "initial_placement",
+    "load_policy",
+    "policy_plugins",
+    "vllm_default_policy",
 ]
+
+POLICY_PLUGINS = "baton.sim.eplb_policies"
+EplbPolicy = Callable[[np.ndarray, int, int, int, int, np.ndarray], np.ndarray]
+"""vLLM's policy call, numpy in and out: (window load [layers, logical experts], physical slots,
+groups, nodes, ranks, placement in force [layers, slots]) -> the new placement's slots."""
 
 # Popularity drifts over tens of thousands of steps: advancing it every few steps is exact to
 # well within sampling noise and keeps a step cheap.
@@ -60,6 +72,38 @@ _DRIFT_EVERY = 10
 
 LoadListener = Callable[[str, int, np.ndarray, int], None]
 """Called with (model name, step, physical load [layers, slots], placement version)."""
+
+
+def vllm_default_policy(
+    load: np.ndarray,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_ranks: int,
+    old: np.ndarray,
+) -> np.ndarray:
+    """vLLM 0.33's default policy, keeping the slots that stay on the same GPU as vLLM does."""
+    experts = load.shape[1]
+    previous = Placement(old, num_ranks, experts)
+    redundant = num_replicas - experts
+    return vllm_rebalance(load, num_ranks, redundant, num_nodes, num_groups, previous).phy2log
+
+
+def policy_plugins() -> list[str]:
+    """The names of the EPLB policy plugins installed for the simulator."""
+    return sorted(point.name for point in entry_points(group=POLICY_PLUGINS))
+
+
+def load_policy(name: str, group: str | None) -> EplbPolicy:
+    """The policy plugin ``name`` provides for decode group ``group``, or ValueError."""
+    found = list(entry_points(group=POLICY_PLUGINS, name=name))
+    if not found:
+        raise ValueError(
+            f"no EPLB policy plugin {name!r} is installed (installed: "
+            f"{', '.join(policy_plugins()) or 'none'})"
+        )
+    policy: EplbPolicy = found[0].load()(group)
+    return policy
 
 
 def initial_placement(model: MoEModel, num_ranks: int, num_redundant: int) -> Placement:
@@ -164,6 +208,11 @@ class MoERuntime:
                 rng=streams[2 * index + 1],
             )
         self.internal_eplb = config.enable_eplb and config.eplb_agent_port is None
+        self.policy: EplbPolicy = (
+            load_policy(config.eplb_policy_plugin, config.group_name)
+            if config.eplb_policy_plugin is not None
+            else vllm_default_policy
+        )
         self.step = 0
         self.listeners: list[LoadListener] = []
         self.transfer: ExpertTransfer | None = None  # the switch whose weights are moving
@@ -257,20 +306,17 @@ class MoERuntime:
         return None
 
     def _rebalance(self, windows: Mapping[str, np.ndarray]) -> None:
-        """vLLM's in-engine rebalance: a new placement per model, copied layer by layer. A
-        switch still copying when the next one is due keeps going; that one is skipped."""
+        """vLLM's in-engine rebalance: a new placement per model from the policy, copied layer
+        by layer. A switch still copying when the next one is due keeps going; that one is
+        skipped."""
         if self.transfer is not None:
             return
-        eplb = self.config.eplb
-        placements = {
-            name: vllm_rebalance(
-                window,
-                self.num_ranks,
-                eplb.num_redundant_experts,
-                previous=self.models[name].placement,
-            )
-            for name, window in windows.items()
-        }
+        placements = {}
+        for name, window in windows.items():
+            old = self.models[name].placement
+            slots = old.phy2log.shape[1]
+            phy2log = self.policy(window, slots, 1, 1, self.num_ranks, old.phy2log)
+            placements[name] = Placement(phy2log, self.num_ranks, old.num_logical_experts)
         self._switches += 1
         self.transfer = self._transfer(
             f"in-engine-{self._switches}", placements, switch_each_layer=True

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,12 +20,12 @@ from baton.core.model import SERVED_MODEL_NAME
 from tests.helpers import ROOT, eventually, free_port, stop_process
 
 
-@pytest.fixture
-def stack(tmp_path: Path):
+@contextlib.contextmanager
+def baton_up(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     port = free_port()
     log = (tmp_path / "up.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "baton.cli", "up", "--port", str(port)],
+        [sys.executable, "-m", "baton.cli", "up", "--port", str(port), *flags],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -38,6 +41,12 @@ def stack(tmp_path: Path):
         yield process, url, tmp_path / "up.log"
     finally:
         stop_process(process)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    with baton_up(tmp_path) as running:
+        yield running
 
 
 def test_baton_up_prints_the_rack_map_and_streams_through_the_gateway(stack) -> None:
@@ -71,3 +80,15 @@ def test_sigterm_stops_every_process_and_frees_the_ports(stack) -> None:
     assert not alive
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=2)
+
+
+def test_in_plugin_mode_the_eplb_service_takes_the_engines_reports(tmp_path: Path) -> None:
+    with baton_up(tmp_path, "--eplb-mode", "plugin") as (_, url, log):
+        output = eventually(lambda: "EPLB reports" in log.read_text() and log.read_text())
+        assert isinstance(output, str)
+        reports = re.search(r"EPLB reports +(http://\S+)/v1/windows", output)
+        assert reports is not None
+        assert httpx.get(f"{reports.group(1)}/health", timeout=5).status_code == 200
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        answer = client.completions.create(model=SERVED_MODEL_NAME, prompt="hi", max_tokens=4)
+        assert answer.usage is not None and answer.usage.completion_tokens == 4

@@ -1,8 +1,10 @@
 """Plugin mode: the engines' window reports reach a running ``baton eplb`` and show in its
-metrics, sent by the reporter the plugin uses inside vLLM; bad reports get OpenAI error bodies."""
+metrics, sent by the reporter the plugin uses inside vLLM and by simulated engines running the
+plugin in-engine; bad reports get OpenAI error bodies."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,13 +14,32 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import yaml
 
-from baton.core.eplb_report import INACTIVE_PATH, REPORT_PATH, PluginInactive, WindowReport
+from baton.core.eplb_report import (
+    INACTIVE_PATH,
+    REPORT_PATH,
+    REPORT_URL_ENV,
+    TOKEN_ENV,
+    WHERE_ENV,
+    PluginInactive,
+    WindowReport,
+)
 from baton.core.model import DRAFT, TARGET
 from baton.core.vllm_eplb import vllm_rebalance
 from eplb.reporter import Reporter
 from eplb.vllm_plugin import rebalance_window
-from tests.helpers import ROOT, eventually, free_port, scrape, stop_process, wait_healthy
+from sim.cluster import ClusterSpec, DecodeGroupSpec
+from sim.config import EplbConfig
+from tests.helpers import (
+    ROOT,
+    eventually,
+    free_port,
+    keep_decoding,
+    scrape,
+    stop_process,
+    wait_healthy,
+)
 
 TOKEN = "engine-report-secret"
 RANKS, REDUNDANT = 32, 32
@@ -235,3 +256,62 @@ def test_a_model_the_service_does_not_know_is_refused_with_the_fix(service: Serv
     assert error["param"] == "experts"
     assert "spec.eplb.models" in error["message"]
     assert "target (384 experts)" in error["message"]
+
+
+def test_simulated_engines_with_the_plugin_rebalance_in_engine_and_report_every_window(
+    service: Service, tmp_path: Path
+) -> None:
+    # baton sim loads the plugin by its entry point, as vLLM does, and reports as a pod would.
+    port = free_port()
+    cluster = ClusterSpec(
+        profile="instant",
+        host="127.0.0.1",
+        decode_groups=[
+            DecodeGroupSpec(
+                name="cell-sim",
+                data_parallel_size=32,
+                api_servers=1,
+                port=port,
+                side_channel_port=free_port(),
+                eplb_policy_plugin="baton",
+                eplb=EplbConfig(window_size=40, step_interval=40, num_redundant_experts=32),
+            )
+        ],
+    )
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cluster.model_dump(mode="json", exclude_defaults=True)))
+    env = {
+        **os.environ,
+        REPORT_URL_ENV: service.url,
+        TOKEN_ENV: TOKEN,
+        WHERE_ENV["namespace"]: "serving",
+        WHERE_ENV["deployment"]: "dsv4",
+    }
+    log = tmp_path / "sim.log"
+    engines = subprocess.Popen(
+        [sys.executable, "-m", "baton.cli", "sim", "--cluster", str(path)],
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, engines, log)
+        keep_decoding(url, requests=32)
+
+        def windows(model: str) -> float:
+            return scrape(
+                service.metrics,
+                "baton_eplb_engine_windows_total",
+                group="cell-sim",
+                model=model,
+                policy="baton",
+            )
+
+        assert eventually(lambda: windows("target") >= 2 and windows("draft") >= 2, timeout=60)
+        labels = {"group": "cell-sim", "model": "target"}
+        assert 0 < scrape(service.metrics, "baton_eplb_balance", **labels, stage="achieved") <= 1
+        assert scrape(service.metrics, "baton_eplb_experts_moved_total", **labels) > 0
+    finally:
+        stop_process(engines)

@@ -39,8 +39,10 @@ def processes() -> Iterator[list[subprocess.Popen]]:
 
 def _secret_value(api: client.ApiClient, namespace: str, ref: client.V1SecretKeySelector) -> str:
     """What the kubelet puts in a secretKeyRef variable."""
-    secret = client.CoreV1Api(api).read_namespaced_secret(ref.name, namespace)
-    return base64.b64decode(secret.data[ref.key]).decode()
+    assert ref.name is not None  # the controller renders the Secret's name
+    data = client.CoreV1Api(api).read_namespaced_secret(ref.name, namespace).data
+    assert data is not None
+    return base64.b64decode(data[ref.key]).decode()
 
 
 def test_in_plugin_mode_the_engines_reports_become_the_deployments_balance(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -11,14 +13,16 @@ from baton.core.vllm_eplb import vllm_rebalance
 from eplb.algorithm import rebalance
 from sim.config import EngineConfig, EplbConfig
 from sim.experts import DEP32_DECODE_TOKENS_PER_STEP, TARGET_SKEW
-from sim.moe import MoERuntime
+from sim.moe import MoERuntime, policy_plugins
 from sim.perf import RankBatch, expert_copy_seconds, step_seconds
 from sim.profile import load_profile
 
 PROFILE = load_profile()
 
 
-def runtime(step_interval: int = 20, window_size: int = 10) -> MoERuntime:
+def runtime(
+    step_interval: int = 20, window_size: int = 10, policy_plugin: str | None = None
+) -> MoERuntime:
     config = EngineConfig(
         model="m",
         served_model_names=("m",),
@@ -30,6 +34,8 @@ def runtime(step_interval: int = 20, window_size: int = 10) -> MoERuntime:
         eplb=EplbConfig(
             window_size=window_size, step_interval=step_interval, num_redundant_experts=32
         ),
+        eplb_policy_plugin=policy_plugin,
+        group_name="cell-0",
     )
     return MoERuntime(config, models=((TARGET, TARGET_SKEW),))
 
@@ -97,3 +103,33 @@ def test_a_whole_dep32_switch_takes_under_a_second_of_decode_without_pausing_it(
 
 def test_the_profile_copies_an_expert_of_the_published_shape() -> None:
     assert PROFILE.decode.expert_bytes == pytest.approx(EXPERT_BYTES)
+
+
+def _first_switch(moe: MoERuntime) -> tuple[Placement, np.ndarray]:
+    """The placement of the first in-engine rebalance, and the window load its policy got."""
+    windows: list[np.ndarray] = []
+    policy = moe.policy
+
+    def recorded(load: np.ndarray, *args: Any) -> np.ndarray:
+        windows.append(load.copy())
+        return policy(load, *args)
+
+    moe.policy = recorded
+    decode(moe, 20)
+    assert moe.transfer is not None and len(windows) == 1
+    return moe.transfer.placements["target"], windows[0]
+
+
+def test_with_batons_plugin_the_in_engine_eplb_places_with_batons_algorithm() -> None:
+    by_vllm, _ = _first_switch(runtime())
+    moe = runtime(policy_plugin="baton")
+    start = moe.models["target"].placement
+    by_baton, window = _first_switch(moe)
+    assert np.array_equal(by_baton.phy2log, rebalance(window, 32, 32, previous=start).phy2log)
+    assert np.array_equal(by_vllm.phy2log, vllm_rebalance(window, 32, 32, previous=start).phy2log)
+
+
+def test_an_eplb_policy_plugin_that_is_not_installed_is_refused_with_the_installed_ones() -> None:
+    with pytest.raises(ValueError, match="installed: baton"):
+        runtime(policy_plugin="nope")
+    assert policy_plugins() == ["baton"]

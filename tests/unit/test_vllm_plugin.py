@@ -17,8 +17,11 @@ from eplb.reporter import Reporter
 from eplb.vllm_plugin import (
     ENTRY_POINT_NAME,
     ENTRY_POINT_VALUE,
+    SIMULATOR_ENTRY_POINT_GROUP,
+    place_and_report,
     rebalance_window,
     register,
+    simulated_engine_policy,
     supported,
     window_report,
 )
@@ -114,3 +117,34 @@ def test_an_install_of_baton_declares_the_same_entry_point() -> None:
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     declared = project["project"]["entry-points"]["vllm.general_plugins"]
     assert declared == {ENTRY_POINT_NAME: ENTRY_POINT_VALUE}
+
+
+def test_a_window_vllms_policy_placed_after_an_error_is_answered_and_still_reported() -> None:
+    bad = load(8).astype(np.float64)
+    bad[1, 2] = -1  # Baton's algorithm refuses negative load
+    theirs = vllm_rebalance(bad, RANKS, REDUNDANT).phy2log
+    asked: list[bool] = []
+    answer = place_and_report(
+        bad,
+        EXPERTS + REDUNDANT,
+        1,
+        1,
+        RANKS,
+        None,
+        lambda: theirs,
+        reports=lambda: asked.append(True) or False,
+        version="0.33.0",
+    )
+    assert np.array_equal(answer, theirs)
+    assert asked == [True]  # the service counts fallbacks (policy vllm_default)
+
+
+def test_the_simulator_finds_the_same_policy_by_its_entry_point() -> None:
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    declared = project["project"]["entry-points"][SIMULATOR_ENTRY_POINT_GROUP]
+    assert declared == {"baton": "eplb.vllm_plugin:simulated_engine_policy"}
+    old = rebalance(load(1), RANKS, REDUNDANT)
+    policy = simulated_engine_policy("cell-0")
+    placed = policy(load(2), EXPERTS + REDUNDANT, 1, 1, RANKS, old.phy2log)
+    expected = rebalance(load(2), RANKS, REDUNDANT, previous=old)
+    assert np.array_equal(placed, expected.phy2log)
