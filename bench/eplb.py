@@ -13,6 +13,9 @@
      landing ``SERVICE_DELAY`` steps after the boundary (report batching, staging one layer per
      step, the commit margin);
    - vLLM's policy at the service's cadence: what minimal moves buy at equal cadence;
+   - Baton's vLLM plugin (plugin mode, how Baton runs with vLLM engines): vLLM's in-engine
+     switch, the placement from the plugin's own code (``eplb.vllm_plugin.rebalance_window``:
+     Baton's algorithm, experts kept where they are), at the study's cadence and at 500 / 500;
 
    each with 32 and with 0 redundant experts; the share of the gap to uniform recovered. Every
    switch costs its copies (``sim.perf.switch_copy_seconds``: per layer, the most experts a rank
@@ -49,6 +52,7 @@ from baton.core.vllm_eplb import vllm_rebalance
 from eplb.algorithm import rebalance
 from eplb.client import AgentClient
 from eplb.decide import Outcome, Policy, decide
+from eplb.vllm_plugin import rebalance_window
 from eplb.window import Window
 from rigs.processes import free_port, stop_process, wait_healthy
 from sim.experts import (
@@ -59,6 +63,7 @@ from sim.experts import (
     BalanceRun,
     EplbSchedule,
     ExpertPopularity,
+    Rebalancer,
     RoutingSkew,
     sample_load,
     simulate_balance,
@@ -86,10 +91,22 @@ def _service(load: np.ndarray, current: Placement, boundary: int) -> Placement |
     return decision.placement if decision.outcome is Outcome.REBALANCE else None
 
 
+def _plugin(load: np.ndarray, current: Placement, boundary: int) -> Placement:
+    """Baton's plugin in a vLLM engine: its placement at every boundary vLLM calls it."""
+    experts = current.num_logical_experts
+    slots = current.phy2log.shape[1]
+
+    def vllm_default() -> np.ndarray:
+        return vllm_rebalance(load, NUM_RANKS, slots - experts, previous=current).phy2log
+
+    placed = rebalance_window(load, slots, 1, 1, NUM_RANKS, current.phy2log, vllm_default)
+    return Placement(placed.phy2log, NUM_RANKS, experts)
+
+
 @dataclass(frozen=True, slots=True)
 class Configuration:
     schedule: EplbSchedule | None  # None: no EPLB
-    service: bool  # Baton's service decides; otherwise vLLM's in-engine EPLB
+    rebalancer: Rebalancer | None = None  # None: vLLM's in-engine policy
 
 
 def _in_engine(redundant: int) -> EplbSchedule:
@@ -106,12 +123,16 @@ def _service_cadence(redundant: int) -> EplbSchedule:
 
 
 CONFIGURATIONS = {
-    "no_eplb": Configuration(None, service=False),
-    "vllm_32": Configuration(_in_engine(32), service=False),
-    "vllm_0": Configuration(_in_engine(0), service=False),
-    "service_32": Configuration(_service_cadence(32), service=True),
-    "service_0": Configuration(_service_cadence(0), service=True),
-    "vllm_policy_at_service_cadence_32": Configuration(_service_cadence(32), service=False),
+    "no_eplb": Configuration(None),
+    "vllm_32": Configuration(_in_engine(32)),
+    "vllm_0": Configuration(_in_engine(0)),
+    "service_32": Configuration(_service_cadence(32), _service),
+    "service_0": Configuration(_service_cadence(0), _service),
+    "vllm_policy_at_service_cadence_32": Configuration(_service_cadence(32)),
+    "plugin_32": Configuration(_in_engine(32), _plugin),
+    "plugin_32_at_500": Configuration(
+        EplbSchedule(step_interval=500, window_size=500, num_redundant_experts=32), _plugin
+    ),
 }
 
 
@@ -126,7 +147,7 @@ def _simulate(
         seed=seed,
         num_ranks=NUM_RANKS,
         eplb=configuration.schedule,
-        rebalancer=_service if configuration.service else None,
+        rebalancer=configuration.rebalancer,
     )
 
 
@@ -376,6 +397,8 @@ _LABELS = {
     "service_32": "Baton's service, 32 redundant",
     "service_0": "Baton's service, 0 redundant",
     "vllm_policy_at_service_cadence_32": "vLLM's policy, service cadence",
+    "plugin_32": "Baton's plugin in vLLM, 32 red.",
+    "plugin_32_at_500": "Baton's plugin, every 500/500",
 }
 
 
