@@ -124,6 +124,11 @@ def test_a_window_vllms_policy_placed_after_an_error_is_answered_and_still_repor
     bad[1, 2] = -1  # Baton's algorithm refuses negative load
     theirs = vllm_rebalance(bad, RANKS, REDUNDANT).phy2log
     asked: list[bool] = []
+
+    def reports() -> bool:
+        asked.append(True)
+        return False
+
     answer = place_and_report(
         bad,
         EXPERTS + REDUNDANT,
@@ -132,7 +137,7 @@ def test_a_window_vllms_policy_placed_after_an_error_is_answered_and_still_repor
         RANKS,
         None,
         lambda: theirs,
-        reports=lambda: asked.append(True) or False,
+        reports=reports,
         version="0.33.0",
     )
     assert np.array_equal(answer, theirs)
