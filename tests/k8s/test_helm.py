@@ -6,6 +6,8 @@ than that and writing their status; its EPLB configuration accepted by the servi
 from __future__ import annotations
 
 import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,10 +16,11 @@ import yaml
 from kubernetes import client, utils
 from kubernetes.client.rest import ApiException
 
+from baton.core.api import ModelDeployment
 from eplb.cli import build_parser as eplb_parser
 from eplb.config import load_config
 from rigs.devcluster import ROOT, ControlPlane, binaries_dir, write_kubeconfig
-from rigs.processes import stop_process
+from rigs.processes import eventually, free_port, stop_process
 from tests.k8s.helpers import apply, controller_log, start_controller, wait_ready
 
 CHART = ROOT / "helm" / "baton"
@@ -37,6 +40,68 @@ def test_chart_lints_and_names_its_required_value() -> None:
     assert "gateway.modelDeployment: set it to NAMESPACE/NAME" in missing.stderr
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("controller.replicas=two", "at '/controller/replicas': got string, want integer"),
+        ("gateway.polcy=affinity", "additional properties 'polcy' not allowed"),
+        ("gateway.policy=random", "at '/gateway/policy'"),
+        ("gateway.modelDeployment=dsv4", "at '/gateway/modelDeployment'"),
+        ("eplb.reportPort=70000", "at '/eplb/reportPort'"),
+        ("image.pullPolicy=Sometimes", "at '/image/pullPolicy'"),
+    ],
+)
+def test_the_values_schema_refuses_a_wrong_value_naming_it(value: str, message: str) -> None:
+    rendered = helm(
+        "template",
+        "baton",
+        str(CHART),
+        "--set",
+        "gateway.modelDeployment=serving/dsv4",
+        "--set",
+        value,
+    )
+    assert rendered.returncode != 0
+    assert message in rendered.stderr, rendered.stderr
+
+
+def test_the_helm_test_pods_check_passes_against_a_running_gateway_and_fails_without_one(
+    start_sim, start_gateway
+) -> None:
+    rendered = helm(
+        "template",
+        "b",
+        str(CHART),
+        "--set",
+        "gateway.modelDeployment=serving/dsv4",
+        "--show-only",
+        "templates/tests/gateway.yaml",
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    pod = yaml.safe_load(rendered.stdout)
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    [container] = pod["spec"]["containers"]
+    assert container["command"][:2] == ["python", "-c"]
+    script = container["command"][2]
+    in_cluster = "http://b-baton-gateway:8000"
+    assert in_cluster in script
+    engine = start_sim("--served-model-name", "dsv4")
+    gateway = start_gateway("--decode", engine.url)
+
+    def check(url: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", script.replace(in_cluster, url)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    eventually(lambda: check(gateway.url).returncode == 0, timeout=30)
+    assert "serving dsv4" in check(gateway.url).stdout
+    assert check(f"http://127.0.0.1:{free_port()}").returncode != 0
+
+
 @pytest.fixture
 def release(api: client.ApiClient, namespace: str) -> Iterator[list[dict]]:
     """The chart rendered into ``namespace`` (no replicas: nothing here runs images) and
@@ -49,6 +114,7 @@ def release(api: client.ApiClient, namespace: str) -> Iterator[list[dict]]:
         namespace,
         "--set",
         f"gateway.modelDeployment={namespace}/dsv4,controller.replicas=0,gateway.replicas=0",
+        "--skip-tests",
     )
     assert rendered.returncode == 0, rendered.stderr
     objects = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
@@ -111,6 +177,10 @@ def test_controller_runs_a_deployment_with_the_charts_rbac_alone(
         "Service",
         "ServiceAccount",
     ]
+    # Cluster scope is the controller's alone.
+    assert [o["metadata"]["name"] for o in release if o["kind"] == "ClusterRole"] == [
+        f"b-{namespace}-baton-controller"
+    ]
     account = f"b-{namespace}-baton-controller"
     kubeconfig = write_kubeconfig(
         control_plane, tmp_path / "controller.kubeconfig", token_for(api, namespace, account)
@@ -147,6 +217,10 @@ def test_controller_runs_a_deployment_with_the_charts_rbac_alone(
     )
     assert allowed(api, eplb, deployments) and allowed(api, eplb, status)
     assert not allowed(api, gateway, status) and not allowed(api, eplb, pods)
+    elsewhere = client.V1ResourceAttributes(
+        group="baton.dev", resource="modeldeployments", verb="watch", namespace="other"
+    )
+    assert not allowed(api, gateway, elsewhere) and not allowed(api, eplb, elsewhere)
 
     # The EPLB service's configuration as rendered is one it accepts.
     [config_map] = [obj for obj in release if obj["kind"] == "ConfigMap"]
@@ -170,3 +244,68 @@ def test_controller_runs_a_deployment_with_the_charts_rbac_alone(
     ]
     ports = {port["name"]: port["port"] for port in service["spec"]["ports"]}
     assert ports["reports"] == args.report_port and args.report_host == "0.0.0.0"
+
+
+def test_drains_keep_a_controller_and_a_gateway_and_every_pod_runs_under_runtime_seccomp(
+    api, namespace
+) -> None:
+    rendered = helm(
+        "template",
+        f"p-{namespace}",
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--set",
+        f"gateway.modelDeployment={namespace}/dsv4",
+        "--skip-tests",
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    objects = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    budgets = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    covered = set()
+    for budget in budgets:
+        utils.create_from_dict(api, budget, namespace=namespace)  # the API server accepts it
+        assert budget["spec"]["minAvailable"] == 1
+        selector = budget["spec"]["selector"]["matchLabels"]
+        [name] = [
+            n
+            for n, d in deployments.items()
+            if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert deployments[name]["spec"]["replicas"] > 1
+        covered.add(name)
+    assert covered == {f"p-{namespace}-baton-controller", f"p-{namespace}-baton-gateway"}
+    for deployment in deployments.values():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_the_notes_give_a_modeldeployment_that_reports_to_the_releases_eplb_service(
+    namespace, control_plane: ControlPlane
+) -> None:
+    # A one-letter release: "n" is a YAML boolean unless the chart quotes it.
+    installed = helm(
+        "install",
+        "--dry-run=client",
+        "n",
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--kubeconfig",
+        str(control_plane.kubeconfig),
+        "--set",
+        "gateway.modelDeployment=serving/dsv4",
+        "--set",
+        "eplb.tokenSecret.name=eplb-token",
+    )
+    assert installed.returncode == 0, installed.stderr
+    notes = installed.stdout.split("NOTES:", 1)[1]
+    manifest = textwrap.dedent(notes.split("<<EOF\n", 1)[1].split("   EOF", 1)[0])
+    deployment = ModelDeployment.model_validate(yaml.safe_load(manifest))
+    assert (deployment.metadata.namespace, deployment.metadata.name) == ("serving", "dsv4")
+    eplb = deployment.spec.eplb
+    assert eplb.report_url == f"http://n-baton-eplb.{namespace}.svc:9091"
+    assert eplb.token_secret is not None and eplb.token_secret.name == "eplb-token"
+    assert "helm test n" in notes and "Pending" in notes

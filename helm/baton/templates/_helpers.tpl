@@ -12,17 +12,18 @@
 {{- end -}}
 {{- end -}}
 
+{{/* Quoted: a release named "n" or "on" would otherwise be a YAML boolean. */}}
 {{- define "baton.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 app.kubernetes.io/name: {{ include "baton.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{- define "baton.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "baton.name" .root }}
-app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name | quote }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
