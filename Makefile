@@ -7,7 +7,7 @@ PROTO_OUT := baton/core/proto
 PROTOS := $(wildcard protos/*.proto)
 GENERATED := $(patsubst protos/%.proto,$(PROTO_OUT)/%_pb2.py,$(PROTOS))
 
-.PHONY: test demo bench lint proto dev-bin vllm-env clean
+.PHONY: test demo bench lint proto dev-bin vllm-env image clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,13 @@ demo: $(STAMP) proto
 
 bench: $(STAMP) proto dev-bin
 	$(BIN)/baton bench all
+
+# Baton's image (Containerfile) with the first container builder found; none here: say so.
+IMAGE ?= ghcr.io/baton-dev/baton:0.1.0
+BUILDER ?= $(firstword $(foreach tool,podman docker buildah,$(shell command -v $(tool))))
+image: proto
+	@test -n "$(BUILDER)" || { echo "make image: no container builder (podman, docker or buildah) on this machine; install one or set BUILDER=" >&2; exit 2; }
+	$(BUILDER) $(if $(findstring buildah,$(BUILDER)),bud,build) -f Containerfile -t $(IMAGE) .
 
 clean:
 	rm -rf $(PROTO_OUT) .pytest_cache

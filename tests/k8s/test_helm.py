@@ -5,9 +5,11 @@ than that and writing their status; its EPLB configuration accepted by the servi
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,11 +18,14 @@ import yaml
 from kubernetes import client, utils
 from kubernetes.client.rest import ApiException
 
+from baton.cli import COMMANDS
 from baton.core.api import ModelDeployment
+from controller.cli import build_parser as controller_parser
 from eplb.cli import build_parser as eplb_parser
 from eplb.config import load_config
 from rigs.devcluster import ROOT, ControlPlane, binaries_dir, write_kubeconfig
 from rigs.processes import eventually, free_port, stop_process
+from router.cli import build_parser as gateway_parser
 from tests.k8s.helpers import apply, controller_log, start_controller, wait_ready
 
 CHART = ROOT / "helm" / "baton"
@@ -309,3 +314,41 @@ def test_the_notes_give_a_modeldeployment_that_reports_to_the_releases_eplb_serv
     assert eplb.report_url == f"http://n-baton-eplb.{namespace}.svc:9091"
     assert eplb.token_secret is not None and eplb.token_secret.name == "eplb-token"
     assert "helm test n" in notes and "Pending" in notes
+
+
+CONTAINERFILE = ROOT / "Containerfile"
+PARSERS = {"controller": controller_parser, "gateway": gateway_parser, "eplb": eplb_parser}
+
+
+def test_the_charts_commands_are_entry_points_of_the_image_it_names() -> None:
+    """Every chart container runs `baton COMMAND` with arguments that command accepts (or the
+    image's python), and the Containerfile installs the whole project, as the non-root user
+    the chart runs as, so `baton` and every package it dispatches to are in the image."""
+    rendered = helm("template", "b", str(CHART), "--set", "gateway.modelDeployment=serving/dsv4")
+    assert rendered.returncode == 0, rendered.stderr
+    objects = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+    specs = [o["spec"]["template"]["spec"] for o in objects if o["kind"] == "Deployment"]
+    specs += [o["spec"] for o in objects if o["kind"] == "Pod"]
+    commands = [c["command"] + c.get("args", []) for spec in specs for c in spec["containers"]]
+    assert len(commands) == 4  # controller, gateway, EPLB service, helm test
+    for command in commands:
+        if command[0] == "python":
+            continue
+        assert command[0] == "baton" and command[1] in COMMANDS, command
+        PARSERS[command[1]]().parse_args(command[2:])
+    # The engines' init container runs the same image's `baton vllm-plugin install`.
+    assert "vllm-plugin" in COMMANDS
+
+    containerfile = CONTAINERFILE.read_text()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["baton"] == "baton.cli:main"
+    packages = {
+        p.removesuffix("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
+    copied = set(re.findall(r"^COPY (\w+) \1$", containerfile, flags=re.MULTILINE))
+    assert copied == packages
+    assert "pip wheel --no-cache-dir --no-deps --wheel-dir /wheels ." in containerfile
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    user = values["podSecurityContext"]["runAsUser"]
+    assert re.search(rf"^USER {user}:{user}$", containerfile, flags=re.MULTILINE)
+    assert values["podSecurityContext"]["runAsNonRoot"] is True

@@ -260,7 +260,9 @@ def test_communicators_vllms_async_eplb_refuses_are_refused_with_the_fix(communi
         rendered(eplb={"communicator": communicator})
 
 
-def test_batons_image_default_is_the_charts() -> None:
+def test_batons_image_default_is_the_charts_and_what_make_image_builds() -> None:
     chart = yaml.safe_load((ROOT / "helm/baton/Chart.yaml").read_text())
     values = yaml.safe_load((ROOT / "helm/baton/values.yaml").read_text())
     assert f"{values['image']['repository']}:{chart['appVersion']}" == BATON_IMAGE
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"IMAGE ?= {BATON_IMAGE}\n" in makefile  # what `make image` builds
