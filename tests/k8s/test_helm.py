@@ -21,6 +21,9 @@ from kubernetes.client.rest import ApiException
 from baton.cli import COMMANDS
 from baton.core.api import ModelDeployment
 from controller.cli import build_parser as controller_parser
+from controller.placement import DeploymentShape, plan_placement
+from controller.podspec import render_cell
+from controller.topology import synthetic_topology
 from eplb.cli import build_parser as eplb_parser
 from eplb.config import load_config
 from rigs.devcluster import ROOT, ControlPlane, binaries_dir, write_kubeconfig
@@ -352,3 +355,70 @@ def test_the_charts_commands_are_entry_points_of_the_image_it_names() -> None:
     user = values["podSecurityContext"]["runAsUser"]
     assert re.search(rf"^USER {user}:{user}$", containerfile, flags=re.MULTILINE)
     assert values["podSecurityContext"]["runAsNonRoot"] is True
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A label selector's verdict on ``labels`` (matchLabels and In expressions)."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    return all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []))
+
+
+def test_with_the_network_policy_engines_take_traffic_from_baton_and_each_other_only(
+    api, namespace
+) -> None:
+    rendered = helm(
+        "template",
+        "np",
+        str(CHART),
+        "--namespace",
+        "baton-system",
+        "--set",
+        f"gateway.modelDeployment={namespace}/dsv4,networkPolicy.enabled=true",
+        "--skip-tests",
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    objects = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+    [policy] = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    utils.create_from_dict(api, policy, namespace=namespace)  # the API server accepts it
+    assert policy["metadata"]["namespace"] == namespace
+    spec = policy["spec"]
+    deployment = ModelDeployment.model_validate(
+        {"metadata": {"name": "dsv4"}, "spec": {"model": "deepseek-ai/DeepSeek-V4.1-Flash"}}
+    )
+    plan = plan_placement([DeploymentShape.of(deployment)], synthetic_topology(1))
+    engines = [
+        m["metadata"]["labels"]
+        for m in render_cell(
+            deployment.spec, plan.cells[0], deployment="dsv4", uid="u", namespace=namespace
+        )
+        if m["kind"] == "Pod"
+    ]
+    assert all(_selects(spec["podSelector"], labels) for labels in engines)
+    [rule] = spec["ingress"]
+    peers, engine_peer = rule["from"], rule["from"][0]
+    assert all(_selects(engine_peer["podSelector"], labels) for labels in engines)
+
+    def admitted(labels: dict[str, str], pod_namespace: str) -> bool:
+        return any(
+            _selects(peer["podSelector"], labels)
+            and (
+                "namespaceSelector" not in peer
+                or _selects(
+                    peer["namespaceSelector"], {"kubernetes.io/metadata.name": pod_namespace}
+                )
+            )
+            and ("namespaceSelector" in peer or pod_namespace == namespace)
+            for peer in peers
+        )
+
+    baton = {
+        o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
+        for o in objects
+        if o["kind"] == "Deployment"
+    }
+    assert len(baton) == 3 and all(admitted(labels, "baton-system") for labels in baton.values())
+    other_release = dict(next(iter(baton.values())), **{"app.kubernetes.io/instance": "other"})
+    assert not admitted(other_release, "baton-system")
+    assert not admitted({"app": "curl"}, namespace)
+    assert not admitted(next(iter(baton.values())), "elsewhere")
