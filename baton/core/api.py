@@ -111,6 +111,8 @@ class DecodeSpec(_Resource):
 
 
 class PrefillSpec(_Resource):
+    """DEP prefill instances per cell, on the cell's trays beside the decode group."""
+
     dep: int = Field(default=2, ge=1, le=8, description="DP/EP ranks of one prefill instance")
     instances: int | None = Field(
         default=None, ge=0, le=1024, description="prefill instances per cell; unset: as many as fit"
@@ -118,21 +120,29 @@ class PrefillSpec(_Resource):
 
 
 class CellSpec(_Resource):
+    """The shape of one cell: a decode group and its prefill instances in one NVLink domain."""
+
     decode: DecodeSpec = Field(default_factory=DecodeSpec)
     prefill: PrefillSpec = Field(default_factory=PrefillSpec)
 
 
 class TopologySpec(_Resource):
+    """How the cluster's nodes describe NVL72 trays."""
+
     domain_label: str = Field(
         default=CLIQUE_LABEL, min_length=1, description="node label naming the NVLink domain"
     )
-    gpu_resource: str = Field(default=GPU_RESOURCE, min_length=1)
-    gpus_per_tray: int = Field(default=4, ge=1, le=8)
+    gpu_resource: str = Field(
+        default=GPU_RESOURCE, min_length=1, description="extended resource naming a tray's GPUs"
+    )
+    gpus_per_tray: int = Field(default=4, ge=1, le=8, description="GPUs of one tray (node)")
 
 
 class EnvVar(_Resource):
-    name: str = Field(min_length=1)
-    value: str = ""
+    """One environment variable of the engine container."""
+
+    name: str = Field(min_length=1, description="the variable's name")
+    value: str = Field(default="", description="its value")
 
 
 class SecretKey(_Resource):
@@ -145,10 +155,22 @@ class SecretKey(_Resource):
 class EngineSpec(_Resource):
     """What runs in the pods: vLLM in production, ``baton sim`` anywhere else."""
 
-    command: list[str] = Field(default_factory=lambda: ["vllm", "serve"], min_length=1)
-    image: str = Field(default="vllm/vllm-openai:v0.33.0", min_length=1)
+    command: list[str] = Field(
+        default_factory=lambda: ["vllm", "serve"],
+        min_length=1,
+        description="the engine's command before the model and Baton's flags "
+        "([vllm, serve], or [baton, sim] for the simulator)",
+    )
+    image: str = Field(
+        default="vllm/vllm-openai:v0.33.0",
+        min_length=1,
+        description="the engine container's image (default: vLLM's official image of the "
+        "version Baton is checked against)",
+    )
     args: list[str] = Field(default_factory=list, description="extra engine flags")
-    env: list[EnvVar] = Field(default_factory=list)
+    env: list[EnvVar] = Field(
+        default_factory=list, description="extra environment of the engine container"
+    )
     api_key_secret: SecretKey | None = Field(
         default=None,
         description="the engines' API key (vLLM's VLLM_API_KEY): every /v1 call must carry it; "
@@ -157,20 +179,29 @@ class EngineSpec(_Resource):
 
 
 class KVTransferSpec(_Resource):
-    connector: Literal["NixlConnector"] = "NixlConnector"
-    load_failure_policy: Literal["fail", "recompute"] = "fail"
+    """The KV-cache handoff between prefill and decode (vLLM's --kv-transfer-config)."""
+
+    connector: Literal["NixlConnector"] = Field(
+        default="NixlConnector", description="vLLM's KV connector: NIXL pulls, decode side"
+    )
+    load_failure_policy: Literal["fail", "recompute"] = Field(
+        default="fail",
+        description="when a KV pull fails: fail the request, or recompute the prompt on decode",
+    )
 
 
 class EplbModelSpec(_Resource):
-    name: str = Field(pattern=_DNS_LABEL)
-    experts: int = Field(ge=1, le=4096)
-    top_k: int = Field(ge=1, le=64)
+    """One model whose experts are balanced (the target, and the draft of MTP)."""
+
+    name: str = Field(pattern=_DNS_LABEL, description="the model's name in metrics and status")
+    experts: int = Field(ge=1, le=4096, description="its routed (logical) experts per layer")
+    top_k: int = Field(ge=1, le=64, description="experts each token is routed to")
 
 
 class EplbSpec(_Resource):
     """Expert-parallel load balancing of the decode groups."""
 
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="rebalance the decode groups' experts")
     mode: Literal["plugin", "agent"] = Field(
         default="plugin",
         description="plugin: vLLM rebalances in-engine with Baton's algorithm (an init container "
@@ -178,9 +209,15 @@ class EplbSpec(_Resource):
         "service decides and switches through an EPLB agent beside each engine (baton sim "
         "serves one; vLLM does not)",
     )
-    step_interval: int = Field(default=3000, ge=1)
-    window_size: int = Field(default=1000, ge=1)
-    redundant_experts: int = Field(default=32, ge=0, le=1024)
+    step_interval: int = Field(
+        default=3000, ge=1, description="rebalance every this many decode steps"
+    )
+    window_size: int = Field(
+        default=1000, ge=1, description="from the expert load of this many last steps"
+    )
+    redundant_experts: int = Field(
+        default=32, ge=0, le=1024, description="extra expert replicas over the group's GPUs"
+    )
     communicator: Literal["auto", "torch_nccl", "torch_gloo", "nixl", "pynccl"] = Field(
         default="auto",
         description="vLLM's expert-weight transfer backend (auto: vLLM chooses)",
@@ -202,10 +239,11 @@ class EplbSpec(_Resource):
         "it (plugin mode), the agents require it (agent mode)",
     )
     models: list[EplbModelSpec] = Field(
+        description="the balanced models (the engines' reports name a model by its experts)",
         default_factory=lambda: [
             EplbModelSpec(name=model.name, experts=model.experts, top_k=model.top_k)
             for model in (TARGET, DRAFT)
-        ]
+        ],
     )
 
     @model_validator(mode="after")

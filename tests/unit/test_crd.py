@@ -109,3 +109,20 @@ spec:
     dumped = manifest.model_dump(by_alias=True, exclude_none=True)
     assert ModelDeployment.model_validate(dumped) == manifest
     assert dumped["spec"]["engine"]["command"] == ["baton", "sim"]
+
+
+def _undocumented(schema: dict, path: str) -> list[str]:
+    missing = []
+    for name, field in schema.get("properties", {}).items():
+        where = f"{path}.{name}"
+        if not field.get("description"):
+            missing.append(where)
+        missing += _undocumented(field, where)
+        missing += _undocumented(field.get("items", {}), f"{where}[]")
+    return missing
+
+
+def test_kubectl_explain_has_a_description_for_every_spec_field() -> None:
+    [version] = generate_crd()["spec"]["versions"]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert not _undocumented(spec, "spec")
