@@ -25,6 +25,7 @@ __all__ = [
     "GROUP",
     "KIND",
     "PLURAL",
+    "VLLM_IMAGE",
     "CellEndpoints",
     "CellSpec",
     "CellStatus",
@@ -52,6 +53,8 @@ KIND: Final = "ModelDeployment"
 PLURAL = "modeldeployments"
 # Baton's own image at this version (the chart's default): the EPLB plugin's init container.
 BATON_IMAGE: Final = "ghcr.io/baton-dev/baton:0.1.0"
+# vLLM's official OpenAI-server image of the version Baton is checked against (docs/vllm.md).
+VLLM_IMAGE: Final = "vllm/vllm-openai:v0.33.0"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
@@ -162,7 +165,7 @@ class EngineSpec(_Resource):
         "([vllm, serve], or [baton, sim] for the simulator)",
     )
     image: str = Field(
-        default="vllm/vllm-openai:v0.33.0",
+        default=VLLM_IMAGE,
         min_length=1,
         description="the engine container's image (default: vLLM's official image of the "
         "version Baton is checked against)",
@@ -176,6 +179,23 @@ class EngineSpec(_Resource):
         description="the engines' API key (vLLM's VLLM_API_KEY): every /v1 call must carry it; "
         "give the gateway the same key (--engine-api-key-file)",
     )
+
+    @model_validator(mode="after")
+    def _image_runs_command(self) -> EngineSpec:
+        # The two images Baton names each lack the other's program: a pod would crash-loop.
+        program = self.command[0].rsplit("/", 1)[-1]
+        repository = self.image.rsplit(":", 1)[0]
+        if program == "baton" and repository == VLLM_IMAGE.rsplit(":", 1)[0]:
+            raise ValueError(
+                f"engine.command runs baton ({' '.join(self.command)}) but engine.image is "
+                f"vLLM's ({self.image}), which has no baton: set engine.image to {BATON_IMAGE}"
+            )
+        if program == "vllm" and repository == BATON_IMAGE.rsplit(":", 1)[0]:
+            raise ValueError(
+                f"engine.command runs vllm but engine.image is Baton's ({self.image}), which has "
+                f"no vLLM: set engine.image to {VLLM_IMAGE}, or engine.command to [baton, sim]"
+            )
+        return self
 
 
 class KVTransferSpec(_Resource):

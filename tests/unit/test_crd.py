@@ -76,6 +76,14 @@ def test_only_model_is_required_and_everything_else_is_the_studys_shape() -> Non
         ({"model": "m", "eplb": {"windowSize": 5000}}, "must not exceed stepInterval"),
         ({"model": "m", "kvTransfer": {"connector": "Mooncake"}}, "connector"),
         ({"model": "m", "replicas": 3}, "replicas"),
+        (
+            {"model": "m", "engine": {"command": ["baton", "sim"]}},
+            "engine.image is vLLM's (vllm/vllm-openai:v0.33.0), which has no baton",
+        ),
+        (
+            {"model": "m", "engine": {"image": "ghcr.io/baton-dev/baton:0.1.0"}},
+            "which has no vLLM",
+        ),
     ],
     ids=[
         "no-model",
@@ -84,6 +92,8 @@ def test_only_model_is_required_and_everything_else_is_the_studys_shape() -> Non
         "eplb-window",
         "connector",
         "unknown-field",
+        "simulator-in-vllms-image",
+        "vllm-in-batons-image",
     ],
 )
 def test_invalid_spec_is_rejected_naming_the_field(spec: dict[str, Any], needle: str) -> None:
