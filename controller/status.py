@@ -216,6 +216,7 @@ def deployment_conditions(
     short = bool(placed) and sum(len(c.prefill) for c in placed) < prefill_wanted
     set_condition(status.conditions, _degraded(counts, short, quarantined, stamp))
     status.ready = f"{counts.ready_cells}/{counts.wanted}"
+    status.placed_cells = len(placed)
     status.prefill_ready = f"{counts.prefill_ready}/{prefill_wanted}"
 
 

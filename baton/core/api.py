@@ -374,6 +374,9 @@ class ModelDeploymentStatus(_Resource):
     eplb: dict[str, EplbModelStatus] = Field(default_factory=dict)
     # Printer columns read these summaries (kubectl cannot count lists).
     ready: str = Field(default="0/0", description="ready cells / wanted cells")
+    placed_cells: int = Field(
+        default=0, ge=0, description="cells placed on trays (the scale subresource's replicas)"
+    )
     prefill_ready: str = Field(default="0/0", description="ready / desired prefill instances")
     decode_ranks: int = Field(default=0, ge=0, description="ready decode ranks")
     balance: str = Field(default="", description="EPLB balance of the target model")

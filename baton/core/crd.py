@@ -118,7 +118,14 @@ def generate_crd() -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    # scale: `kubectl scale mdep NAME --replicas=N` sets spec.cells
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.cells",
+                            "statusReplicasPath": ".status.placedCells",
+                        },
+                    },
                     "additionalPrinterColumns": [
                         {
                             "name": name,

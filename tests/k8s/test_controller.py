@@ -225,3 +225,22 @@ def test_a_tray_whose_pods_keep_failing_is_quarantined_and_its_group_moves(
     assert (degraded["status"], degraded["reason"]) == ("True", "TrayQuarantined")
     reasons = [e.reason for e in core.list_namespaced_event(namespace).items]
     assert "TrayQuarantined" in reasons and "GroupRestarting" in reasons
+
+
+def test_kubectl_scale_sets_the_cells_and_reads_the_placed_ones(api, namespace, rack) -> None:
+    apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
+    wait_ready(api, namespace, "dsv4")
+    objects = client.CustomObjectsApi(api)
+    where = ("baton.dev", "v1alpha1", namespace, "modeldeployments", "dsv4")
+    scale = objects.get_namespaced_custom_object_scale(*where)
+    assert (scale["spec"]["replicas"], scale["status"]["replicas"]) == (1, 1)
+    objects.patch_namespaced_custom_object_scale(*where, {"spec": {"replicas": 0}})
+    assert read(api, namespace, "dsv4")["spec"]["cells"] == 0
+    eventually(lambda: not pods(api, namespace), timeout=60)
+    eventually(
+        lambda: objects.get_namespaced_custom_object_scale(*where)["status"]["replicas"] == 0,
+        timeout=30,
+    )
+    objects.patch_namespaced_custom_object_scale(*where, {"spec": {"replicas": 1}})
+    wait_ready(api, namespace, "dsv4")
+    assert objects.get_namespaced_custom_object_scale(*where)["status"]["replicas"] == 1

@@ -44,7 +44,10 @@ def test_crd_has_status_subresource_short_name_and_printer_columns() -> None:
     spec = generate_crd()["spec"]
     version = spec["versions"][0]
     assert spec["names"]["shortNames"] == ["mdep"]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {"specReplicasPath": ".spec.cells", "statusReplicasPath": ".status.placedCells"},
+    }
     columns = [column["name"] for column in version["additionalPrinterColumns"]]
     assert columns == ["Ready", "Cells", "Prefill", "Decode Ranks", "Balance", "Age"]
 
