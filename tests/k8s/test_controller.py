@@ -4,6 +4,7 @@ whole cell, capacity problems, gang recovery of the decode group, prefill scalin
 from __future__ import annotations
 
 import json
+from typing import Any, cast
 
 import pytest
 from kubernetes import client
@@ -232,15 +233,18 @@ def test_kubectl_scale_sets_the_cells_and_reads_the_placed_ones(api, namespace, 
     wait_ready(api, namespace, "dsv4")
     objects = client.CustomObjectsApi(api)
     where = ("baton.dev", "v1alpha1", namespace, "modeldeployments", "dsv4")
-    scale = objects.get_namespaced_custom_object_scale(*where)
-    assert (scale["spec"]["replicas"], scale["status"]["replicas"]) == (1, 1)
+
+    def scale() -> tuple[int, int]:
+        """The scale subresource: (wanted, placed) cells."""
+        read_scale = cast(dict[str, Any], objects.get_namespaced_custom_object_scale(*where))
+        # replicas 0 is left out of the JSON
+        return read_scale["spec"].get("replicas", 0), read_scale["status"].get("replicas", 0)
+
+    assert scale() == (1, 1)
     objects.patch_namespaced_custom_object_scale(*where, {"spec": {"replicas": 0}})
     assert read(api, namespace, "dsv4")["spec"]["cells"] == 0
     eventually(lambda: not pods(api, namespace), timeout=60)
-    eventually(
-        lambda: objects.get_namespaced_custom_object_scale(*where)["status"]["replicas"] == 0,
-        timeout=30,
-    )
+    eventually(lambda: scale() == (0, 0), timeout=30)
     objects.patch_namespaced_custom_object_scale(*where, {"spec": {"replicas": 1}})
     wait_ready(api, namespace, "dsv4")
-    assert objects.get_namespaced_custom_object_scale(*where)["status"]["replicas"] == 1
+    assert scale() == (1, 1)
