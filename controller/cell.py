@@ -31,7 +31,12 @@ from typing import Any
 from baton.core.api import Reason
 from baton.core.labels import ROLE_LABEL
 from controller.actions import Event
-from controller.names import compute_domain_name, decode_pod_name, prefill_pod_name
+from controller.names import (
+    compute_domain_name,
+    decode_pod_name,
+    prefill_index,
+    prefill_pod_name,
+)
 from controller.observe import (
     DeploymentView,
     Manifest,
@@ -155,7 +160,16 @@ def plan_cell(
         now=observed.now,
         policy=policy,
     )
-    prefill = prefill_actions(view.name, cell, wanted, pods, live, deleting=decode.delete)
+    prefill = prefill_actions(
+        view.name,
+        cell,
+        wanted,
+        pods,
+        live,
+        deleting=decode.delete,
+        trays=trays,
+        instances=view.model.spec.cell.prefill.instances,
+    )
     ungate, pending = gate_actions(wanted, live, deleting={*decode.delete, *prefill.delete})
     return CellActions(
         decode=decode,
@@ -262,31 +276,67 @@ def prefill_actions(
     live: Pods,
     *,
     deleting: Sequence[str],
+    trays: Topology,
+    instances: int | None,
 ) -> PrefillActions:
-    """Each prefill instance alone; on an updated spec one at a time while the others serve."""
+    """Each prefill instance alone; on an updated spec one at a time while the others serve.
+
+    ``instances`` is the spec's count per cell (None: as many as fit)."""
     names = [prefill_pod_name(cell.name, i.index) for i in cell.prefill]
     planned = {prefill_pod_name(cell.name, i.index): i.tray for i in cell.prefill}
     delete: list[str] = []
     events: list[Event] = []
     failures: list[TrayFailure] = []
+    scaled_in: list[str] = []
     for pod_name, pod in sorted(live.items()):
         if labels(pod).get(ROLE_LABEL) != "prefill":
             continue
-        if pod_name not in planned:
-            delete.append(pod_name)  # scaled down or moved off a claimed tray
-        elif is_terminal(pod) or planned_tray(pod) != planned[pod_name]:
+        tray = planned_tray(pod)
+        if is_terminal(pod):
             delete.append(pod_name)
-            tray = planned_tray(pod)
-            if is_terminal(pod) and tray is not None:
+            if tray is not None:
                 failures.append(TrayFailure(tray, deployment))
             events.append(
                 Event(
                     deployment,
                     "Warning",
                     Reason.PREFILL_RESTARTING,
-                    f"prefill {pod_name} on {tray} restarts",
+                    f"prefill {pod_name} on {tray} ended ({pod.get('status', {}).get('phase')}); "
+                    "it restarts",
                 )
             )
+        elif (
+            pod_name not in planned
+            and instances is not None
+            and (prefill_index(pod_name) >= instances)
+        ):
+            delete.append(pod_name)
+            scaled_in.append(pod_name)
+        elif pod_name not in planned or tray != planned[pod_name]:
+            delete.append(pod_name)
+            why = trays.trouble(tray) if tray else None
+            source = f"{tray} ({why})" if why else f"{tray}"
+            target = planned.get(pod_name)
+            events.append(
+                Event(
+                    deployment,
+                    "Warning" if why else "Normal",
+                    Reason.PREFILL_MOVING,
+                    f"prefill {pod_name} moves from {source} to {target}"
+                    if target
+                    else f"prefill {pod_name} leaves {source}: no free slot in the domain",
+                )
+            )
+    if scaled_in:
+        per_cell = f"{instances} instance{'' if instances == 1 else 's'} per cell wanted"
+        events.append(
+            Event(
+                deployment,
+                "Normal",
+                Reason.PREFILL_REMOVED,
+                f"prefill {', '.join(scaled_in)} removed ({per_cell})",
+            )
+        )
     # An outdated instance that is not ready serves nothing and goes at once.
     gone = {*deleting, *delete}
     stale = [n for n in names if n in live and n not in gone and outdated(live[n], wanted[n])]

@@ -18,11 +18,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from baton.core.api import Endpoints, ModelDeploymentStatus, Reason
 from controller.actions import Actions, Event
 from controller.cell import CellActions, plan_cell
+from controller.names import cell_name
 from controller.observe import (
     DeploymentView,
     InvalidDeployment,
@@ -37,7 +39,7 @@ from controller.observe import (
     terminating,
     topology,
 )
-from controller.placement import DeploymentShape, Plan, plan_placement
+from controller.placement import CellPlacement, DeploymentShape, Plan, plan_placement
 from controller.restarts import RestartPolicy, TrayFailure, tray_marks
 from controller.status import (
     ConditionStamp,
@@ -124,6 +126,9 @@ def _deployment_actions(
     events: list[Event] = []
     cells: dict[str, CellActions] = {}
     for cell in placed:
+        before = current.cell(cell.name)
+        if before is not None and before.spare_trays != cell.spare_trays:
+            events.append(_spare_moving(name, before, cell, trays))
         if cell.name not in current_names:
             events.append(
                 Event(
@@ -156,6 +161,7 @@ def _deployment_actions(
         for pod_name, pod in sorted(view.pods.items())
         if cell_of(pod) not in planned and not terminating(pod)
     )
+    events += _cells_removed(name, spec.cells, {n: cell_of(view.pods[n]) for n in orphans})
     if spec.cell.prefill.instances is None:  # as many as fit
         prefill_wanted = sum(len(cell.prefill) for cell in placed)
     else:
@@ -182,6 +188,51 @@ def _deployment_actions(
     )
 
 
+def _spare_moving(
+    deployment: str, before: CellPlacement, after: CellPlacement, trays: Topology
+) -> Event:
+    """The cell's spare trays changed: which left, why, and which took their place."""
+    left = []
+    for tray in before.spare_trays:
+        if tray in after.spare_trays:
+            continue
+        why = "now runs decode" if tray in after.decode_trays else trays.trouble(tray)
+        left.append(f"{tray} ({why})" if why else tray)
+    joined = [t for t in after.spare_trays if t not in before.spare_trays]
+    return Event(
+        deployment,
+        "Normal",
+        Reason.SPARE_MOVING,
+        f"spare tray of {after.name} moves from {', '.join(left) or 'none'} to "
+        f"{', '.join(joined) or 'none (no free whole tray in the domain)'}",
+    )
+
+
+def _cells_removed(deployment: str, wanted: int, orphans: Mapping[str, str | None]) -> list[Event]:
+    """One event per cell whose pods go because the cell is no longer placed."""
+    by_cell: dict[str | None, int] = {}
+    for cell in orphans.values():
+        by_cell[cell] = by_cell.get(cell, 0) + 1
+    kept = {cell_name(deployment, index) for index in range(wanted)}
+    events = []
+    for cell, count in sorted(by_cell.items(), key=lambda item: str(item[0])):
+        pods = f"deleting its {count} pod{'' if count == 1 else 's'}"
+        if cell in kept:  # still wanted: it lost its placement (see the Placed condition)
+            events.append(
+                Event(deployment, "Warning", Reason.CELL_REMOVED, f"{cell} unplaced: {pods}")
+            )
+        else:
+            events.append(
+                Event(
+                    deployment,
+                    "Normal",
+                    Reason.CELL_REMOVED,
+                    f"{cell} removed (spec.cells is {wanted}): {pods}",
+                )
+            )
+    return events
+
+
 def _status(
     view: DeploymentView,
     plan: Plan,
@@ -200,11 +251,8 @@ def _status(
             status.cells.append(record)
             status.endpoints.cells.append(endpoints)
     status.decode_ranks = sum(c.decode.ready_ranks for c in status.cells)
-    # Quarantined trays in this deployment's domains: the ones that cost it a spare.
-    domains = {c.domain for c in plan.cells if c.deployment == view.name}
-    quarantined = sorted(t.name for t in trays.trays if t.quarantined and t.domain in domains)
     stamp = ConditionStamp(view.generation, now)
-    deployment_conditions(status, plan, view, cells, prefill_wanted, quarantined, stamp)
+    deployment_conditions(status, plan, view, cells, prefill_wanted, trays, stamp)
     status.observed_generation = view.generation
     return None if status == view.status else status
 

@@ -40,6 +40,7 @@ from baton.core.labels import (
 )
 from controller.actions import Actions, Event
 from controller.decide import decide
+from controller.events import EventWrite, Occurrences
 from controller.leader import LeaseElector
 from controller.observe import Observed, rfc3339
 from controller.podspec import COMPUTE_DOMAIN_API
@@ -50,7 +51,6 @@ __all__ = ["Controller", "ControllerMetrics"]
 
 log = logging.getLogger("baton.controller")
 RESYNC_S = 30.0
-_EVENT_REPEAT_S = 600.0  # an identical Event is not emitted again within this
 
 
 class ControllerMetrics:
@@ -120,7 +120,7 @@ class Controller:
         self.queue = WorkQueue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._events_sent: dict[tuple[str, str, str, str], float] = {}
+        self._occurrences = Occurrences()
         self._no_compute_domains_until = 0.0
         self._cache_changed = threading.Condition()
         self.deployments = Informer(
@@ -423,17 +423,14 @@ class Controller:
         _ignore((404, 422), self.core.patch_namespaced_pod, name, namespace, patch)
 
     def _emit(self, namespace: str, events: Iterable[Event]) -> None:
-        now = time.monotonic()
+        """Log every event and record it as a Kubernetes Event on its ModelDeployment; the
+        same event again bumps the first one's count (``controller.events``)."""
         owners = {
             d["metadata"]["name"]: d
             for d in self.deployments.items()
             if d["metadata"]["namespace"] == namespace
         }
         for event in events:
-            key = (namespace, event.deployment, event.reason, event.message)
-            if now - self._events_sent.get(key, -_EVENT_REPEAT_S) < _EVENT_REPEAT_S:
-                continue
-            self._events_sent[key] = now
             log.log(
                 logging.WARNING if event.type == "Warning" else logging.INFO,
                 "%s/%s: %s: %s",
@@ -445,34 +442,58 @@ class Controller:
             owner = owners.get(event.deployment)
             if owner is None:
                 continue
-            stamp = rfc3339(datetime.now(UTC))
-            # The model the client would validate a dict body into: the request is the same.
-            body = client.CoreV1Event.model_validate(
-                {
-                    "metadata": {"generateName": f"{event.deployment}.", "namespace": namespace},
-                    "involvedObject": {
-                        "apiVersion": f"{GROUP}/{VERSION}",
-                        "kind": KIND,
-                        "name": event.deployment,
-                        "namespace": namespace,
-                        "uid": owner["metadata"]["uid"],
-                    },
-                    "type": event.type,
-                    "reason": event.reason,
-                    "message": event.message[:1024],
-                    "source": {"component": "baton-controller"},
-                    "firstTimestamp": stamp,
-                    "lastTimestamp": stamp,
-                    "count": 1,
-                    "reportingComponent": CONTROLLER_COMPONENT,
-                    "reportingInstance": self.identity,
-                }
-            )
-            self._count("create", "events")
+            uid = owner["metadata"]["uid"]
+            key = (namespace, uid, event.type, event.reason, event.message)
+            # Named as client-go names Events: the object's name and the time in hex.
+            name = f"{event.deployment}.{time.time_ns():x}"
+            write = self._occurrences.record(key, name, rfc3339(datetime.now(UTC)))
             try:
-                self.core.create_namespaced_event(namespace, body)
+                if write.create:
+                    self._create_event(namespace, event, owner, write)
+                else:
+                    self._count("patch", "events")
+                    try:
+                        self.core.patch_namespaced_event(
+                            write.name,
+                            namespace,
+                            {"count": write.count, "lastTimestamp": write.last_timestamp},
+                        )
+                    except ApiException as exc:
+                        if exc.status != 404:
+                            raise
+                        self._occurrences.forget(key)  # expired: record it anew
+                        write = self._occurrences.record(key, name, write.last_timestamp)
+                        self._create_event(namespace, event, owner, write)
             except ApiException as exc:  # events are best effort
                 log.warning("event %s not recorded: %s", event.reason, exc.reason)
+
+    def _create_event(
+        self, namespace: str, event: Event, owner: dict[str, Any], write: EventWrite
+    ) -> None:
+        # The model the client would validate a dict body into: the request is the same.
+        body = client.CoreV1Event.model_validate(
+            {
+                "metadata": {"name": write.name, "namespace": namespace},
+                "involvedObject": {
+                    "apiVersion": f"{GROUP}/{VERSION}",
+                    "kind": KIND,
+                    "name": event.deployment,
+                    "namespace": namespace,
+                    "uid": owner["metadata"]["uid"],
+                },
+                "type": event.type,
+                "reason": event.reason,
+                "message": event.message[:1024],
+                "source": {"component": "baton-controller"},
+                "firstTimestamp": write.first_timestamp,
+                "lastTimestamp": write.last_timestamp,
+                "count": write.count,
+                "reportingComponent": CONTROLLER_COMPONENT,
+                "reportingInstance": self.identity,
+            }
+        )
+        self._count("create", "events")
+        self.core.create_namespaced_event(namespace, body)
 
 
 def _at_least(seen: str, written: str) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from baton.core.api import (
     CellEndpoints,
@@ -31,9 +32,10 @@ from baton.core.api import (
 )
 from controller.cell import CellActions
 from controller.names import decode_pod_name, leader_host, prefill_pod_name
-from controller.observe import DeploymentView, ready
+from controller.observe import DeploymentView, gated, planned_tray, ready
 from controller.placement import CellPlacement, Plan
 from controller.podspec import API_PORT, EPLB_AGENT_PORT
+from controller.topology import Topology
 
 __all__ = [
     "ConditionStamp",
@@ -161,28 +163,207 @@ def cell_status(
     return status, endpoints
 
 
+def _pod_state(pod: Mapping[str, Any] | None) -> str:
+    """Where one planned pod is on its way to serving, in the words a cause is told in."""
+    if pod is None or gated(pod):
+        return "waiting"  # not created yet, or held until the whole cell exists
+    if ready(pod):
+        return "ready"
+    phase = pod.get("status", {}).get("phase", "Pending")
+    if phase == "Running":
+        return "starting"  # containers run; the engine is not serving yet
+    if phase == "Pending":
+        for condition in pod.get("status", {}).get("conditions") or []:
+            if (condition.get("type"), condition.get("reason")) == (
+                "PodScheduled",
+                "Unschedulable",
+            ):
+                return "unschedulable"
+    return "waiting"
+
+
+def _scheduler_says(pod: Mapping[str, Any]) -> str:
+    for condition in pod.get("status", {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled":
+            return str(condition.get("message", ""))
+    return ""
+
+
+def _some(names: Sequence[str], shown: int = 3) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 @dataclass(frozen=True, slots=True)
-class _Counts:
-    """One deployment's cells, summed for its conditions."""
+class _Cause:
+    """Why the deployment is not Ready; ``moving``: the controller or the pods are on it."""
+
+    reason: Reason
+    message: str
+    moving: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Cells:
+    """One deployment's placed cells, summed for its conditions."""
 
     wanted: int
-    ready_cells: int
+    ready: int  # cells whose decode group and every wanted prefill instance serve
     prefill_wanted: int
     prefill_ready: int
-    restarting: list[str]
-    updating: list[str]
-    backoff: list[str]
-    exhausted: list[str]
-    pending: list[str]
+    causes: tuple[_Cause, ...]  # most telling first
+    restarting: tuple[str, ...]
+    backoff: tuple[str, ...]
+    exhausted: tuple[str, ...]
+    short: tuple[str, ...]  # "cell: n of m prefill instances fit ..."
 
     @property
     def all_ready(self) -> bool:
-        return (
-            self.ready_cells == self.wanted
-            and self.prefill_ready == self.prefill_wanted
-            and not self.pending
-            and not self.updating
+        return self.ready == self.wanted and not self.causes
+
+
+def _summarize(
+    plan: Plan,
+    view: DeploymentView,
+    cells: Mapping[str, CellActions],
+    prefill_wanted: int,
+    trays: Topology,
+) -> _Cells:
+    name = view.name
+    placed = [c for c in plan.cells if c.deployment == name]
+    unplaced = [c for c in plan.unplaced if c.deployment == name]
+    per_cell = view.model.spec.cell.prefill.instances
+    causes: list[_Cause] = []
+    if unplaced:
+        causes.append(
+            _Cause(
+                Reason.INSUFFICIENT_CAPACITY,
+                f"{len(placed)} of {view.model.spec.cells} cells placed; "
+                + "; ".join(c.message for c in unplaced),
+                moving=False,
+            )
         )
+    actions = [cells[c.name] for c in placed]
+    restarting = tuple(c.name for c, a in zip(placed, actions, strict=True) if a.decode.restarting)
+    backoff = tuple(c.name for c, a in zip(placed, actions, strict=True) if a.decode.backoff)
+    exhausted = tuple(c.name for c, a in zip(placed, actions, strict=True) if a.decode.exhausted)
+    updating = [
+        c.name
+        for c, a in zip(placed, actions, strict=True)
+        if a.decode.updating or a.prefill.updating
+    ]
+    if exhausted:
+        causes.append(
+            _Cause(
+                Reason.RESTART_BUDGET_EXHAUSTED,
+                f"{', '.join(exhausted)}: restart budget spent; waiting for old restarts to age "
+                "out",
+                moving=False,
+            )
+        )
+    if backoff:
+        causes.append(
+            _Cause(Reason.RESTART_BACKOFF, f"{', '.join(backoff)}: restart backing off", True)
+        )
+    if restarting:
+        causes.append(
+            _Cause(
+                Reason.GROUP_RESTARTING, f"{', '.join(restarting)}: decode group restarting", True
+            )
+        )
+    if updating:
+        causes.append(
+            _Cause(
+                Reason.UPDATING,
+                f"pods replaced on the updated spec: {', '.join(updating)}",
+                moving=True,
+            )
+        )
+    states: dict[str, list[str]] = {}
+    unschedulable: list[str] = []
+    short: list[str] = []
+    ready_cells = 0
+    for cell, cell_actions in zip(placed, actions, strict=True):
+        pods = {decode_pod_name(cell.name, i): t for i, t in enumerate(cell.decode_trays)}
+        pods |= {prefill_pod_name(cell.name, i.index): i.tray for i in cell.prefill}
+        for pod_name, tray in pods.items():
+            pod = view.pods.get(pod_name)
+            elsewhere = pod is not None and planned_tray(pod) != tray
+            state = "moving" if elsewhere else _pod_state(pod)
+            states.setdefault(state, []).append(pod_name)
+            if state == "unschedulable" and pod is not None:
+                unschedulable.append(f"{pod_name} ({_scheduler_says(pod)})")
+        wanted_here = len(cell.prefill) if per_cell is None else per_cell
+        if len(cell.prefill) < wanted_here:
+            trouble = trays.troubles(cell.domain) or "every other tray is in use"
+            short.append(
+                f"{cell.name}: {len(cell.prefill)} of {wanted_here} prefill instances fit in "
+                f"NVLink domain {cell.domain}: {trouble}"
+            )
+        if (
+            cell_actions.decode.ready
+            and cell_actions.prefill.ready == wanted_here
+            and not cell_actions.pending
+            and cell.name not in updating
+        ):
+            ready_cells += 1
+    if unschedulable:
+        causes.append(
+            _Cause(
+                Reason.PODS_UNSCHEDULABLE,
+                f"{len(unschedulable)} pods cannot be scheduled: {_some(unschedulable, 2)}",
+                moving=False,
+            )
+        )
+    if short:
+        causes.append(_Cause(Reason.PREFILL_SHORT, "; ".join(short), moving=False))
+    if states.get("waiting"):
+        waiting = states["waiting"]
+        causes.append(
+            _Cause(
+                Reason.PODS_PENDING,
+                f"{len(waiting)} pods not running yet (created with their cell, then "
+                f"scheduled): {_some(waiting)}",
+                moving=True,
+            )
+        )
+    if states.get("moving"):
+        replaced = states["moving"]
+        causes.append(
+            _Cause(
+                Reason.PODS_PENDING,
+                f"{len(replaced)} pods being replaced on their new trays: {_some(replaced)}",
+                moving=True,
+            )
+        )
+    if states.get("starting"):
+        starting = states["starting"]
+        causes.append(
+            _Cause(
+                Reason.ENGINES_STARTING,
+                f"{len(starting)} engines running but not ready yet: {_some(starting)}",
+                moving=True,
+            )
+        )
+    if ready_cells < view.model.spec.cells and not causes:
+        causes.append(
+            _Cause(
+                Reason.PODS_PENDING,
+                f"{ready_cells} of {view.model.spec.cells} cells ready",
+                moving=True,
+            )
+        )
+    return _Cells(
+        wanted=view.model.spec.cells,
+        ready=ready_cells,
+        prefill_wanted=prefill_wanted,
+        prefill_ready=sum(a.prefill.ready for a in actions),
+        causes=tuple(causes),
+        restarting=restarting,
+        backoff=backoff,
+        exhausted=exhausted,
+        short=tuple(short),
+    )
 
 
 def deployment_conditions(
@@ -191,94 +372,61 @@ def deployment_conditions(
     view: DeploymentView,
     cells: Mapping[str, CellActions],
     prefill_wanted: int,
-    quarantined: Sequence[str],
+    trays: Topology,
     stamp: ConditionStamp,
 ) -> None:
-    """Set Placed, Ready, Progressing and Degraded and the printer columns' summaries."""
+    """Set Placed, Ready, Progressing and Degraded and the printer columns' summaries, all
+    from one summary of the cells, so that the columns and the conditions agree."""
     name = view.name
     for condition in placement_conditions(plan, name, stamp):
         set_condition(status.conditions, condition)
-    placed = [c for c in plan.cells if c.deployment == name]
-    counts = _Counts(
-        wanted=view.model.spec.cells,
-        ready_cells=sum(1 for c in placed if cells[c.name].decode.ready),
-        prefill_wanted=prefill_wanted,
-        prefill_ready=sum(a.prefill.ready for a in cells.values()),
-        restarting=[c for c, a in cells.items() if a.decode.restarting],
-        updating=[c for c, a in cells.items() if a.decode.updating or a.prefill.updating],
-        backoff=[c for c, a in cells.items() if a.decode.backoff],
-        exhausted=[c for c, a in cells.items() if a.decode.exhausted],
-        pending=[c for c, a in cells.items() if a.pending or not a.decode.ready],
-    )
-    set_condition(status.conditions, _ready(counts, stamp))
+    summary = _summarize(plan, view, cells, prefill_wanted, trays)
+    set_condition(status.conditions, _ready(summary, stamp))
     if not any(c.deployment == name for c in plan.unplaced):
-        set_condition(status.conditions, _progressing(counts, stamp))
-    short = bool(placed) and sum(len(c.prefill) for c in placed) < prefill_wanted
-    set_condition(status.conditions, _degraded(counts, short, quarantined, stamp))
-    status.ready = f"{counts.ready_cells}/{counts.wanted}"
-    status.placed_cells = len(placed)
-    status.prefill_ready = f"{counts.prefill_ready}/{prefill_wanted}"
+        set_condition(status.conditions, _progressing(summary, stamp))
+    # Quarantined trays in this deployment's domains: the ones that cost it a spare.
+    domains = {c.domain for c in plan.cells if c.deployment == name}
+    quarantined = sorted(t.name for t in trays.trays if t.quarantined and t.domain in domains)
+    set_condition(status.conditions, _degraded(summary, quarantined, stamp))
+    status.ready = f"{summary.ready}/{summary.wanted}"
+    status.placed_cells = sum(1 for c in plan.cells if c.deployment == name)
+    status.prefill_ready = f"{summary.prefill_ready}/{prefill_wanted}"
 
 
-def _ready(counts: _Counts, stamp: ConditionStamp) -> Condition:
-    if counts.all_ready:
+def _ready(summary: _Cells, stamp: ConditionStamp) -> Condition:
+    if summary.all_ready:
         return stamp.condition(
-            ConditionType.READY, True, Reason.ALL_READY, f"{counts.wanted} cells ready"
+            ConditionType.READY, True, Reason.ALL_READY, f"{summary.wanted} cells ready"
         )
-    return stamp.condition(
-        ConditionType.READY,
-        False,
-        Reason.PODS_PENDING,
-        f"{counts.ready_cells} of {counts.wanted} cells ready; {counts.prefill_ready} of "
-        f"{counts.prefill_wanted} prefill instances ready",
-    )
+    cause = summary.causes[0]
+    return stamp.condition(ConditionType.READY, False, cause.reason, cause.message)
 
 
-def _progressing(counts: _Counts, stamp: ConditionStamp) -> Condition:
-    if counts.restarting or counts.backoff:
-        cells = ", ".join(counts.restarting + counts.backoff)
-        return stamp.condition(
-            ConditionType.PROGRESSING,
-            True,
-            Reason.GROUP_RESTARTING,
-            f"decode group restarting: {cells}",
-        )
-    if counts.updating:
-        return stamp.condition(
-            ConditionType.PROGRESSING,
-            True,
-            Reason.UPDATING,
-            f"pods replaced on the updated spec: {', '.join(counts.updating)}",
-        )
-    if counts.all_ready:
+def _progressing(summary: _Cells, stamp: ConditionStamp) -> Condition:
+    if summary.all_ready:
         return stamp.condition(
             ConditionType.PROGRESSING, False, Reason.ALL_READY, "every pod is ready"
         )
-    return stamp.condition(ConditionType.PROGRESSING, True, Reason.PODS_PENDING, "pods starting")
+    moving = next((c for c in summary.causes if c.moving), None)
+    if moving is not None:
+        return stamp.condition(ConditionType.PROGRESSING, True, moving.reason, moving.message)
+    stuck = summary.causes[0]
+    return stamp.condition(
+        ConditionType.PROGRESSING, False, stuck.reason, f"stuck: {stuck.message}"
+    )
 
 
-def _degraded(
-    counts: _Counts, short: bool, quarantined: Sequence[str], stamp: ConditionStamp
-) -> Condition:
-    problems: list[tuple[str, str]] = []
-    if counts.exhausted:
-        problems.append(
-            (
-                Reason.RESTART_BUDGET_EXHAUSTED,
-                f"{', '.join(counts.exhausted)}: restart budget spent; "
-                "waiting for old restarts to age out",
-            )
-        )
-    if counts.backoff:
-        problems.append(
-            (Reason.RESTART_BACKOFF, f"{', '.join(counts.backoff)}: restart backing off")
-        )
-    if counts.restarting:
-        problems.append(
-            (Reason.GROUP_RESTARTING, f"{', '.join(counts.restarting)}: decode group restarting")
-        )
-    if short:
-        problems.append((Reason.PREFILL_SHORT, "fewer prefill instances fit than wanted"))
+# Serving with less than wanted, as opposed to not serving yet.
+_DEGRADING = (
+    Reason.RESTART_BUDGET_EXHAUSTED,
+    Reason.RESTART_BACKOFF,
+    Reason.GROUP_RESTARTING,
+    Reason.PREFILL_SHORT,
+)
+
+
+def _degraded(summary: _Cells, quarantined: Sequence[str], stamp: ConditionStamp) -> Condition:
+    problems = [(c.reason, c.message) for c in summary.causes if c.reason in _DEGRADING]
     if quarantined:
         problems.append((Reason.TRAY_QUARANTINED, f"quarantined trays: {', '.join(quarantined)}"))
     if problems:

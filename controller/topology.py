@@ -107,6 +107,19 @@ class Tray:
         """GPUs not held by pods Baton does not own."""
         return self.gpus - self.used_by_others
 
+    @property
+    def trouble(self) -> str | None:
+        """Why new pods may not come here, in an operator's words; None when they may."""
+        if not self.ready:
+            return "not ready"
+        if self.quarantined:
+            return "quarantined"
+        if not self.schedulable:
+            return "cordoned"
+        if self.domain is None:
+            return "no NVLink domain label"
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class NVLinkDomain:
@@ -139,6 +152,23 @@ class Topology:
 
     def domain(self, name: str) -> NVLinkDomain | None:
         return self._domains_by_name.get(name)
+
+    def trouble(self, name: str) -> str | None:
+        """Why new pods may not come to tray ``name`` (``removed`` when it is gone)."""
+        tray = self.tray(name)
+        return "removed" if tray is None else tray.trouble
+
+    def troubles(self, domain: str) -> str:
+        """The domain's trays that take no new pods, by why: "1 tray not ready (t3); ..."."""
+        found = self.domain(domain)
+        by_why: dict[str, list[str]] = {}
+        for tray in found.trays if found else ():
+            if tray.trouble is not None:
+                by_why.setdefault(tray.trouble, []).append(tray.name)
+        return "; ".join(
+            f"{len(names)} tray{'' if len(names) == 1 else 's'} {why} ({', '.join(names)})"
+            for why, names in by_why.items()
+        )
 
 
 def _natural_key(name: str) -> tuple[str | int, ...]:

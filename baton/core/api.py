@@ -1,7 +1,7 @@
 """The ModelDeployment resource (``baton.dev/v1alpha1``): the single source of its shape.
 
 These pydantic models validate manifests (``baton place``, ``baton up``, the controller) and
-generate the CRD in ``helm/baton/crds/`` (``baton crd``; a test fails when the checked-in CRD
+generate the CRD in ``helm/baton/files/crds/`` (``baton crd``; a test fails when the checked-in CRD
 drifts from them). Field names are the resource's camelCase; Python uses snake_case.
 
 Condition types and reasons are constants here, so the controller, its tests and docs share them.
@@ -73,7 +73,13 @@ class Reason(StrEnum):
     GROUP_RESTARTING = "GroupRestarting"
     TRAY_QUARANTINED = "TrayQuarantined"
     PODS_PENDING = "PodsPending"
+    PODS_UNSCHEDULABLE = "PodsUnschedulable"
+    ENGINES_STARTING = "EnginesStarting"
     PREFILL_RESTARTING = "PrefillRestarting"
+    PREFILL_MOVING = "PrefillMoving"
+    PREFILL_REMOVED = "PrefillRemoved"
+    SPARE_MOVING = "SpareMoving"
+    CELL_REMOVED = "CellRemoved"
     GROUP_UPDATING = "GroupUpdating"
     PREFILL_UPDATING = "PrefillUpdating"
     UPDATING = "Updating"

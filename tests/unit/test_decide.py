@@ -86,6 +86,14 @@ class World:
     def fail(self, name: str) -> None:
         self.pods[name]["status"]["phase"] = "Failed"
 
+    def fail_tray(self, name: str) -> None:
+        """The tray's kubelet stops reporting: its Ready condition goes False."""
+        node = next(n for n in self.nodes if n["metadata"]["name"] == name)
+        node["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+
+    def reasons(self, decision: Actions, reason: str) -> list[str]:
+        return [e.message for e in decision.events if e.reason == reason]
+
 
 def world(racks: int = 1, trays_per_rack: int = 18, **spec: Any) -> World:
     deployment = {
@@ -280,3 +288,111 @@ def test_a_spec_the_api_server_accepts_but_baton_cannot_run_is_reported_not_plac
     assert (placed["status"], placed["reason"]) == ("False", "InvalidSpec")
     assert "multiple of gpusPerPod" in placed["message"]
     assert w.step().status == {}  # reported once, not rewritten every reconcile
+
+
+def test_ready_column_and_condition_agree_while_a_prefill_engine_loads() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    w.pods["dsv4-cell-0-prefill-1"]["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    w.step()
+    ready = w.condition("Ready")
+    assert (w.deployment["status"]["ready"], ready["status"]) == ("0/1", "False")
+    assert ready["reason"] == "EnginesStarting"
+    assert "dsv4-cell-0-prefill-1" in ready["message"]
+    assert (w.condition("Progressing")["status"], w.condition("Progressing")["reason"]) == (
+        "True",
+        "EnginesStarting",
+    )
+
+
+def test_a_pod_the_scheduler_cannot_place_is_named_not_called_starting() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    pod = w.pods["dsv4-cell-0-decode-3"]
+    del pod["spec"]["nodeName"]
+    scheduler = "0/18 nodes are available: 1 node(s) were unschedulable."
+    pod["status"] = {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": scheduler,
+            }
+        ],
+    }
+    w.step()
+    ready, progressing = w.condition("Ready"), w.condition("Progressing")
+    assert (w.deployment["status"]["ready"], ready["reason"]) == ("0/1", "PodsUnschedulable")
+    assert "dsv4-cell-0-decode-3" in ready["message"] and scheduler in ready["message"]
+    assert (progressing["status"], progressing["reason"]) == ("False", "PodsUnschedulable")
+
+
+def test_a_cell_that_cannot_be_placed_is_the_reason_not_pods_pending() -> None:
+    w = world(cells=2, cell={"prefill": {"instances": 2}})
+    w.settle()
+    ready = w.condition("Ready")
+    assert (w.deployment["status"]["ready"], ready["status"]) == ("1/2", "False")
+    assert ready["reason"] == "InsufficientCapacity"
+    assert ready["message"].startswith("1 of 2 cells placed; cell dsv4-cell-1 needs 9 whole trays")
+
+
+def test_prefill_short_says_how_many_fit_and_why() -> None:
+    w = world(trays_per_rack=11, cell={"prefill": {"instances": 4}})
+    w.settle()
+    assert w.condition("Ready")["status"] == "True"
+    tray = w.pods["dsv4-cell-0-prefill-0"]["spec"]["nodeName"]
+    w.fail_tray(tray)
+    w.settle()
+    ready, degraded = w.condition("Ready"), w.condition("Degraded")
+    assert (ready["reason"], degraded["reason"]) == ("PrefillShort", "PrefillShort")
+    assert w.deployment["status"]["prefillReady"] == "2/4"
+    assert "dsv4-cell-0: 2 of 4 prefill instances fit" in ready["message"]
+    assert f"1 tray not ready ({tray})" in ready["message"]
+
+
+def test_prefill_moved_off_a_failed_tray_gets_an_event_naming_both_trays() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    tray = w.pods["dsv4-cell-0-prefill-0"]["spec"]["nodeName"]
+    w.fail_tray(tray)
+    decision = w.step()
+    [moved, _] = w.reasons(decision, "PrefillMoving")
+    target = w.deployment["status"]["cells"][0]["prefill"][0]["tray"]
+    assert moved == f"prefill dsv4-cell-0-prefill-0 moves from {tray} (not ready) to {target}"
+
+
+def test_the_spare_moving_off_a_failed_tray_gets_an_event() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    [spare] = w.deployment["status"]["cells"][0]["spareTrays"]
+    w.fail_tray(spare)
+    decision = w.step()
+    [new_spare] = w.deployment["status"]["cells"][0]["spareTrays"]
+    assert w.reasons(decision, "SpareMoving") == [
+        f"spare tray of dsv4-cell-0 moves from {spare} (not ready) to {new_spare}"
+    ]
+
+
+def test_scaling_cells_in_removes_the_last_cell_with_an_event() -> None:
+    w = world(racks=2, cells=2, cell={"prefill": {"instances": 2}})
+    w.settle()
+    w.deployment["spec"]["cells"] = 1
+    w.deployment["metadata"]["generation"] = 2
+    decision = w.step()
+    assert decision.delete_pods and all(n.startswith("dsv4-cell-1-") for n in decision.delete_pods)
+    assert w.reasons(decision, "CellRemoved") == [
+        "dsv4-cell-1 removed (spec.cells is 1): deleting its 10 pods"
+    ]
+
+
+def test_scaling_prefill_in_gets_an_event_naming_the_pods() -> None:
+    w = world(cell={"prefill": {"instances": 3}})
+    w.settle()
+    w.deployment["spec"]["cell"]["prefill"]["instances"] = 1
+    w.deployment["metadata"]["generation"] = 2
+    decision = w.step()
+    assert w.reasons(decision, "PrefillRemoved") == [
+        "prefill dsv4-cell-0-prefill-1, dsv4-cell-0-prefill-2 removed (1 instance per cell wanted)"
+    ]
