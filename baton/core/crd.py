@@ -1,7 +1,7 @@
 """The ModelDeployment CRD, generated from the pydantic models in ``baton/core/api.py``.
 
-``baton crd`` prints it; ``helm/baton/crds/baton.dev_modeldeployments.yaml`` is its checked-in
-copy (the chart's CRD directory, which Helm installs before any template; without Helm,
+``baton crd`` prints it; ``helm/baton/files/crds/baton.dev_modeldeployments.yaml`` is its
+checked-in copy (the chart renders it as a template, so ``helm upgrade`` updates it; without Helm,
 ``kubectl apply -f`` it) and ``tests/unit/test_crd.py`` fails when the two differ.
 
 The conversion turns pydantic's JSON Schema into a Kubernetes structural schema: references
@@ -23,7 +23,7 @@ from baton.core.api import GROUP, KIND, PLURAL, VERSION, ModelDeploymentSpec, Mo
 
 __all__ = ["CRD_PATH", "generate_crd", "main"]
 
-CRD_PATH = "helm/baton/crds/baton.dev_modeldeployments.yaml"
+CRD_PATH = "helm/baton/files/crds/baton.dev_modeldeployments.yaml"
 _DESCRIPTION = (
     "A model served with P/D disaggregation and wide EP, in cells of one decode "
     "group and its prefill instances per NVLink domain."
@@ -93,6 +93,12 @@ def _schema(model: type[BaseModel]) -> dict[str, Any]:
 def generate_crd() -> dict[str, Any]:
     columns: Sequence[tuple[str, str, str, str]] = (
         ("Ready", "string", ".status.ready", "ready cells / wanted cells"),
+        (
+            "Reason",
+            "string",
+            '.status.conditions[?(@.type=="Ready")].reason',
+            "why the deployment is or is not Ready (the Ready condition's reason)",
+        ),
         ("Cells", "integer", ".spec.cells", "cells wanted"),
         ("Prefill", "string", ".status.prefillReady", "ready / desired prefill instances"),
         ("Decode Ranks", "integer", ".status.decodeRanks", "ready decode ranks"),

@@ -69,8 +69,9 @@ def test_deployment_runs_whole_cell_in_one_nvlink_domain_and_reports_ready(
     table = json.loads(response.data)
     columns = [c["name"] for c in table["columnDefinitions"]]
     row = dict(zip(columns, table["rows"][0]["cells"], strict=True))
-    assert (row["Ready"], row["Cells"], row["Prefill"], row["Decode Ranks"]) == (
+    assert (row["Ready"], row["Reason"], row["Cells"], row["Prefill"], row["Decode Ranks"]) == (
         "1/1",
+        "AllReady",
         1,
         "4/4",
         32,
@@ -121,6 +122,19 @@ def test_deleted_decode_pod_restarts_the_whole_group(api, namespace, rack) -> No
     assert len(obj["status"]["cells"][0]["restarts"]) == 1
     reasons = [e.reason for e in client.CoreV1Api(api).list_namespaced_event(namespace).items]
     assert "GroupRestarting" in reasons
+
+    # The same deletion again is the same event: counted on the first, not dropped.
+    before = {name: p.metadata.uid for name, p in pods(api, namespace).items()}
+    client.CoreV1Api(api).delete_namespaced_pod("dsv4-cell-0-decode-5", namespace)
+    eventually(group_recreated, timeout=60, interval=0.25)
+    [restarts] = [
+        e
+        for e in client.CoreV1Api(api).list_namespaced_event(namespace).items
+        if e.reason == "GroupRestarting"
+    ]
+    first, last = restarts.first_timestamp, restarts.last_timestamp
+    assert restarts.count == 2 and first is not None and last is not None and last > first
+    assert restarts.involved_object.name == "dsv4"
 
 
 def test_tray_not_ready_moves_the_group_to_the_spare(api, namespace, rack) -> None:

@@ -6,6 +6,7 @@ than that and writing their status; its EPLB configuration accepted by the servi
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,17 +20,18 @@ from kubernetes import client, utils
 from kubernetes.client.rest import ApiException
 
 from baton.cli import COMMANDS
-from baton.core.api import ModelDeployment
+from baton.core.api import GROUP, PLURAL, ModelDeployment
+from baton.core.crd import CRD_PATH
 from controller.cli import build_parser as controller_parser
 from controller.placement import DeploymentShape, plan_placement
 from controller.podspec import render_cell
 from controller.topology import synthetic_topology
 from eplb.cli import build_parser as eplb_parser
 from eplb.config import load_config
-from rigs.devcluster import ROOT, ControlPlane, binaries_dir, write_kubeconfig
+from rigs.devcluster import ROOT, ControlPlane, binaries_dir, install_crd, write_kubeconfig
 from rigs.processes import eventually, free_port, stop_process
 from router.cli import build_parser as gateway_parser
-from tests.k8s.helpers import apply, controller_log, start_controller, wait_ready
+from tests.k8s.helpers import apply, controller_log, read, start_controller, wait_ready
 
 CHART = ROOT / "helm" / "baton"
 
@@ -122,6 +124,8 @@ def release(api: client.ApiClient, namespace: str) -> Iterator[list[dict]]:
         namespace,
         "--set",
         f"gateway.modelDeployment={namespace}/dsv4,controller.replicas=0,gateway.replicas=0",
+        "--set",
+        "crds.install=false",  # the session's CRD; test_helm_upgrade_* installs one by Helm
         "--skip-tests",
     )
     assert rendered.returncode == 0, rendered.stderr
@@ -254,6 +258,79 @@ def test_controller_runs_a_deployment_with_the_charts_rbac_alone(
     assert ports["reports"] == args.report_port and args.report_host == "0.0.0.0"
 
 
+def test_helm_upgrade_updates_the_crd_and_uninstall_keeps_it_and_the_deployments(
+    api, namespace, control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    install_crd(api)
+    extensions = client.ApiextensionsV1Api(api)
+    crd_name = f"{PLURAL}.{GROUP}"
+    original = extensions.read_custom_resource_definition(crd_name)
+    release = f"u-{namespace}"
+    # A CRD created without Helm is adopted the way docs/operations.md says: Helm's ownership
+    # label and annotations on it.
+    extensions.patch_custom_resource_definition(
+        crd_name,
+        {
+            "metadata": {
+                "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                "annotations": {
+                    "meta.helm.sh/release-name": release,
+                    "meta.helm.sh/release-namespace": namespace,
+                },
+            }
+        },
+    )
+    chart = tmp_path / "baton"
+    shutil.copytree(CHART, chart)
+    kubeconfig = str(control_plane.kubeconfig)
+    values = [
+        "--namespace",
+        namespace,
+        "--kubeconfig",
+        kubeconfig,
+        "--set",
+        f"gateway.modelDeployment={namespace}/dsv4,controller.replicas=0,gateway.replicas=0",
+    ]
+    try:
+        installed = helm("install", release, str(chart), *values)
+        assert installed.returncode == 0, installed.stderr
+        apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
+
+        # A new chart version whose CRD gained a printer column.
+        crd_file = chart / CRD_PATH.removeprefix("helm/baton/")
+        crd = yaml.safe_load(crd_file.read_text())
+        column = {"name": "Model", "type": "string", "jsonPath": ".spec.model"}
+        crd["spec"]["versions"][0]["additionalPrinterColumns"].append(column)
+        crd_file.write_text(yaml.safe_dump(crd))
+        upgraded = helm("upgrade", release, str(chart), *values)
+        assert upgraded.returncode == 0, upgraded.stderr
+        served = extensions.read_custom_resource_definition(crd_name)
+        assert served.spec.versions[0].additional_printer_columns  # the chart's columns
+        assert served.spec.versions[0].additional_printer_columns[-1].name == "Model"
+
+        uninstalled = helm(
+            "uninstall", release, "--namespace", namespace, "--kubeconfig", kubeconfig
+        )
+        assert uninstalled.returncode == 0, uninstalled.stderr
+        assert "kept due to the resource policy" in uninstalled.stdout + uninstalled.stderr
+        assert extensions.read_custom_resource_definition(crd_name).spec.versions[0]
+        assert read(api, namespace, "dsv4")["spec"]["cells"] == 1  # the deployment stays
+        core = client.CoreV1Api(api)
+        left = [
+            a.metadata.name
+            for a in core.list_namespaced_service_account(namespace).items
+            if a.metadata and a.metadata.name != "default"
+        ]
+        assert left == []  # the release's own objects are gone
+    finally:
+        helm("uninstall", release, "--namespace", namespace, "--kubeconfig", kubeconfig)
+        # The session's CRD back as it was, spec and metadata.
+        current = extensions.read_custom_resource_definition(crd_name)
+        assert original.metadata is not None and current.metadata is not None  # served objects
+        original.metadata.resource_version = current.metadata.resource_version
+        extensions.replace_custom_resource_definition(crd_name, original)
+
+
 def test_drains_keep_a_controller_and_a_gateway_and_every_pod_runs_under_runtime_seccomp(
     api, namespace
 ) -> None:
@@ -307,6 +384,8 @@ def test_the_notes_give_a_modeldeployment_that_reports_to_the_releases_eplb_serv
         "gateway.modelDeployment=serving/dsv4",
         "--set",
         "eplb.tokenSecret.name=eplb-token",
+        "--set",
+        "crds.install=false",  # the session's CRD, which no release owns
     )
     assert installed.returncode == 0, installed.stderr
     notes = installed.stdout.split("NOTES:", 1)[1]
