@@ -104,6 +104,7 @@ def _scenario(cells: int, directory: Path) -> dict[str, object]:
                 "baton.cli",
                 "controller",
                 f"--kubeconfig={plane.kubeconfig}",
+                "--lease-namespace=default",
                 f"--metrics-port={port}",
                 "--metrics-host=127.0.0.1",
             ],

@@ -33,8 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--lease-namespace",
-        default=os.environ.get("POD_NAMESPACE", "default"),
-        help="namespace of the leader-election Lease (default: $POD_NAMESPACE or default)",
+        default=os.environ.get("POD_NAMESPACE"),
+        help="namespace of the leader-election Lease (default: $POD_NAMESPACE, the pod's own; "
+        "required outside a pod: the same as the chart's release namespace, so that a "
+        "controller run from a shell and the chart's share one leader)",
     )
     parser.add_argument("--lease-name", default="baton-controller")
     parser.add_argument(
@@ -58,7 +60,15 @@ def _api(kubeconfig: str | None) -> client.ApiClient:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.lease_namespace is None:
+        # No guess (controller-runtime refuses one too): two controllers leasing in different
+        # namespaces would both lead.
+        parser.error(
+            "--lease-namespace is required outside a pod: pass the namespace the chart's "
+            "controllers lease in (their release namespace, e.g. --lease-namespace baton-system)"
+        )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

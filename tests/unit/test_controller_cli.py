@@ -1,0 +1,26 @@
+"""``baton controller``'s command line: one Lease namespace from the chart or a shell."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.cli import build_parser, main
+
+
+def test_outside_a_pod_the_lease_namespace_must_be_named(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main(["--kubeconfig", "/nonexistent/kubeconfig"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lease-namespace is required outside a pod" in err
+    assert "release namespace" in err
+
+
+def test_in_a_pod_the_lease_is_in_the_pods_namespace_as_the_chart_renders_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("POD_NAMESPACE", "baton-system")
+    assert build_parser().parse_args([]).lease_namespace == "baton-system"
