@@ -9,6 +9,7 @@ Everything lives in a temporary directory and stops with :meth:`ControlPlane.sto
 
 from __future__ import annotations
 
+import json
 import ssl
 import subprocess
 import time
@@ -47,6 +48,17 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "baton-test-admin-token"
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 POD_CIDR = "127.64.0.0/16"
+# What service accounts ask of the API server, at Metadata level (no bodies): a test reads it to
+# compare what a component does with what its RBAC grants. Nothing else is logged.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+        {"level": "None"},
+    ],
+}
 # What a GB300 tray's kubelet reports beside its GPUs.
 TRAY_RESOURCES = {"cpu": "144", "memory": "960Gi", "pods": "110"}
 
@@ -76,6 +88,21 @@ class ControlPlane:
 
     def log(self, name: str) -> str:
         return (self.directory / f"{name}.log").read_text()
+
+    def requests_of(self, user: str) -> set[tuple[str, str, str]]:
+        """(API group, resource[/subresource], verb) of every request ``user`` made, from the
+        API server's audit log (service accounts only; see ``AUDIT_POLICY``)."""
+        seen: set[tuple[str, str, str]] = set()
+        for line in (self.directory / "audit.log").read_text().splitlines():
+            event = json.loads(line)
+            ref = event.get("objectRef")
+            if event["user"]["username"] != user or ref is None:
+                continue
+            resource = ref["resource"] + (
+                f"/{ref['subresource']}" if ref.get("subresource") else ""
+            )
+            seen.add((ref.get("apiGroup", ""), resource, event["verb"]))
+        return seen
 
     def stop(self) -> None:
         for process in reversed(list(self.processes.values())):
@@ -147,6 +174,7 @@ def start_control_plane(directory: Path, bin_dir: Path) -> ControlPlane:
         capture_output=True,
     )
     (directory / "tokens.csv").write_text(f"{TOKEN},admin,admin,system:masters\n")
+    (directory / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
     try:
         _spawn(
             plane,
@@ -179,6 +207,9 @@ def start_control_plane(directory: Path, bin_dir: Path) -> ControlPlane:
                 "--allow-privileged=true",
                 # the kubernetes Service needs no endpoints here (and cannot use loopback ones)
                 "--endpoint-reconciler-type=none",
+                f"--audit-policy-file={directory / 'audit-policy.yaml'}",
+                f"--audit-log-path={directory / 'audit.log'}",
+                "--audit-log-mode=blocking",  # written before the request returns: a test reads it
             ],
         )
         ca = directory / "certs" / "apiserver.crt"

@@ -22,7 +22,7 @@ from rigs.devcluster import (
     start_control_plane,
 )
 from rigs.processes import eventually, stop_process
-from tests.k8s.helpers import controller_log, start_controller
+from tests.k8s.helpers import compute_domains_served, controller_log, start_controller
 
 
 @pytest.fixture(scope="session")
@@ -81,3 +81,10 @@ def controller(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[s
     yield process
     stop_process(process)
     assert "Traceback" not in controller_log(control_plane, "controller")
+
+
+@pytest.fixture(scope="module")
+def compute_domain_api(api: client.ApiClient) -> Iterator[None]:
+    """NVIDIA's ComputeDomain API served for a whole test module."""
+    with compute_domains_served(api):
+        yield

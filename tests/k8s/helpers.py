@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from kubernetes import client
+from kubernetes.client.rest import ApiException
 
 from baton.core.labels import DEPLOYMENT_LABEL, ROLE_LABEL
 from rigs.devcluster import ControlPlane, create_model_deployment, read_model_deployment
@@ -82,3 +85,67 @@ def pods(api: client.ApiClient, namespace: str, role: str | None = None) -> dict
     listed = client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector).items
     # A listed object always has a name: the condition only narrows the type.
     return {p.metadata.name: p for p in listed if p.metadata and p.metadata.name}
+
+
+COMPUTE_DOMAIN_CRD: dict[str, Any] = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "computedomains.resource.nvidia.com"},
+    "spec": {
+        "group": "resource.nvidia.com",
+        "scope": "Namespaced",
+        "names": {
+            "kind": "ComputeDomain",
+            "plural": "computedomains",
+            "singular": "computedomain",
+            "listKind": "ComputeDomainList",
+        },
+        "versions": [
+            {
+                "name": "v1beta1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+@contextmanager
+def compute_domains_served(api: client.ApiClient) -> Iterator[None]:
+    """NVIDIA's ComputeDomain API (its CRD, as the DRA driver's chart installs it; the driver
+    itself needs GPUs) served inside the block, and gone after it."""
+    extensions = client.ApiextensionsV1Api(api)
+    # The model the client would validate the dict into itself: the request is the same.
+    extensions.create_custom_resource_definition(
+        client.V1CustomResourceDefinition.model_validate(COMPUTE_DOMAIN_CRD)
+    )
+    custom = client.CustomObjectsApi(api)
+    eventually(
+        lambda: custom.list_cluster_custom_object(
+            "resource.nvidia.com", "v1beta1", "computedomains"
+        ),
+        timeout=30,
+    )
+    try:
+        yield
+    finally:
+        extensions.delete_custom_resource_definition(COMPUTE_DOMAIN_CRD["metadata"]["name"])
+
+        def gone() -> bool:
+            try:
+                custom.list_cluster_custom_object(
+                    "resource.nvidia.com", "v1beta1", "computedomains"
+                )
+            except ApiException as exc:
+                return exc.status == 404
+            return False
+
+        eventually(gone, timeout=60)  # later controllers must find the API absent

@@ -4,74 +4,14 @@ claim the domain's IMEX channel; prefill pods claim none."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kubernetes import client
-from kubernetes.client.rest import ApiException
 
 from baton.core.kube import json_object
 from rigs.processes import eventually
 from tests.k8s.helpers import apply, pods
-
-COMPUTE_DOMAIN_CRD: dict[str, Any] = {
-    "apiVersion": "apiextensions.k8s.io/v1",
-    "kind": "CustomResourceDefinition",
-    "metadata": {"name": "computedomains.resource.nvidia.com"},
-    "spec": {
-        "group": "resource.nvidia.com",
-        "scope": "Namespaced",
-        "names": {
-            "kind": "ComputeDomain",
-            "plural": "computedomains",
-            "singular": "computedomain",
-            "listKind": "ComputeDomainList",
-        },
-        "versions": [
-            {
-                "name": "v1beta1",
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "schema": {
-                    "openAPIV3Schema": {
-                        "type": "object",
-                        "x-kubernetes-preserve-unknown-fields": True,
-                    }
-                },
-            }
-        ],
-    },
-}
-
-
-@pytest.fixture(scope="module")
-def compute_domain_api(api: client.ApiClient) -> Iterator[None]:
-    extensions = client.ApiextensionsV1Api(api)
-    # The model the client would validate the dict into itself: the request is the same.
-    extensions.create_custom_resource_definition(
-        client.V1CustomResourceDefinition.model_validate(COMPUTE_DOMAIN_CRD)
-    )
-    custom = client.CustomObjectsApi(api)
-    eventually(
-        lambda: custom.list_cluster_custom_object(
-            "resource.nvidia.com", "v1beta1", "computedomains"
-        ),
-        timeout=30,
-    )
-    yield
-    extensions.delete_custom_resource_definition(COMPUTE_DOMAIN_CRD["metadata"]["name"])
-
-    def gone() -> bool:
-        try:
-            custom.list_cluster_custom_object("resource.nvidia.com", "v1beta1", "computedomains")
-        except ApiException as exc:
-            return exc.status == 404
-        return False
-
-    eventually(gone, timeout=60)  # later modules' controllers must find the API absent
-
 
 pytestmark = pytest.mark.usefixtures("compute_domain_api", "controller")
 

@@ -13,6 +13,7 @@ import textwrap
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -22,16 +23,32 @@ from kubernetes.client.rest import ApiException
 from baton.cli import COMMANDS
 from baton.core.api import GROUP, PLURAL, ModelDeployment
 from baton.core.crd import CRD_PATH
+from baton.core.labels import DEPLOYMENT_LABEL
 from controller.cli import build_parser as controller_parser
 from controller.placement import DeploymentShape, plan_placement
 from controller.podspec import render_cell
 from controller.topology import synthetic_topology
 from eplb.cli import build_parser as eplb_parser
 from eplb.config import load_config
-from rigs.devcluster import ROOT, ControlPlane, binaries_dir, install_crd, write_kubeconfig
+from rigs.devcluster import (
+    ROOT,
+    ControlPlane,
+    binaries_dir,
+    install_crd,
+    patch_model_deployment_spec,
+    write_kubeconfig,
+)
 from rigs.processes import eventually, free_port, stop_process
 from router.cli import build_parser as gateway_parser
-from tests.k8s.helpers import apply, controller_log, read, start_controller, wait_ready
+from tests.k8s.helpers import (
+    apply,
+    compute_domains_served,
+    controller_log,
+    pods,
+    read,
+    start_controller,
+    wait_ready,
+)
 
 CHART = ROOT / "helm" / "baton"
 
@@ -175,7 +192,35 @@ def allowed(api: client.ApiClient, token: str, attributes: client.V1ResourceAttr
     return decision.allowed
 
 
-def test_controller_runs_a_deployment_with_the_charts_rbac_alone(
+def granted(release: list[dict], account: str) -> set[tuple[str, str, str]]:
+    """(API group, resource, verb) the release's roles grant ``account``."""
+    bound = {
+        o["roleRef"]["name"]
+        for o in release
+        if o["kind"] in ("ClusterRoleBinding", "RoleBinding")
+        and any(s["name"] == account for s in o["subjects"])
+    }
+    return {
+        (group, resource, verb)
+        for o in release
+        if o["kind"] in ("ClusterRole", "Role") and o["metadata"]["name"] in bound
+        for rule in o["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def fail_pod(api: client.ApiClient, namespace: str, name: str) -> None:
+    """The pod's engine exits for good: phase Failed, as a kubelet reports it."""
+    core = client.CoreV1Api(api)
+    failing = core.read_namespaced_pod_status(name, namespace)
+    assert failing.status is not None  # it was Running
+    failing.status.phase = "Failed"
+    core.replace_namespaced_pod_status(name, namespace, failing)
+
+
+def test_the_controllers_rbac_is_exactly_what_it_does_running_a_deployment_through_its_life(
     api, namespace, rack, release, control_plane: ControlPlane, tmp_path: Path
 ) -> None:
     kinds = sorted({obj["kind"] for obj in release})
@@ -204,21 +249,72 @@ def test_controller_runs_a_deployment_with_the_charts_rbac_alone(
         kubeconfig=kubeconfig,
         lease_namespace=namespace,
     )
+    core = client.CoreV1Api(api)
+    custom = client.CustomObjectsApi(api)
+
+    def cell_gone() -> bool:
+        return not pods(api, namespace) and not (
+            core.list_namespaced_service(namespace, label_selector=DEPLOYMENT_LABEL).items
+        )
+
     try:
         apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
         wait_ready(api, namespace, "dsv4")
+        # The same engine fails twice: two group restarts, one Event counted twice, the tray's
+        # failures marked.
+        for _ in range(2):
+            before = pods(api, namespace, "decode")["dsv4-cell-0-decode-5"].metadata.uid
+            fail_pod(api, namespace, "dsv4-cell-0-decode-5")
+
+            def restarted(uid: str | None = before) -> bool:
+                decode = pods(api, namespace, "decode")
+                return len(decode) == 8 and decode["dsv4-cell-0-decode-5"].metadata.uid != uid
+
+            eventually(restarted, timeout=60, interval=0.25)
+            wait_ready(api, namespace, "dsv4")
+        # Scaled to no cells: every pod and Service of the cell goes.
+        patch_model_deployment_spec(api, namespace, "dsv4", {"cells": 0})
+        eventually(cell_gone, timeout=60, interval=0.25)
     finally:
         stop_process(process)
+
+    # Where NVIDIA's ComputeDomain API is served (checked when a controller starts, then every
+    # minute), a cell gets one, deleted with it. The pods claiming its channel stay Pending here:
+    # no DRA driver runs.
+    def compute_domains() -> list[dict[str, Any]]:
+        listed = custom.list_namespaced_custom_object(
+            "resource.nvidia.com", "v1beta1", namespace, "computedomains"
+        )
+        return cast(dict[str, Any], listed)["items"]
+
+    with compute_domains_served(api):
+        process = start_controller(
+            control_plane,
+            f"sa-{namespace}",
+            "baton-controller",
+            kubeconfig=kubeconfig,
+            lease_namespace=namespace,
+        )
+        try:
+            patch_model_deployment_spec(api, namespace, "dsv4", {"cells": 1})
+            eventually(compute_domains, timeout=60, interval=0.25)
+            patch_model_deployment_spec(api, namespace, "dsv4", {"cells": 0})
+            eventually(lambda: cell_gone() and not compute_domains(), timeout=60, interval=0.25)
+        finally:
+            stop_process(process)
     log = controller_log(control_plane, f"sa-{namespace}")
     assert "Forbidden" not in log and "Traceback" not in log
+    used = control_plane.requests_of(f"system:serviceaccount:{namespace}:{account}")
+    rules = granted(release, account)
+    assert (sorted(rules - used), sorted(used - rules)) == ([], [])  # (granted unused, used)
 
     gateway = token_for(api, namespace, f"b-{namespace}-baton-gateway")
     deployments = client.V1ResourceAttributes(
         group="baton.dev", resource="modeldeployments", verb="watch", namespace=namespace
     )
-    pods = client.V1ResourceAttributes(resource="pods", verb="create", namespace=namespace)
+    create_pods = client.V1ResourceAttributes(resource="pods", verb="create", namespace=namespace)
     assert allowed(api, gateway, deployments)
-    assert not allowed(api, gateway, pods)
+    assert not allowed(api, gateway, create_pods)
     eplb = token_for(api, namespace, f"b-{namespace}-baton-eplb")
     status = client.V1ResourceAttributes(
         group="baton.dev",
@@ -228,7 +324,7 @@ def test_controller_runs_a_deployment_with_the_charts_rbac_alone(
         namespace=namespace,
     )
     assert allowed(api, eplb, deployments) and allowed(api, eplb, status)
-    assert not allowed(api, gateway, status) and not allowed(api, eplb, pods)
+    assert not allowed(api, gateway, status) and not allowed(api, eplb, create_pods)
     elsewhere = client.V1ResourceAttributes(
         group="baton.dev", resource="modeldeployments", verb="watch", namespace="other"
     )
