@@ -51,11 +51,13 @@ bench: $(STAMP) proto dev-bin
 	$(BIN)/baton bench all
 
 # Baton's image (Containerfile) with the first container builder found; none here: say so.
+# EXTRAS=serve adds Ray Serve (the chart's gateway.rayService) and appends -serve to the tag.
 IMAGE ?= ghcr.io/baton-dev/baton:0.1.0
+EXTRAS ?=
 BUILDER ?= $(firstword $(foreach tool,podman docker buildah,$(shell command -v $(tool))))
 image: proto
 	@test -n "$(BUILDER)" || { echo "make image: no container builder (podman, docker or buildah) on this machine; install one or set BUILDER=" >&2; exit 2; }
-	$(BUILDER) $(if $(findstring buildah,$(BUILDER)),bud,build) -f Containerfile -t $(IMAGE) .
+	$(BUILDER) $(if $(findstring buildah,$(BUILDER)),bud,build) -f Containerfile --build-arg EXTRAS=$(EXTRAS) -t $(IMAGE)$(if $(EXTRAS),-$(EXTRAS)) .
 
 clean:
 	rm -rf $(PROTO_OUT) .pytest_cache

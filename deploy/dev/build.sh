@@ -35,6 +35,12 @@ if [ ! -e "$out/.complete" ]; then
      "$stages/pod/fast/pod-delete.yaml" "$out/kwok-stages/"
   step "helm"
   (cd "$here/helm" && go build "${flags[@]}" -o "$out/" helm.sh/helm/v3/cmd/helm)
+  # Not a binary: KubeRay's RayService CRD, from its module (kuberay/), for the chart's Ray
+  # Serve mode (tests/k8s/test_helm.py applies the RayService it renders).
+  step "KubeRay's RayService CRD"
+  (cd "$here/kuberay" && go mod download github.com/ray-project/kuberay/ray-operator)
+  kuberay="$(cd "$here/kuberay" && go list -m -f '{{.Dir}}' github.com/ray-project/kuberay/ray-operator)"
+  cp "$kuberay/config/crd/bases/ray.io_rayservices.yaml" "$out/"
   touch "$out/.complete"
   step "done"
 fi

@@ -1,4 +1,5 @@
-"""The gateway as a Ray Serve application (``router.serve:app``) in front of a real ``baton sim``.
+"""The gateway as a Ray Serve application (``router.serve:app``) in front of a real P/D pair of
+``baton sim`` engines (a prefill instance and a decode server, NIXL between them).
 
 One local Ray (2 CPUs, no dashboard) per test; Serve's HTTP proxy listens on a free loopback
 port; the official openai client is the caller.
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from baton.core.follow import DeploymentRef
-from tests.helpers import SimHandle, free_port
+from tests.helpers import SimHandle, cached_tokens_of, eventually, free_port, scrape, usage_of
 
 # Ray's own pydantic models use deprecated Field arguments: not ours to fix, and not an error here.
 RAY_WARNINGS = "ignore::DeprecationWarning:ray"
@@ -29,10 +30,12 @@ with warnings.catch_warnings():
 
 pytestmark = pytest.mark.filterwarnings(RAY_WARNINGS)
 MODEL = "dsv4"
+LONG = "The cell keeps prefill and decode in one NVLink domain. " * 40  # past the P/D threshold
 
 
-def write_pool(path: Path, decode: SimHandle) -> Path:
-    path.write_text(yaml.safe_dump({"cells": [{"name": "c0", "decode": [{"url": decode.url}]}]}))
+def write_pool(path: Path, prefill: SimHandle, decode: SimHandle) -> Path:
+    cell = {"name": "c0", "prefill": [prefill.url], "decode": [{"url": decode.url}]}
+    path.write_text(yaml.safe_dump({"cells": [cell]}))
     return path
 
 
@@ -57,19 +60,19 @@ def serve_port(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
         ray.shutdown()
 
 
-def test_serve_app_streams_a_chat_completion_through_the_gateway(
-    start_sim, serve_port: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_serve_app_streams_a_chat_completion_through_prefill_kv_handoff_and_decode(
+    start_pd, serve_port: int, tmp_path: Path
 ) -> None:
-    decode = start_sim("--served-model-name", MODEL)
-    monkeypatch.setenv(POOL_FILE_ENV, str(write_pool(tmp_path / "pool.yaml", decode)))
-    serve.run(app({}), name="gateway", route_prefix="/")  # what `serve run router.serve:app` does
+    prefill, decode = start_pd(flags=("--served-model-name", MODEL))
+    pool = write_pool(tmp_path / "pool.yaml", prefill, decode)
+    # What `serve run router.serve:app pool_file=...` does.
+    serve.run(app({"pool_file": str(pool)}), name="gateway", route_prefix="/")
+    gateway = f"http://127.0.0.1:{serve_port}"
 
-    client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{serve_port}/v1", api_key="unused", max_retries=0, timeout=30
-    )
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=30)
     stream = client.chat.completions.create(
         model=MODEL,
-        messages=[{"role": "user", "content": "hello through Ray Serve"}],
+        messages=[{"role": "user", "content": LONG}],
         max_tokens=7,
         stream=True,
         stream_options={"include_usage": True},
@@ -77,11 +80,24 @@ def test_serve_app_streams_a_chat_completion_through_the_gateway(
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    usage = chunks[-1].usage
+    usage = usage_of(chunks[-1])
     assert len(text) == 7 * 4  # the simulator's tokens are four characters each
-    assert usage is not None
     assert usage.completion_tokens == 7
-    assert usage.prompt_tokens > 0
+    # Prefill computed the prompt; decode pulled it over NIXL instead of computing it.
+    assert scrape(prefill.url, "vllm:prompt_tokens_total") == usage.prompt_tokens
+    assert (
+        scrape(decode.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        == usage.prompt_tokens
+    )
+    assert scrape(decode.url, "vllm:nixl_bytes_transferred_count") == 1
+    # Decode alone would report every prompt token cached; the gateway reports prefill's none.
+    assert cached_tokens_of(chunks[-1]) == 0
+    # The gateway's own metrics, served by the Serve replica like every other route.
+    assert scrape(gateway, "baton_gateway_routing_decisions_total", path="pd") == 1
+    assert scrape(gateway, "baton_gateway_routing_decisions_total", path="decode_only") == 0
+    assert scrape(gateway, "baton_gateway_requests_total", outcome="ok") == 1
+    eventually(lambda: scrape(gateway, "baton_gateway_in_flight_requests") == 0)
+    assert scrape(prefill.url, "vllm:kv_cache_usage_perc") == 0  # the lease ended with the pull
 
 
 def test_serve_args_pool_file_wins_over_the_environment(tmp_path: Path) -> None:

@@ -1,16 +1,21 @@
 """The Helm chart: lint, a clear failure without its one required value, every rendered object
 accepted by the real API server, its RBAC enough for the controller to run a deployment as its
 ServiceAccount, no more for the gateway than reading ModelDeployments and for the EPLB service
-than that and writing their status; its EPLB configuration accepted by the service."""
+than that and writing their status; its EPLB configuration accepted by the service; its Ray
+Serve mode a RayService (KubeRay's CRD) that serves ``router.serve:app`` with arguments the app
+accepts."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
 import tomllib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -23,6 +28,8 @@ from kubernetes.client.rest import ApiException
 from baton.cli import COMMANDS
 from baton.core.api import GROUP, PLURAL, ModelDeployment
 from baton.core.crd import CRD_PATH
+from baton.core.follow import DeploymentRef
+from baton.core.kube import json_object
 from baton.core.labels import DEPLOYMENT_LABEL
 from controller.cli import build_parser as controller_parser
 from controller.placement import DeploymentShape, plan_placement
@@ -50,7 +57,18 @@ from tests.k8s.helpers import (
     wait_ready,
 )
 
+# Ray's own pydantic models use deprecated Field arguments: not ours to fix, and not an error here.
+RAY_WARNINGS = "ignore::DeprecationWarning:ray"
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module="ray")
+    from ray.serve.schema import ServeDeploySchema
+
+    import router.serve
+
 CHART = ROOT / "helm" / "baton"
+RAY_SERVE_EXAMPLE = CHART / "examples" / "ray-serve.yaml"
+# deploy/dev/build.sh copies it from KubeRay's Go module beside the binaries.
+RAY_SERVICE_CRD = "ray.io_rayservices.yaml"
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -76,6 +94,8 @@ def test_chart_lints_and_names_its_required_value() -> None:
         ("gateway.modelDeployment=dsv4", "at '/gateway/modelDeployment'"),
         ("eplb.reportPort=70000", "at '/eplb/reportPort'"),
         ("image.pullPolicy=Sometimes", "at '/image/pullPolicy'"),
+        ("gateway.rayService.enable=true", "additional properties 'enable' not allowed"),
+        ("gateway.rayService.head.replicas=2", "additional properties 'replicas' not allowed"),
     ],
 )
 def test_the_values_schema_refuses_a_wrong_value_naming_it(value: str, message: str) -> None:
@@ -129,27 +149,26 @@ def test_the_helm_test_pods_check_passes_against_a_running_gateway_and_fails_wit
     assert check(f"http://127.0.0.1:{free_port()}").returncode != 0
 
 
-@pytest.fixture
-def release(api: client.ApiClient, namespace: str) -> Iterator[list[dict]]:
-    """The chart rendered into ``namespace`` (no replicas: nothing here runs images) and
-    created object by object on the API server; cluster-wide objects removed afterwards."""
-    rendered = helm(
-        "template",
-        f"b-{namespace}",
-        str(CHART),
-        "--namespace",
-        namespace,
-        "--set",
-        f"gateway.modelDeployment={namespace}/dsv4,controller.replicas=0,gateway.replicas=0",
-        "--set",
-        "crds.install=false",  # the session's CRD; test_helm_upgrade_* installs one by Helm
-        "--skip-tests",
-    )
+def render(*args: str) -> list[dict]:
+    """``helm template`` of the chart with ``args``: the objects, or the test fails on stderr."""
+    rendered = helm("template", *args[:1], str(CHART), *args[1:])
     assert rendered.returncode == 0, rendered.stderr
-    objects = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+    return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+
+
+@contextlib.contextmanager
+def created(api: client.ApiClient, namespace: str, objects: list[dict]) -> Iterator[None]:
+    """``objects`` created one by one on the API server (a RayService with strict field
+    validation: a field KubeRay's CRD lacks is an error, not dropped); cluster-wide objects
+    removed afterwards."""
     for obj in objects:
-        utils.create_from_dict(api, obj, namespace=namespace)
-    yield objects
+        if obj["kind"] == "RayService":
+            client.CustomObjectsApi(api).create_namespaced_custom_object(
+                "ray.io", "v1", namespace, "rayservices", obj, field_validation="Strict"
+            )
+        else:
+            utils.create_from_dict(api, obj, namespace=namespace)
+    yield
     rbac = client.RbacAuthorizationV1Api(api)
     for obj in objects:
         try:
@@ -160,6 +179,24 @@ def release(api: client.ApiClient, namespace: str) -> Iterator[list[dict]]:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+@pytest.fixture
+def release(api: client.ApiClient, namespace: str) -> Iterator[list[dict]]:
+    """The chart rendered into ``namespace`` (no replicas: nothing here runs images) and
+    created object by object on the API server; cluster-wide objects removed afterwards."""
+    objects = render(
+        f"b-{namespace}",
+        "--namespace",
+        namespace,
+        "--set",
+        f"gateway.modelDeployment={namespace}/dsv4,controller.replicas=0,gateway.replicas=0",
+        "--set",
+        "crds.install=false",  # the session's CRD; test_helm_upgrade_* installs one by Helm
+        "--skip-tests",
+    )
+    with created(api, namespace, objects):
+        yield objects
 
 
 def token_for(api: client.ApiClient, namespace: str, account: str) -> str:
@@ -597,3 +634,132 @@ def test_with_the_network_policy_engines_take_traffic_from_baton_and_each_other_
     assert not admitted(other_release, "baton-system")
     assert not admitted({"app": "curl"}, namespace)
     assert not admitted(next(iter(baton.values())), "elsewhere")
+
+
+# ---- Ray Serve on KubeRay (gateway.rayService)
+
+
+@pytest.mark.filterwarnings(RAY_WARNINGS)
+def test_the_ray_serve_example_runs_router_serve_app_on_a_rayservice_instead_of_the_deployment(
+    tmp_path: Path,
+) -> None:
+    objects = render("b", "-f", str(RAY_SERVE_EXAMPLE))
+    deployments = {o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"}
+    assert deployments == {"b-baton-controller", "b-baton-eplb"}  # no gateway Deployment
+    assert "b-baton-gateway" not in {
+        o["metadata"]["name"] for o in objects if o["kind"] == "Service"
+    }
+    [ray_service] = [o for o in objects if o["kind"] == "RayService"]
+    assert ray_service["apiVersion"] == "ray.io/v1"
+    spec = ray_service["spec"]
+
+    # A Serve config file as Ray reads it (its schema ignores fields it does not know, so the
+    # values are checked as Ray parsed them), whose one application is router.serve:app.
+    serve_config = ServeDeploySchema.model_validate(yaml.safe_load(spec["serveConfigV2"]))
+    [application] = serve_config.applications
+    module, _, attribute = application.import_path.partition(":")
+    assert getattr(importlib.import_module(module), attribute) is router.serve.app
+    assert application.route_prefix == "/"
+    assert serve_config.http_options.host == "0.0.0.0"
+
+    # One Serve replica per Ray worker pod, none on the head.
+    cluster = spec["rayClusterConfig"]
+    [workers] = cluster["workerGroupSpecs"]
+    [deployment] = application.deployments
+    assert deployment.name == router.serve.DEPLOYMENT_NAME
+    assert deployment.num_replicas == workers["replicas"] == 2
+    assert deployment.max_replicas_per_node == 1
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+
+    # Every Ray pod runs the serve image as the gateway's service account, with the clients'
+    # keys in its environment and the engines' key where the application's arguments say.
+    serve_port = serve_config.http_options.port
+    key_file = Path(application.args["engine_api_key_file"])
+    for group in (cluster["headGroupSpec"], workers):
+        pod = group["template"]["spec"]
+        assert pod["serviceAccountName"] == "b-baton-gateway"
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        [container] = pod["containers"]
+        assert container["image"] == "ghcr.io/baton-dev/baton:0.1.0-serve"
+        assert {"name": "serve", "containerPort": serve_port} in container["ports"]
+        [keys] = container["env"]
+        assert keys["name"] == router.serve.API_KEYS_ENV
+        assert keys["valueFrom"]["secretKeyRef"] == {"name": "gateway-api-keys", "key": "api-keys"}
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["engine-api-key"] == str(key_file.parent)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["engine-api-key"]["secret"]["secretName"] == "dsv4-engine-api-key"
+        assert key_file.name == "api-key"  # the Secret's key, mounted as a file of that name
+        assert group["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway"
+
+    # The arguments are ones router.serve:app accepts, meaning what the values say.
+    (tmp_path / "api-key").write_text("engine-secret\n")
+    args = {**application.args, "engine_api_key_file": str(tmp_path / "api-key")}
+    config = router.serve.config_from_serve_args(args, {router.serve.API_KEYS_ENV: "k1,k2"})
+    assert config.model_deployment == DeploymentRef("serving", "dsv4")
+    assert config.pool is None and config.api_keys == ("k1", "k2")
+    assert config.engine_api_key == "engine-secret"
+    assert config.settings.policy.value == "affinity"
+    assert config.settings.pd_threshold_tokens == 256
+
+    # KubeRay's Serve Service takes the gateway Service's name; the helm test pod finds it there.
+    assert spec["serveService"]["metadata"]["name"] == "b-baton-gateway"
+    assert spec["serveService"]["spec"]["ports"] == [{"name": "serve", "port": serve_port}]
+    [test_pod] = [o for o in objects if o["kind"] == "Pod"]
+    assert f"http://b-baton-gateway:{serve_port}" in test_pod["spec"]["containers"][0]["command"][2]
+
+
+@pytest.fixture
+def ray_service_crd(api: client.ApiClient) -> None:
+    """KubeRay's RayService CRD on the API server, served."""
+    extensions = client.ApiextensionsV1Api(api)
+    crd = yaml.safe_load((binaries_dir() / RAY_SERVICE_CRD).read_text())
+    try:
+        extensions.create_custom_resource_definition(crd)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+
+    def established() -> bool:
+        status = extensions.read_custom_resource_definition(crd["metadata"]["name"]).status
+        conditions = (status.conditions if status else None) or []
+        return any(c.type == "Established" and c.status == "True" for c in conditions)
+
+    eventually(established, timeout=30)
+
+
+def test_in_ray_serve_mode_the_api_server_takes_the_rayservice_and_its_pods_follow_the_deployment(
+    api: client.ApiClient, namespace: str, ray_service_crd: None
+) -> None:
+    objects = render(
+        f"r-{namespace}",
+        "--namespace",
+        namespace,
+        "-f",
+        str(RAY_SERVE_EXAMPLE),
+        "--set",
+        f"gateway.modelDeployment={namespace}/dsv4,crds.install=false",
+        "--skip-tests",
+    )
+    with created(api, namespace, objects):
+        stored = json_object(
+            client.CustomObjectsApi(api).get_namespaced_custom_object(
+                "ray.io", "v1", namespace, "rayservices", f"r-{namespace}-baton-gateway"
+            )
+        )
+        [ray_service] = [o for o in objects if o["kind"] == "RayService"]
+        assert stored["spec"]["serveConfigV2"] == ray_service["spec"]["serveConfigV2"]
+        cluster = stored["spec"]["rayClusterConfig"]
+        groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+        accounts = {g["template"]["spec"]["serviceAccountName"] for g in groups}
+        [account] = accounts
+        token = token_for(api, namespace, account)
+        deployments = client.V1ResourceAttributes(
+            group="baton.dev", resource="modeldeployments", verb="watch", namespace=namespace
+        )
+        elsewhere = client.V1ResourceAttributes(
+            group="baton.dev", resource="modeldeployments", verb="watch", namespace="other"
+        )
+        pods = client.V1ResourceAttributes(resource="pods", verb="create", namespace=namespace)
+        assert allowed(api, token, deployments)
+        assert not allowed(api, token, elsewhere) and not allowed(api, token, pods)

@@ -30,3 +30,13 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "baton.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
+
+{{/* Baton's image with the serve extra (`make image EXTRAS=serve`), which Ray's pods run. */}}
+{{- define "baton.serveImage" -}}
+{{ .Values.image.repository }}:{{ .Values.gateway.rayService.imageTag | default (printf "%s-serve" (.Values.image.tag | default .Chart.AppVersion)) }}
+{{- end -}}
+
+{{/* The gateway Service's port: under KubeRay the Service forwards Serve's port as it is. */}}
+{{- define "baton.gatewayServicePort" -}}
+{{ .Values.gateway.rayService.enabled | ternary .Values.gateway.port .Values.gateway.service.port }}
+{{- end -}}
