@@ -2,9 +2,10 @@
 
 etcd, kube-apiserver, kube-scheduler and kube-controller-manager (built from Go modules by
 ``deploy/dev/build.sh``) and kwok, which plays the kubelet of every node annotated as a fake tray:
-heartbeats, and pods bound to it reported Running and Ready with an IP. Pod IPs come from
-127.64.0.0/16, a loopback range: a test can serve a pod's engine (``baton sim``) at its pod IP.
-Everything lives in a temporary directory and stops with :meth:`ControlPlane.stop`.
+heartbeats (a Lease per tray in kube-node-lease, renewed as a kubelet does), and pods bound to it
+reported Running and Ready with an IP. Pod IPs come from 127.64.0.0/16, a loopback range: a test
+can serve a pod's engine (``baton sim``) at its pod IP. Everything lives in a temporary directory
+and stops with :meth:`ControlPlane.stop`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "baton-test-admin-token"
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 POD_CIDR = "127.64.0.0/16"
+# The kubelet's default; kwok renews each tray's Lease in kube-node-lease every quarter of it.
+NODE_LEASE_SECONDS = 40
 # What a GB300 tray's kubelet reports beside its GPUs.
 TRAY_RESOURCES = {"cpu": "144", "memory": "960Gi", "pods": "110"}
 
@@ -221,6 +224,9 @@ def start_control_plane(directory: Path, bin_dir: Path) -> ControlPlane:
                 f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
                 f"--server-address=127.0.0.1:{free_port()}",
                 f"--cidr={POD_CIDR}",
+                # A kubelet's Lease: without one, kube-controller-manager marks every tray
+                # NotReady after its 50 s grace period and kwok flips it back, over and over.
+                f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}",
                 *(
                     f"--config={stage}"
                     for stage in sorted((bin_dir / "kwok-stages").glob("*.yaml"))
