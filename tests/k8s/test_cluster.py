@@ -3,13 +3,18 @@ and the real API server validates ModelDeployments against the generated CRD."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
 from baton.core.labels import CLIQUE_LABEL
 from rigs.devcluster import (
     KWOK_ANNOTATION,
+    ControlPlane,
     add_trays,
+    binaries_dir,
     create_model_deployment,
     install_crd,
     node_ready,
@@ -82,6 +87,27 @@ def test_kwok_trays_stay_ready_past_the_node_monitor_grace_period(api, namespace
         assert names <= {lease.metadata.name for lease in leases if lease.metadata}
     finally:
         remove_trays(api, nodes)
+
+
+def test_the_api_server_reports_its_release_and_kubectl_talks_to_it(
+    api, control_plane: ControlPlane
+) -> None:
+    info = client.VersionApi(api).get_code()
+    assert (info.git_version, info.major, info.minor) == ("v1.37.2", "1", "37")
+    shown = subprocess.run(
+        [
+            str(binaries_dir() / "kubectl"),
+            f"--kubeconfig={control_plane.kubeconfig}",
+            "version",
+            "--output=json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    versions = json.loads(shown.stdout)
+    assert versions["clientVersion"]["gitVersion"] == "v1.37.2"
+    assert versions["serverVersion"]["gitVersion"] == "v1.37.2"
 
 
 def test_kwok_tray_runs_a_pod_that_requests_its_gpus(api, namespace) -> None:
