@@ -26,12 +26,13 @@ from kubernetes.client.rest import ApiException
 from baton.core.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from baton.core.crd import CRD_PATH
 from baton.core.kube import json_object
-from baton.core.labels import HOSTNAME_LABEL
+from baton.core.labels import HOSTNAME_LABEL, NODE_ARCH_LABEL, NODE_OS_LABEL
 from controller.topology import synthetic_nodes
 from rigs.processes import eventually, free_port, stop_process
 
 __all__ = [
     "ControlPlane",
+    "add_cpu_nodes",
     "add_trays",
     "binaries_dir",
     "create_model_deployment",
@@ -39,7 +40,7 @@ __all__ = [
     "node_ready",
     "patch_model_deployment_spec",
     "read_model_deployment",
-    "remove_trays",
+    "remove_nodes",
     "start_control_plane",
     "write_kubeconfig",
 ]
@@ -52,6 +53,8 @@ POD_CIDR = "127.64.0.0/16"
 NODE_LEASE_SECONDS = 40
 # What a GB300 tray's kubelet reports beside its GPUs.
 TRAY_RESOURCES = {"cpu": "144", "memory": "960Gi", "pods": "110"}
+# A modest x86 system node, enough for the chart's controller, gateway and EPLB service.
+CPU_NODE_RESOURCES = {"cpu": "16", "memory": "64Gi", "pods": "110"}
 
 
 def binaries_dir() -> Path:
@@ -240,6 +243,22 @@ def start_control_plane(directory: Path, bin_dir: Path) -> ControlPlane:
     return plane
 
 
+def _create_kwok_nodes(api: client.ApiClient, nodes: list[dict[str, Any]], timeout: float) -> None:
+    """Create ``nodes`` for kwok to play their kubelets, and wait until all are Ready."""
+    core = client.CoreV1Api(api)
+    for node in nodes:
+        node["metadata"].setdefault("annotations", {})[KWOK_ANNOTATION] = "fake"
+        # The model the client would validate the dict into itself: the request is the same.
+        core.create_node(client.V1Node.model_validate(node))
+    names = {node["metadata"]["name"] for node in nodes}
+
+    def all_ready() -> bool:
+        ready = {n.metadata.name for n in core.list_node().items if n.metadata and node_ready(n)}
+        return names <= ready
+
+    eventually(all_ready, timeout=timeout, interval=0.5)
+
+
 def add_trays(
     api: client.ApiClient,
     racks: int,
@@ -253,25 +272,51 @@ def add_trays(
     ``name_prefix`` keeps node names unique across tests: a pod of an earlier test that is
     still terminating names its node, and must not count against a new tray of that name.
     """
-    core = client.CoreV1Api(api)
     nodes = synthetic_nodes(racks, trays_per_rack=trays_per_rack)
     for node in nodes:
         meta = node["metadata"]
         meta["name"] = name_prefix + meta["name"]
         meta["labels"][HOSTNAME_LABEL] = meta["name"]
-        meta["annotations"][KWOK_ANNOTATION] = "fake"
         status = node["status"]
         for field_name in ("allocatable", "capacity"):
             status[field_name].update(TRAY_RESOURCES)
-        # The model the client would validate the dict into itself: the request is the same.
-        core.create_node(client.V1Node.model_validate(node))
-    names = {node["metadata"]["name"] for node in nodes}
+    _create_kwok_nodes(api, nodes, timeout)
+    return nodes
 
-    def all_ready() -> bool:
-        ready = {n.metadata.name for n in core.list_node().items if n.metadata and node_ready(n)}
-        return names <= ready
 
-    eventually(all_ready, timeout=timeout, interval=0.5)
+def add_cpu_nodes(
+    api: client.ApiClient, count: int, *, name_prefix: str = "", timeout: float = 60
+) -> list[dict[str, Any]]:
+    """Create ``count`` CPU nodes (``cpu-0``, ...) as kwok nodes and wait until all are Ready.
+
+    A real cluster runs its system pods (Baton's controller, gateway and EPLB service among them)
+    on such nodes: no GPU labels, no GPU resource and no taint, so a pod that tolerates nothing
+    schedules there, never on a tray.
+    """
+    nodes = []
+    for index in range(count):
+        name = f"{name_prefix}cpu-{index}"
+        nodes.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "labels": {
+                        HOSTNAME_LABEL: name,
+                        NODE_ARCH_LABEL: "amd64",
+                        NODE_OS_LABEL: "linux",
+                    },
+                },
+                "spec": {},
+                "status": {
+                    "capacity": dict(CPU_NODE_RESOURCES),
+                    "allocatable": dict(CPU_NODE_RESOURCES),
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                },
+            }
+        )
+    _create_kwok_nodes(api, nodes, timeout)
     return nodes
 
 
@@ -281,7 +326,7 @@ def node_ready(node: client.V1Node) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in conditions or [])
 
 
-def remove_trays(api: client.ApiClient, nodes: list[dict[str, Any]]) -> None:
+def remove_nodes(api: client.ApiClient, nodes: list[dict[str, Any]]) -> None:
     core = client.CoreV1Api(api)
     for node in nodes:
         try:

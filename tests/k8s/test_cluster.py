@@ -19,7 +19,7 @@ from rigs.devcluster import (
     install_crd,
     node_ready,
     read_model_deployment,
-    remove_trays,
+    remove_nodes,
 )
 from rigs.processes import eventually
 
@@ -86,7 +86,7 @@ def test_kwok_trays_stay_ready_past_the_node_monitor_grace_period(api, namespace
         leases = client.CoordinationV1Api(api).list_namespaced_lease("kube-node-lease").items
         assert names <= {lease.metadata.name for lease in leases if lease.metadata}
     finally:
-        remove_trays(api, nodes)
+        remove_nodes(api, nodes)
 
 
 def test_the_api_server_reports_its_release_and_kubectl_talks_to_it(
