@@ -1,4 +1,4 @@
-"""A real Kubernetes control plane on loopback for the operator's tests and benchmarks.
+"""A real Kubernetes control plane on loopback: the tests, benchmarks and ``baton dev-cluster``.
 
 etcd, kube-apiserver, kube-scheduler and kube-controller-manager (built from Go modules by
 ``deploy/dev/build.sh``) and kwok, which plays the kubelet of every node annotated as a fake tray:
@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ __all__ = [
     "binaries_dir",
     "create_model_deployment",
     "install_crd",
+    "mark_tray_not_ready",
+    "mark_tray_ready",
     "node_ready",
     "patch_model_deployment_spec",
     "read_model_deployment",
@@ -78,6 +81,7 @@ class ControlPlane:
     directory: Path
     server: str
     kubeconfig: Path
+    detached: bool = False
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def log(self, name: str) -> str:
@@ -91,7 +95,12 @@ class ControlPlane:
 def _spawn(plane: ControlPlane, name: str, command: list[str]) -> None:
     log = (plane.directory / f"{name}.log").open("wb")
     plane.processes[name] = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, cwd=plane.directory
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=plane.directory,
+        # A session of its own: the starting command's terminal (Ctrl-C, hang-up) cannot stop it.
+        start_new_session=plane.detached,
     )
 
 
@@ -141,10 +150,17 @@ def write_kubeconfig(plane: ControlPlane, path: Path, token: str) -> Path:
     return path
 
 
-def start_control_plane(directory: Path, bin_dir: Path) -> ControlPlane:
+def start_control_plane(directory: Path, bin_dir: Path, *, detached: bool = False) -> ControlPlane:
+    """Start the control plane in ``directory`` (its data, certificates, logs and kubeconfig).
+
+    ``detached`` processes outlive the Python process that started them (``baton dev-cluster``);
+    otherwise they stop with :meth:`ControlPlane.stop`.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
-    plane = ControlPlane(directory, f"https://127.0.0.1:{api_port}", directory / "kubeconfig")
+    plane = ControlPlane(
+        directory, f"https://127.0.0.1:{api_port}", directory / "kubeconfig", detached
+    )
     key = directory / "sa.key"
     subprocess.run(["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True)
     subprocess.run(
@@ -263,16 +279,22 @@ def add_trays(
     api: client.ApiClient,
     racks: int,
     *,
+    first_rack: int = 0,
     trays_per_rack: int = 18,
     name_prefix: str = "",
     timeout: float = 120,
 ) -> list[dict[str, Any]]:
     """Create ``racks`` synthetic GB300 racks as kwok nodes and wait until all are Ready.
 
+    Racks are numbered from ``first_rack``, so racks added later join those already there.
     ``name_prefix`` keeps node names unique across tests: a pod of an earlier test that is
     still terminating names its node, and must not count against a new tray of that name.
     """
-    nodes = synthetic_nodes(racks, trays_per_rack=trays_per_rack)
+    # A rack's ClusterUUID depends on its index alone: the first racks of a longer list are
+    # the racks created before.
+    nodes = synthetic_nodes(first_rack + racks, trays_per_rack=trays_per_rack)[
+        first_rack * trays_per_rack :
+    ]
     for node in nodes:
         meta = node["metadata"]
         meta["name"] = name_prefix + meta["name"]
@@ -324,6 +346,29 @@ def node_ready(node: client.V1Node) -> bool:
     """Whether the node reports Ready (a fake tray does once kwok plays its kubelet)."""
     conditions = node.status.conditions if node.status else None
     return any(c.type == "Ready" and c.status == "True" for c in conditions or [])
+
+
+def mark_tray_not_ready(api: client.ApiClient, name: str) -> None:
+    """The tray's kubelet stops: kwok no longer plays it (no status, no Lease renewal) and its
+    Ready condition goes False, as a kubelet reports when its runtime or network fails."""
+    core = client.CoreV1Api(api)
+    core.patch_node(name, {"metadata": {"annotations": {KWOK_ANNOTATION: None}}})
+    # A strategic merge patch replaces the Ready condition alone (conditions merge by type).
+    ready = {
+        "type": "Ready",
+        "status": "False",
+        "reason": "KubeletNotReady",
+        "message": "marked not ready by the dev cluster",
+        "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    core.patch_node_status(name, {"status": {"conditions": [ready]}})
+
+
+def mark_tray_ready(api: client.ApiClient, name: str, timeout: float = 60) -> None:
+    """kwok plays the tray's kubelet again; returns once the tray reports Ready."""
+    core = client.CoreV1Api(api)
+    core.patch_node(name, {"metadata": {"annotations": {KWOK_ANNOTATION: "fake"}}})
+    eventually(lambda: node_ready(core.read_node(name)), timeout=timeout, interval=0.5)
 
 
 def remove_nodes(api: client.ApiClient, nodes: list[dict[str, Any]]) -> None:
