@@ -60,6 +60,12 @@ def _vllm_plugin(argv: Sequence[str]) -> int:
     return plugin_main(argv)
 
 
+def _dev_cluster(argv: Sequence[str]) -> int:
+    from baton.dev_cluster import main as dev_cluster_main
+
+    return dev_cluster_main(argv)
+
+
 def _crd(argv: Sequence[str]) -> int:
     from baton.core.crd import main as crd_main
 
@@ -75,13 +81,14 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "place": (_place, "dry-run placement of cells on NVL72 trays"),
     "crd": (_crd, "print the ModelDeployment CRD generated from baton/core/api.py"),
     "up": (_up, "all of Baton on one machine: a simulated rack, engines, gateway"),
+    "dev-cluster": (_dev_cluster, "a loopback Kubernetes control plane with fake GB300 trays"),
     "vllm-plugin": (_vllm_plugin, "install Baton's EPLB plugin for vLLM engines into a directory"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: baton COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<10} {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines += [f"  {name:<12} {summary}" for name, (_, summary) in COMMANDS.items()]
     return "\n".join(lines)
 
 

@@ -1,10 +1,11 @@
-"""A real Kubernetes control plane on loopback for the operator's tests and benchmarks.
+"""A real Kubernetes control plane on loopback: the tests, benchmarks and ``baton dev-cluster``.
 
 etcd, kube-apiserver, kube-scheduler and kube-controller-manager (built from Go modules by
 ``deploy/dev/build.sh``) and kwok, which plays the kubelet of every node annotated as a fake tray:
-heartbeats, and pods bound to it reported Running and Ready with an IP. Pod IPs come from
-127.64.0.0/16, a loopback range: a test can serve a pod's engine (``baton sim``) at its pod IP.
-Everything lives in a temporary directory and stops with :meth:`ControlPlane.stop`.
+heartbeats (a Lease per tray in kube-node-lease, renewed as a kubelet does), and pods bound to it
+reported Running and Ready with an IP. Pod IPs come from 127.64.0.0/16, a loopback range: a test
+can serve a pod's engine (``baton sim``) at its pod IP. Everything lives in a temporary directory
+and stops with :meth:`ControlPlane.stop`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +28,23 @@ from kubernetes.client.rest import ApiException
 from baton.core.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from baton.core.crd import CRD_PATH
 from baton.core.kube import json_object
-from baton.core.labels import HOSTNAME_LABEL
+from baton.core.labels import HOSTNAME_LABEL, NODE_ARCH_LABEL, NODE_OS_LABEL
 from controller.topology import synthetic_nodes
 from rigs.processes import eventually, free_port, stop_process
 
 __all__ = [
     "ControlPlane",
+    "add_cpu_nodes",
     "add_trays",
     "binaries_dir",
     "create_model_deployment",
     "install_crd",
+    "mark_tray_not_ready",
+    "mark_tray_ready",
     "node_ready",
     "patch_model_deployment_spec",
     "read_model_deployment",
-    "remove_trays",
+    "remove_nodes",
     "start_control_plane",
     "write_kubeconfig",
 ]
@@ -59,8 +64,12 @@ AUDIT_POLICY = {
         {"level": "None"},
     ],
 }
+# The kubelet's default; kwok renews each tray's Lease in kube-node-lease every quarter of it.
+NODE_LEASE_SECONDS = 40
 # What a GB300 tray's kubelet reports beside its GPUs.
 TRAY_RESOURCES = {"cpu": "144", "memory": "960Gi", "pods": "110"}
+# A modest x86 system node, enough for the chart's controller, gateway and EPLB service.
+CPU_NODE_RESOURCES = {"cpu": "16", "memory": "64Gi", "pods": "110"}
 
 
 def binaries_dir() -> Path:
@@ -84,6 +93,7 @@ class ControlPlane:
     directory: Path
     server: str
     kubeconfig: Path
+    detached: bool = False
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def log(self, name: str) -> str:
@@ -112,7 +122,12 @@ class ControlPlane:
 def _spawn(plane: ControlPlane, name: str, command: list[str]) -> None:
     log = (plane.directory / f"{name}.log").open("wb")
     plane.processes[name] = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, cwd=plane.directory
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=plane.directory,
+        # A session of its own: the starting command's terminal (Ctrl-C, hang-up) cannot stop it.
+        start_new_session=plane.detached,
     )
 
 
@@ -162,10 +177,17 @@ def write_kubeconfig(plane: ControlPlane, path: Path, token: str) -> Path:
     return path
 
 
-def start_control_plane(directory: Path, bin_dir: Path) -> ControlPlane:
+def start_control_plane(directory: Path, bin_dir: Path, *, detached: bool = False) -> ControlPlane:
+    """Start the control plane in ``directory`` (its data, certificates, logs and kubeconfig).
+
+    ``detached`` processes outlive the Python process that started them (``baton dev-cluster``);
+    otherwise they stop with :meth:`ControlPlane.stop`.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
-    plane = ControlPlane(directory, f"https://127.0.0.1:{api_port}", directory / "kubeconfig")
+    plane = ControlPlane(
+        directory, f"https://127.0.0.1:{api_port}", directory / "kubeconfig", detached
+    )
     key = directory / "sa.key"
     subprocess.run(["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True)
     subprocess.run(
@@ -252,6 +274,9 @@ def start_control_plane(directory: Path, bin_dir: Path) -> ControlPlane:
                 f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
                 f"--server-address=127.0.0.1:{free_port()}",
                 f"--cidr={POD_CIDR}",
+                # A kubelet's Lease: without one, kube-controller-manager marks every tray
+                # NotReady after its 50 s grace period and kwok flips it back, over and over.
+                f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}",
                 *(
                     f"--config={stage}"
                     for stage in sorted((bin_dir / "kwok-stages").glob("*.yaml"))
@@ -265,29 +290,11 @@ def start_control_plane(directory: Path, bin_dir: Path) -> ControlPlane:
     return plane
 
 
-def add_trays(
-    api: client.ApiClient,
-    racks: int,
-    *,
-    trays_per_rack: int = 18,
-    name_prefix: str = "",
-    timeout: float = 120,
-) -> list[dict[str, Any]]:
-    """Create ``racks`` synthetic GB300 racks as kwok nodes and wait until all are Ready.
-
-    ``name_prefix`` keeps node names unique across tests: a pod of an earlier test that is
-    still terminating names its node, and must not count against a new tray of that name.
-    """
+def _create_kwok_nodes(api: client.ApiClient, nodes: list[dict[str, Any]], timeout: float) -> None:
+    """Create ``nodes`` for kwok to play their kubelets, and wait until all are Ready."""
     core = client.CoreV1Api(api)
-    nodes = synthetic_nodes(racks, trays_per_rack=trays_per_rack)
     for node in nodes:
-        meta = node["metadata"]
-        meta["name"] = name_prefix + meta["name"]
-        meta["labels"][HOSTNAME_LABEL] = meta["name"]
-        meta["annotations"][KWOK_ANNOTATION] = "fake"
-        status = node["status"]
-        for field_name in ("allocatable", "capacity"):
-            status[field_name].update(TRAY_RESOURCES)
+        node["metadata"].setdefault("annotations", {})[KWOK_ANNOTATION] = "fake"
         # The model the client would validate the dict into itself: the request is the same.
         core.create_node(client.V1Node.model_validate(node))
     names = {node["metadata"]["name"] for node in nodes}
@@ -297,6 +304,72 @@ def add_trays(
         return names <= ready
 
     eventually(all_ready, timeout=timeout, interval=0.5)
+
+
+def add_trays(
+    api: client.ApiClient,
+    racks: int,
+    *,
+    first_rack: int = 0,
+    trays_per_rack: int = 18,
+    name_prefix: str = "",
+    timeout: float = 120,
+) -> list[dict[str, Any]]:
+    """Create ``racks`` synthetic GB300 racks as kwok nodes and wait until all are Ready.
+
+    Racks are numbered from ``first_rack``, so racks added later join those already there.
+    ``name_prefix`` keeps node names unique across tests: a pod of an earlier test that is
+    still terminating names its node, and must not count against a new tray of that name.
+    """
+    # A rack's ClusterUUID depends on its index alone: the first racks of a longer list are
+    # the racks created before.
+    nodes = synthetic_nodes(first_rack + racks, trays_per_rack=trays_per_rack)[
+        first_rack * trays_per_rack :
+    ]
+    for node in nodes:
+        meta = node["metadata"]
+        meta["name"] = name_prefix + meta["name"]
+        meta["labels"][HOSTNAME_LABEL] = meta["name"]
+        status = node["status"]
+        for field_name in ("allocatable", "capacity"):
+            status[field_name].update(TRAY_RESOURCES)
+    _create_kwok_nodes(api, nodes, timeout)
+    return nodes
+
+
+def add_cpu_nodes(
+    api: client.ApiClient, count: int, *, name_prefix: str = "", timeout: float = 60
+) -> list[dict[str, Any]]:
+    """Create ``count`` CPU nodes (``cpu-0``, ...) as kwok nodes and wait until all are Ready.
+
+    A real cluster runs its system pods (Baton's controller, gateway and EPLB service among them)
+    on such nodes: no GPU labels, no GPU resource and no taint, so a pod that tolerates nothing
+    schedules there, never on a tray.
+    """
+    nodes = []
+    for index in range(count):
+        name = f"{name_prefix}cpu-{index}"
+        nodes.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "labels": {
+                        HOSTNAME_LABEL: name,
+                        NODE_ARCH_LABEL: "amd64",
+                        NODE_OS_LABEL: "linux",
+                    },
+                },
+                "spec": {},
+                "status": {
+                    "capacity": dict(CPU_NODE_RESOURCES),
+                    "allocatable": dict(CPU_NODE_RESOURCES),
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                },
+            }
+        )
+    _create_kwok_nodes(api, nodes, timeout)
     return nodes
 
 
@@ -306,7 +379,30 @@ def node_ready(node: client.V1Node) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in conditions or [])
 
 
-def remove_trays(api: client.ApiClient, nodes: list[dict[str, Any]]) -> None:
+def mark_tray_not_ready(api: client.ApiClient, name: str) -> None:
+    """The tray's kubelet stops: kwok no longer plays it (no status, no Lease renewal) and its
+    Ready condition goes False, as a kubelet reports when its runtime or network fails."""
+    core = client.CoreV1Api(api)
+    core.patch_node(name, {"metadata": {"annotations": {KWOK_ANNOTATION: None}}})
+    # A strategic merge patch replaces the Ready condition alone (conditions merge by type).
+    ready = {
+        "type": "Ready",
+        "status": "False",
+        "reason": "KubeletNotReady",
+        "message": "marked not ready by the dev cluster",
+        "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    core.patch_node_status(name, {"status": {"conditions": [ready]}})
+
+
+def mark_tray_ready(api: client.ApiClient, name: str, timeout: float = 60) -> None:
+    """kwok plays the tray's kubelet again; returns once the tray reports Ready."""
+    core = client.CoreV1Api(api)
+    core.patch_node(name, {"metadata": {"annotations": {KWOK_ANNOTATION: "fake"}}})
+    eventually(lambda: node_ready(core.read_node(name)), timeout=timeout, interval=0.5)
+
+
+def remove_nodes(api: client.ApiClient, nodes: list[dict[str, Any]]) -> None:
     core = client.CoreV1Api(api)
     for node in nodes:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -14,7 +15,15 @@ from typing import TypeVar
 
 import httpx
 
-__all__ = ["eventually", "free_port", "free_port_block", "stop_process", "wait_healthy"]
+__all__ = [
+    "eventually",
+    "free_port",
+    "free_port_block",
+    "process_running",
+    "stop_pid",
+    "stop_process",
+    "wait_healthy",
+]
 
 # Ports handed out in this process: blocks chosen one after another must not overlap even though
 # each check closes its sockets before the server binds them.
@@ -101,3 +110,30 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def process_running(pid: int, executable: str) -> bool:
+    """Whether ``pid`` is a live process started from ``executable``: a pid recorded in a file
+    may since have been reused by another program, which must never be signalled."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read().split(b"\0")
+    except OSError:
+        return False
+    # An exited process not yet reaped (a zombie) has an empty command line.
+    return argv[0].decode(errors="replace") == executable
+
+
+def stop_pid(pid: int, executable: str, timeout: float = 10) -> None:
+    """Stop a process this one did not start (so cannot wait for): SIGTERM, then SIGKILL if it
+    has not exited within ``timeout``. Nothing happens unless ``process_running`` holds."""
+    if not process_running(pid, executable):
+        return
+    with contextlib.suppress(ProcessLookupError):  # it may exit between check and signal
+        os.kill(pid, signal.SIGTERM)
+    try:
+        eventually(lambda: not process_running(pid, executable), timeout=timeout, interval=0.1)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        eventually(lambda: not process_running(pid, executable), timeout=timeout, interval=0.1)

@@ -19,6 +19,8 @@ __all__ = [
     "GPU_RESOURCE",
     "GPU_TAINT_KEY",
     "HOSTNAME_LABEL",
+    "NODE_ARCH_LABEL",
+    "NODE_OS_LABEL",
     "QUARANTINED_ANNOTATION",
     "RANK_LABEL",
     "ROLE_LABEL",
@@ -34,8 +36,11 @@ CLIQUE_LABEL = "nvidia.com/gpu.clique"
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 
-# Node label set by the kubelet.
+# Node labels set by the kubelet; the OS and architecture ones are written on synthetic CPU
+# nodes so they look real.
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+NODE_ARCH_LABEL = "kubernetes.io/arch"
+NODE_OS_LABEL = "kubernetes.io/os"
 
 # Extended resource of the NVIDIA device plugin, in status.allocatable.
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Builds the operator tests' binaries from Go modules into a cache keyed by their versions:
-# kube-apiserver, kube-scheduler, kube-controller-manager (k8s/), etcd (etcd/), kwok (kwok/),
-# helm (helm/). Built once per machine; progress goes to stderr, the cache directory to stdout.
-# `build.sh --where` prints the directory without building anything.
+# kube-apiserver, kube-scheduler, kube-controller-manager, kubectl (k8s/), etcd (etcd/), kwok
+# (kwok/), helm (helm/). Built once per machine; progress goes to stderr, the cache directory to
+# stdout. `build.sh --where` prints the directory without building anything.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-key="$(cat "$here"/*/go.mod "$here"/*/go.sum 2>/dev/null | sha256sum | cut -c1-12)"
+# This script is part of the key: a change to how the binaries are built rebuilds them.
+key="$(cat "$here/build.sh" "$here"/*/go.mod "$here"/*/go.sum 2>/dev/null | sha256sum | cut -c1-12)"
 out="${BATON_DEV_BIN:-$HOME/.cache/baton/dev-$key}"
 if [ "${1:-}" = "--where" ]; then
   echo "$out"
@@ -18,10 +19,24 @@ if [ ! -e "$out/.complete" ]; then
   step "building the Kubernetes test binaries into $out; 10-20 minutes with no Go cache"
   mkdir -p "$out"
   flags=(-trimpath -ldflags "-s -w")
-  step "kube-apiserver, kube-scheduler, kube-controller-manager (k8s.io/kubernetes)"
-  (cd "$here/k8s" && go build "${flags[@]}" -o "$out/" \
+  step "kube-apiserver, kube-scheduler, kube-controller-manager, kubectl (k8s.io/kubernetes)"
+  # Kubernetes' own build stamps its version in with -X; a plain `go build` leaves
+  # v0.0.0-master, which `kubectl version` and version-gated clients reject. The module records
+  # no commit, so gitCommit stays empty; buildDate is the release's publication time, so two
+  # builds of the same module are identical.
+  k8s="$(cd "$here/k8s" && go list -m -f '{{.Version}} {{.Time.UTC.Format "2006-01-02T15:04:05Z"}}' \
+    k8s.io/kubernetes)"
+  read -r k8s_version k8s_date <<<"$k8s"
+  IFS=. read -r k8s_major k8s_minor _ <<<"${k8s_version#v}"
+  k8s_ldflags="-s -w"
+  for package in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    k8s_ldflags+=" -X $package.gitVersion=$k8s_version -X $package.gitMajor=$k8s_major"
+    k8s_ldflags+=" -X $package.gitMinor=$k8s_minor -X $package.gitTreeState=clean"
+    k8s_ldflags+=" -X $package.gitCommit= -X $package.buildDate=$k8s_date"
+  done
+  (cd "$here/k8s" && go build -trimpath -ldflags "$k8s_ldflags" -o "$out/" \
     k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler \
-    k8s.io/kubernetes/cmd/kube-controller-manager)
+    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl)
   step "etcd"
   (cd "$here/etcd" && go build "${flags[@]}" -o "$out/etcd" .)
   step "kwok"

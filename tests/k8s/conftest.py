@@ -18,7 +18,7 @@ from rigs.devcluster import (
     add_trays,
     binaries_dir,
     install_crd,
-    remove_trays,
+    remove_nodes,
     start_control_plane,
 )
 from rigs.processes import eventually, stop_process
@@ -70,7 +70,7 @@ def rack(api: client.ApiClient, namespace: str) -> Iterator[list[dict[str, Any]]
         lambda: not core.list_namespaced_pod(namespace, label_selector=DEPLOYMENT_LABEL).items,
         timeout=60,
     )
-    remove_trays(api, nodes)
+    remove_nodes(api, nodes)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from baton.core.api import ModelDeployment
 from controller.placement import DeploymentShape, plan_placement
 from controller.podspec import render_cell
 from controller.topology import parse_topology
-from rigs.devcluster import add_trays, create_model_deployment, install_crd, remove_trays
+from rigs.devcluster import add_trays, create_model_deployment, install_crd, remove_nodes
 from rigs.processes import eventually
 
 
@@ -81,4 +81,4 @@ def test_gated_cell_pods_run_on_their_planned_trays_once_lifted(api, namespace) 
             raise AssertionError(f"pods not running where planned: {states}") from None
         assert len(pod_names) == 8 + 4
     finally:
-        remove_trays(api, nodes)
+        remove_nodes(api, nodes)

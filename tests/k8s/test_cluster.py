@@ -3,16 +3,23 @@ and the real API server validates ModelDeployments against the generated CRD."""
 
 from __future__ import annotations
 
-from kubernetes import client
+import json
+import subprocess
+
+from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
 from baton.core.labels import CLIQUE_LABEL
 from rigs.devcluster import (
     KWOK_ANNOTATION,
+    ControlPlane,
+    add_trays,
+    binaries_dir,
     create_model_deployment,
     install_crd,
     node_ready,
     read_model_deployment,
+    remove_nodes,
 )
 from rigs.processes import eventually
 
@@ -35,6 +42,72 @@ def fake_tray(name: str, clique: str) -> client.V1Node:
             capacity={"cpu": "72", "memory": "900Gi", "pods": "110", "nvidia.com/gpu": "4"},
         ),
     )
+
+
+# kube-controller-manager marks a node whose kubelet neither updated its status nor renewed its
+# Lease within --node-monitor-grace-period (50 s by default in v1.37) NotReady, checking every
+# --node-monitor-period (5 s); a watch held past both, with margin, sees any such flip.
+HOLD_SECONDS = 50 + 5 + 20
+
+
+def _ready_condition(node: client.V1Node) -> tuple[str | None, object]:
+    conditions = node.status.conditions if node.status else None
+    ready = next((c for c in conditions or [] if c.type == "Ready"), None)
+    return (ready.status, ready.last_transition_time) if ready else (None, None)
+
+
+def test_kwok_trays_stay_ready_past_the_node_monitor_grace_period(api, namespace) -> None:
+    core = client.CoreV1Api(api)
+    nodes = add_trays(api, 1, trays_per_rack=2, name_prefix=f"{namespace}-")
+    names = {node["metadata"]["name"] for node in nodes}
+    try:
+        listed = core.list_node()
+        before = {
+            n.metadata.name: _ready_condition(n)
+            for n in listed.items
+            if n.metadata and n.metadata.name in names
+        }
+        assert {status for status, _ in before.values()} == {"True"}
+        assert listed.metadata is not None  # a list always carries its resourceVersion
+        # Every change to a node arrives on the watch, even one kwok reverts within milliseconds.
+        seen: list[tuple[str, str | None]] = []
+        for event in watch.Watch().stream(
+            core.list_node,
+            resource_version=listed.metadata.resource_version,
+            timeout_seconds=HOLD_SECONDS,
+            _request_timeout=HOLD_SECONDS + 30,
+        ):
+            node = event["object"]
+            if node.metadata.name in names:
+                seen.append((node.metadata.name, _ready_condition(node)[0]))
+        assert [(name, status) for name, status in seen if status != "True"] == []
+        after = {name: _ready_condition(core.read_node(name)) for name in names}
+        assert after == before
+        leases = client.CoordinationV1Api(api).list_namespaced_lease("kube-node-lease").items
+        assert names <= {lease.metadata.name for lease in leases if lease.metadata}
+    finally:
+        remove_nodes(api, nodes)
+
+
+def test_the_api_server_reports_its_release_and_kubectl_talks_to_it(
+    api, control_plane: ControlPlane
+) -> None:
+    info = client.VersionApi(api).get_code()
+    assert (info.git_version, info.major, info.minor) == ("v1.37.2", "1", "37")
+    shown = subprocess.run(
+        [
+            str(binaries_dir() / "kubectl"),
+            f"--kubeconfig={control_plane.kubeconfig}",
+            "version",
+            "--output=json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    versions = json.loads(shown.stdout)
+    assert versions["clientVersion"]["gitVersion"] == "v1.37.2"
+    assert versions["serverVersion"]["gitVersion"] == "v1.37.2"
 
 
 def test_kwok_tray_runs_a_pod_that_requests_its_gpus(api, namespace) -> None:

@@ -9,7 +9,7 @@ from typing import Any, cast
 import pytest
 from kubernetes import client
 
-from rigs.devcluster import patch_model_deployment_spec
+from rigs.devcluster import mark_tray_not_ready, patch_model_deployment_spec
 from rigs.processes import eventually
 from tests.k8s.helpers import (
     apply,
@@ -141,15 +141,7 @@ def test_tray_not_ready_moves_the_group_to_the_spare(api, namespace, rack) -> No
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     cell = wait_ready(api, namespace, "dsv4")["status"]["cells"][0]
     failing, spare = cell["decode"]["trays"][3], cell["spareTrays"][0]
-    core = client.CoreV1Api(api)
-    # kwok stops playing this tray's kubelet; the tray then reports NotReady.
-    core.patch_node(failing, {"metadata": {"annotations": {"kwok.x-k8s.io/node": None}}})
-    node = core.read_node_status(failing)
-    assert node.status is not None and node.status.conditions  # the tray was Ready
-    for c in node.status.conditions:
-        if c.type == "Ready":
-            c.status, c.reason = "False", "KubeletNotReady"
-    core.replace_node_status(failing, node)
+    mark_tray_not_ready(api, failing)
 
     def moved() -> bool:
         decode = pods(api, namespace, "decode")

@@ -40,9 +40,11 @@ from eplb.config import load_config
 from rigs.devcluster import (
     ROOT,
     ControlPlane,
+    add_cpu_nodes,
     binaries_dir,
     install_crd,
     patch_model_deployment_spec,
+    remove_nodes,
     write_kubeconfig,
 )
 from rigs.processes import eventually, free_port, stop_process
@@ -462,6 +464,66 @@ def test_helm_upgrade_updates_the_crd_and_uninstall_keeps_it_and_the_deployments
         assert original.metadata is not None and current.metadata is not None  # served objects
         original.metadata.resource_version = current.metadata.resource_version
         extensions.replace_custom_resource_definition(crd_name, original)
+
+
+def test_the_charts_pods_wait_for_a_cpu_node_and_run_there_never_on_a_tray(
+    api, namespace, rack, control_plane: ControlPlane
+) -> None:
+    release = f"c-{namespace}"
+    installed = helm(
+        "install",
+        release,
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--kubeconfig",
+        str(control_plane.kubeconfig),
+        "--set",
+        f"gateway.modelDeployment={namespace}/dsv4",
+        "--set",
+        "crds.install=false",  # the session's CRD, which no release owns
+    )
+    assert installed.returncode == 0, installed.stderr
+    core = client.CoreV1Api(api)
+    selector = f"app.kubernetes.io/instance={release}"
+
+    def listed() -> list[client.V1Pod]:
+        return core.list_namespaced_pod(namespace, label_selector=selector).items
+
+    def unschedulable(pod: client.V1Pod) -> bool:
+        conditions = pod.status.conditions if pod.status else None
+        return any(
+            c.type == "PodScheduled" and c.reason == "Unschedulable" for c in conditions or []
+        )
+
+    cpu_nodes: list[dict] = []
+    try:
+        # Two controllers, two gateways, one EPLB service; the trays' taint keeps them off.
+        eventually(lambda: len(listed()) == 5 and all(map(unschedulable, listed())), timeout=60)
+        cpu_nodes = add_cpu_nodes(api, 1, name_prefix=f"{namespace}-")
+        cpu_node = cpu_nodes[0]["metadata"]["name"]
+
+        def running_on_the_cpu_node() -> bool:
+            return all(
+                p.spec is not None
+                and p.spec.node_name == cpu_node
+                and p.status is not None
+                and p.status.phase == "Running"
+                for p in listed()
+            )
+
+        eventually(running_on_the_cpu_node, timeout=60)
+        components = {
+            (p.metadata.labels or {}).get("app.kubernetes.io/component")
+            for p in listed()
+            if p.metadata
+        }
+        assert components == {"controller", "gateway", "eplb"}
+    finally:
+        kubeconfig = str(control_plane.kubeconfig)
+        helm("uninstall", release, "--namespace", namespace, "--kubeconfig", kubeconfig)
+        eventually(lambda: not listed(), timeout=60)
+        remove_nodes(api, cpu_nodes)
 
 
 def test_drains_keep_a_controller_and_a_gateway_and_every_pod_runs_under_runtime_seccomp(
