@@ -11,12 +11,14 @@ Every error is an OpenAI error body with its status; FastAPI's 422 is answered a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -27,14 +29,18 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from router.discovery import DeploymentWatch, watch_pool_file
 from router.errors import (
+    ClientClosedRequest,
     GatewayError,
     InvalidRequest,
     ModelNotFound,
+    NoHealthyTarget,
     PayloadTooLarge,
+    RequestTimeout,
     Unauthorized,
     error_body,
 )
@@ -43,7 +49,7 @@ from router.metrics import GatewayMetrics
 from router.pool import Pool
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.relay import SERVER_SEND, RelayResponse
-from router.settings import GatewayConfig
+from router.settings import GatewayConfig, GatewaySettings
 from router.upstream import UpstreamPool
 
 __all__ = ["Gateway", "create_app", "create_gateway"]
@@ -51,6 +57,8 @@ __all__ = ["Gateway", "create_app", "create_gateway"]
 log = logging.getLogger("baton.gateway")
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+T = TypeVar("T")
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 CHAT_ROUTE = "/v1/chat/completions"
 COMPLETIONS_ROUTE = "/v1/completions"
 
@@ -131,25 +139,51 @@ def authenticate(keys: tuple[bytes, ...], headers: Mapping[str, str]) -> None:
         raise Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>'")
 
 
+def request_id_of(headers: Mapping[str, str]) -> str:
+    """The client's ``X-Request-Id`` when it is one an engine takes (1-256 visible ASCII
+    characters: it is forwarded, and one an engine cannot parse would fail there and count
+    against a healthy engine), else a new one."""
+    given = headers.get("x-request-id")
+    if given is None:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID.fullmatch(given):
+        raise InvalidRequest(
+            "X-Request-Id must be 1 to 256 visible ASCII characters (letters, digits, "
+            "punctuation); leave it out and the gateway makes one",
+            param="X-Request-Id",
+        )
+    return given
+
+
 async def read_body(
     request: Request,
     headers: Mapping[str, str],
     model: type[BaseModel],
-    max_bytes: int,
+    settings: GatewaySettings,
     served: tuple[str, ...],
 ) -> tuple[dict[str, Any], bytes]:
     """The body as a dict and as the client's exact bytes, validated against ``model`` and the
-    served models; every problem is an InvalidRequest, PayloadTooLarge or ModelNotFound."""
+    served models; every problem is a GatewayError (InvalidRequest, PayloadTooLarge,
+    RequestTimeout, ClientClosedRequest, ModelNotFound, NoHealthyTarget)."""
+    max_bytes = settings.max_body_bytes
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise PayloadTooLarge(f"request body exceeds {max_bytes} bytes")
     chunks = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise PayloadTooLarge(f"request body exceeds {max_bytes} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(settings.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise PayloadTooLarge(f"request body exceeds {max_bytes} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the body did not arrive within {settings.body_timeout_s:g} s"
+        ) from None
+    except ClientDisconnect:
+        raise ClientClosedRequest("the client disconnected while sending its body") from None
     raw = b"".join(chunks)
     try:
         body = orjson.loads(raw)
@@ -167,13 +201,41 @@ async def read_body(
         raise InvalidRequest(
             "kv_transfer_params is set by the gateway, not by clients", param="kv_transfer_params"
         )
+    if not served:  # engines are configured but none is healthy: come back later
+        raise NoHealthyTarget("no healthy engine serves any model; see /ready")
     if body["model"] not in served:
         raise ModelNotFound(
-            f"model '{body['model']}' is not served; served: "
-            f"{', '.join(served) or 'none (no healthy engine)'}",
+            f"model '{body['model']}' is not served; served: {', '.join(served)}",
             param="model",
         )
     return body, raw
+
+
+async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client disconnects first: then ``work`` is cancelled (every
+    engine call it has open is closed, so the engines abort the request and free its KV) and
+    ClientClosedRequest is raised. Called once the body is read, when the next message the
+    server has for the request is its disconnect."""
+    serving = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((serving, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        serving.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if not serving.done():
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError, GatewayError):
+            await serving
+        raise ClientClosedRequest("the client disconnected before its answer")
+    return serving.result()
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _error(exc: GatewayError) -> Response:
@@ -192,6 +254,11 @@ class _Api:
         self.config = config
         self.metrics = metrics
         self.keys = tuple(key.encode() for key in config.api_keys)
+        if not self.keys:
+            log.warning(
+                "no API keys: every client is served without authentication (give --api-key, "
+                "--api-key-file or BATON_API_KEYS)"
+            )
         self.pool = pool or Pool(
             config.pool.cells if config.pool is not None else (),
             probe_interval_s=settings.health_interval_s,
@@ -240,13 +307,28 @@ class _Api:
     async def _generate(self, request: Request, route: str, model: type[BaseModel]) -> Response:
         headers = header_map(request.scope)
         authenticate(self.keys, headers)
-        max_bytes = self.config.settings.max_body_bytes
-        body, raw = await read_body(request, headers, model, max_bytes, self.pool.models)
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
         requests = self.metrics.requests
+        try:
+            request_id = request_id_of(headers)
+            body, raw = await read_body(
+                request, headers, model, self.config.settings, self.pool.models
+            )
+        except ClientClosedRequest:
+            self.metrics.child(self.metrics.aborts, "upload", "client_disconnect").inc()
+            self.metrics.child(requests, route, "client_disconnect").inc()
+            raise
+        except GatewayError:
+            self.metrics.child(requests, route, "error").inc()
+            raise
         assert self.handoff is not None  # built before the server takes requests
         try:
-            reply = await self.handoff.serve(route, body, raw, headers, request_id)
+            reply = await _unless_disconnected(
+                request.receive, self.handoff.serve(route, body, raw, headers, request_id)
+            )
+        except ClientClosedRequest:
+            self.metrics.child(self.metrics.aborts, "before_first_token", "client_disconnect").inc()
+            self.metrics.child(requests, route, "client_disconnect").inc()
+            raise
         except GatewayError:
             self.metrics.child(requests, route, "error").inc()
             raise
@@ -259,8 +341,7 @@ class _Api:
                 media_type="application/json",
                 headers={"X-Request-Id": reply.request_id},
             )
-        self.metrics.child(requests, route, "ok").inc()
-        return RelayResponse(reply)
+        return RelayResponse(reply)  # the relay counts the request when its stream ends
 
     async def models(self, request: Request) -> Response:
         authenticate(self.keys, request.headers)
@@ -273,14 +354,20 @@ class _Api:
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     async def ready(self) -> Response:
-        if self.pool.ready():
-            return Response(b'{"status":"ready"}', media_type="application/json")
-        return _error(
-            _NotReady(
-                "not ready: needs at least one healthy prefill and one healthy "
-                "decode target; check the pool and the engines' /health"
+        """Ready while a healthy decode target serves known models: with no healthy prefill
+        instance decode serves alone, so the gateway still takes requests (and says so)."""
+        if not self.pool.ready():
+            return _error(
+                _NotReady(
+                    "not ready: no healthy decode target serves a known model; check the pool "
+                    "and the engines' /health"
+                )
             )
-        )
+        status: dict[str, str] = {"status": "ready"}
+        healthy, total = self.pool.prefill_health()
+        if total and not healthy:
+            status["prefill"] = f"0 of {total} healthy; decode serves alone"
+        return Response(orjson.dumps(status), media_type="application/json")
 
     async def prometheus(self) -> Response:
         metrics, pool = self.metrics, self.pool
@@ -331,9 +418,7 @@ def _fastapi(api: _Api) -> FastAPI:
     )
     app.get("/v1/models", responses=_ERRORS)(api.models)
     app.get("/health")(api.health)
-    app.get("/ready", responses={503: {"description": "no healthy prefill or decode target"}})(
-        api.ready
-    )
+    app.get("/ready", responses={503: {"description": "no healthy decode target"}})(api.ready)
     app.get("/metrics")(api.prometheus)
     app.add_exception_handler(GatewayError, _gateway_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -368,9 +453,10 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (400, "invalid request"),
         (401, "missing or invalid API key"),
         (404, "unknown model"),
+        (408, "the body did not arrive within the body timeout"),
         (413, "body too large"),
         (502, "every engine attempt failed"),
-        (503, "no healthy target"),
+        (503, "no healthy engine, or no healthy decode target"),
     )
 }
 

@@ -22,6 +22,7 @@ from baton.core.follow import DeploymentRef
 from baton.core.secrets import read_token
 from router.app import create_gateway
 from router.pool import PoolCell, PoolSpec, load_pool_file, parse_decode_flag
+from router.server import gateway_http_protocol
 from router.settings import GatewayConfig, GatewaySettings
 
 __all__ = ["config_from_args", "main"]
@@ -74,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    if any(not key.strip() for key in args.api_key):
+        # `--api-key "$KEY"` with KEY unset would otherwise turn authentication off unnoticed.
+        raise ValueError(
+            "--api-key is empty (an unset variable?): give the key, or leave the flag out "
+            "to serve without authentication"
+        )
     keys = list(args.api_key)
     keys += [k.strip() for k in os.environ.get("BATON_API_KEYS", "").split(",") if k.strip()]
     if args.api_key_file is not None:
@@ -150,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         loop="uvloop",
-        http="httptools",
+        http=gateway_http_protocol(config.settings),
         log_level="warning",
         access_log=False,
     )

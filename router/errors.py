@@ -6,8 +6,10 @@
     ├── InvalidRequest        400     the body or a parameter is wrong
     ├── Unauthorized          401     missing or wrong API key
     ├── ModelNotFound         404     the model is not served by the pool
+    ├── RequestTimeout        408     the client sent its body too slowly
     ├── PayloadTooLarge       413     the body exceeds the gateway's limit
-    ├── NoHealthyTarget       503     no healthy prefill or decode target in any cell
+    ├── ClientClosedRequest   499     the client went away; nothing reaches it (nginx's code)
+    ├── NoHealthyTarget       503     no healthy engine, or no healthy decode target
     └── UpstreamFailed        502/504 the engines failed and every fallback was spent
 
     UpstreamError                     raised by calls to engines; handoff.py decides what follows
@@ -23,24 +25,42 @@ from __future__ import annotations
 import orjson
 
 __all__ = [
+    "ClientClosedRequest",
     "GatewayError",
     "InvalidRequest",
     "ModelNotFound",
     "NoHealthyTarget",
     "PayloadTooLarge",
+    "RequestTimeout",
     "Unauthorized",
     "UpstreamError",
     "UpstreamFailed",
     "UpstreamStatus",
     "UpstreamTimeout",
     "UpstreamUnavailable",
+    "engine_error_body",
     "error_body",
 ]
 
 
-def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> bytes:
+def error_body(
+    message: str, kind: str, code: str | int | None = None, param: str | None = None
+) -> bytes:
     """An OpenAI error body."""
     return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def engine_error_body(status: int, body: bytes) -> bytes:
+    """An engine's error body as the client gets it: as written when it is an OpenAI error
+    object, else (a proxy's or server's plain text) wrapped into one."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        return body
+    text = body.decode("utf-8", "replace").strip()[:1024] or f"the engine answered {status}"
+    return error_body(text, "invalid_request_error" if status < 500 else "server_error", status)
 
 
 class GatewayError(Exception):
@@ -80,6 +100,22 @@ class ModelNotFound(GatewayError):
     status = 404
     kind = "invalid_request_error"
     code = "model_not_found"
+
+
+class RequestTimeout(GatewayError):
+    """The client stopped sending its body: the connection is not held for it."""
+
+    status = 408
+    kind = "invalid_request_error"
+    code = "request_timeout"
+
+
+class ClientClosedRequest(GatewayError):
+    """The client disconnected before its answer; the upstream work was abandoned."""
+
+    status = 499
+    kind = "invalid_request_error"
+    code = "client_closed_request"
 
 
 class PayloadTooLarge(GatewayError):

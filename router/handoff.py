@@ -37,6 +37,7 @@ from router.errors import (
     UpstreamStatus,
     UpstreamTimeout,
     UpstreamUnavailable,
+    engine_error_body,
 )
 from router.metrics import GatewayMetrics
 from router.policy import (
@@ -181,7 +182,9 @@ class Handoff:
         except UpstreamStatus as exc:
             if exc.client_error:
                 self.pool.succeeded(target.name)  # the engine is fine; the request is not
-                return JsonReply(exc.status, exc.body, request.request_id)
+                return JsonReply(
+                    exc.status, engine_error_body(exc.status, exc.body), request.request_id
+                )
             self._fall_back(target, exc.reason, exc)
             return None
         except UpstreamError as exc:
@@ -235,21 +238,23 @@ class Handoff:
     async def _decode(
         self, request: _Request, cell: str | None, prefilled: _Prefilled | None
     ) -> JsonReply | DecodeRelay:
-        tried: list[str] = []
-        last: UpstreamError | None = None
+        tried: list[str] = []  # ranks that failed, and every rank of a server that did not
+        last: UpstreamError | None = None  # answer (they would look idle and win least loaded)
+        alone_on_tried = False
         for attempt in range(_DECODE_ATTEMPTS):
             with_kv = prefilled is not None and attempt < _DECODE_ATTEMPTS - 1
+            snapshot = self.pool.snapshot()
             rank = choose_decode_rank(
-                self.pool.snapshot(),
-                request.key.digest + request.request_id.encode(),
-                cell,
-                exclude=tried,
+                snapshot, request.key.digest + request.request_id.encode(), cell, exclude=tried
             )
             if rank is None and cell is not None:  # the cell has no rank left: any cell, alone
-                rank = choose_decode_rank(
-                    self.pool.snapshot(), request.request_id.encode(), None, tried
-                )
+                rank = choose_decode_rank(snapshot, request.request_id.encode(), None, tried)
                 with_kv = False
+            if rank is None and prefilled is not None and attempt and not alone_on_tried:
+                # Every rank failed with the KV: the pull may be what failed, so decode alone
+                # once more, on a rank already tried if it is the only one.
+                rank = choose_decode_rank(snapshot, request.request_id.encode(), None)
+                with_kv, alone_on_tried = False, True
             if rank is None:
                 break
             tried.append(rank.name)
@@ -268,10 +273,14 @@ class Handoff:
                 return await self._complete(rank, request, payload, cached)
             except UpstreamStatus as exc:
                 if exc.client_error:
-                    return JsonReply(exc.status, exc.body, request.request_id)
+                    return JsonReply(
+                        exc.status, engine_error_body(exc.status, exc.body), request.request_id
+                    )
                 last = exc
             except UpstreamError as exc:
                 last = exc
+                # The server did not answer at all: its other ranks are as gone as this one.
+                tried.extend(r.name for r in snapshot.decode if r.url == rank.url)
             log.warning("decode on %s failed before the first token (%s)", rank.name, last)
             self.pool.failed(rank.name)
         if last is None:
@@ -351,6 +360,7 @@ class Handoff:
         self.metrics.handoff_seconds.observe(timing.first_token - timing.prefill_done)
         self.pool.succeeded(rank.name)
         return DecodeRelay(
+            request.route,
             request.request_id,
             timing,
             rank,

@@ -198,6 +198,7 @@ class GatewayMetrics:
 
     def stream_ended(
         self,
+        route: str,
         usage: Mapping[str, object] | None,
         ended: str,
         *,
@@ -205,10 +206,15 @@ class GatewayMetrics:
         first_token: float,
         now: float,
     ) -> None:
-        """Record a finished decode stream: how it ended (``ok`` or why not), its timings on the
-        ``perf_counter`` clock, its tokens."""
-        if ended != "ok":
+        """Record a finished decode stream: the request's outcome (``ok``, ``client_disconnect``,
+        or ``stream_error`` when it ended with an SSE error event), how it ended, its timings on
+        the ``perf_counter`` clock, its tokens."""
+        if ended == "ok":
+            outcome = "ok"
+        else:
             self.child(self.aborts, "decode", ended).inc()
+            outcome = "client_disconnect" if ended == "client_disconnect" else "stream_error"
+        self.child(self.requests, route, outcome).inc()
         self.e2e.observe(now - started)
         self.decode_seconds.observe(now - first_token)
         tokens = usage.get("completion_tokens") if usage is not None else None

@@ -36,6 +36,7 @@ __all__ = [
     "Pool",
     "PoolCell",
     "PoolSpec",
+    "engine_url",
     "load_pool_file",
     "parse_decode_flag",
 ]
@@ -45,6 +46,19 @@ log = logging.getLogger("baton.gateway.pool")
 # vLLM's per-engine gauges whose sum is the decode load a rank carries (the ``engine`` label is
 # its global DP rank).
 ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def engine_url(url: str) -> str:
+    """An engine's base URL: plain HTTP, as vLLM serves on the cluster network. The engines'
+    client speaks no TLS, so an https URL is refused here rather than failing every request."""
+    if url.startswith("https://"):
+        raise ValueError(
+            f"'{url}': engines are reached over plain HTTP (the gateway speaks no TLS to "
+            "engines); use http://, and a service mesh where the network needs encryption"
+        )
+    if not url.startswith("http://"):
+        raise ValueError(f"'{url}' is not an http:// URL")
+    return url.rstrip("/")
 
 
 class DecodeServerSpec(BaseModel):
@@ -58,9 +72,7 @@ class DecodeServerSpec(BaseModel):
     @field_validator("url")
     @classmethod
     def _http_url(cls, url: str) -> str:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"'{url}' is not an http(s) URL")
-        return url.rstrip("/")
+        return engine_url(url)
 
 
 class PoolCell(BaseModel):
@@ -73,10 +85,7 @@ class PoolCell(BaseModel):
     @field_validator("prefill")
     @classmethod
     def _http_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"'{url}' is not an http(s) URL")
-        return tuple(url.rstrip("/") for url in urls)
+        return tuple(engine_url(url) for url in urls)
 
 
 class PoolSpec(BaseModel):
@@ -264,12 +273,15 @@ class Pool:
         self._models = tuple(names)
 
     def ready(self) -> bool:
-        """A healthy decode target whose models are known, and a healthy prefill target when
-        prefill is configured (a decode-only pool serves every request from decode)."""
+        """A healthy decode target whose models are known: it serves every request, alone
+        when no prefill instance is healthy."""
         now = time.monotonic()
-        prefill_ok = not self.prefill or any(t.healthy(now) for t in self.prefill.values())
-        decode_ok = any(t.healthy(now) for t in self.decode.values())
-        return prefill_ok and decode_ok and bool(self.models)
+        return any(t.healthy(now) for t in self.decode.values()) and bool(self.models)
+
+    def prefill_health(self) -> tuple[int, int]:
+        """(healthy, configured) prefill instances."""
+        now = time.monotonic()
+        return sum(t.healthy(now) for t in self.prefill.values()), len(self.prefill)
 
     # ---- load accounting (called by the handoff)
 
@@ -347,8 +359,18 @@ class Pool:
                 up = response.status == 200
             if up and not server.models:
                 async with self._session.get(f"{server.url}/v1/models", timeout=timeout) as resp:
-                    data = await resp.json()
-                    server.models = tuple(m["id"] for m in data.get("data", []))
+                    if resp.status != 200:
+                        # Healthy but refusing the gateway (vLLM's --api-key): unusable.
+                        log.warning(
+                            "%s answers /v1/models with %d; if it needs a key, give the gateway "
+                            "--engine-api-key-file",
+                            server.url,
+                            resp.status,
+                        )
+                        up = False
+                    else:
+                        data = await resp.json()
+                        server.models = tuple(m["id"] for m in data.get("data", []))
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
             up = False
         for target in server.targets:

@@ -62,11 +62,13 @@ class DecodeRelay:
         "_response",
         "_stream",
         "request_id",
+        "route",
         "timing",
     )
 
     def __init__(
         self,
+        route: str,
         request_id: str,
         timing: Timing,
         rank: DecodeRankView,
@@ -76,6 +78,7 @@ class DecodeRelay:
         pool: Pool,
         metrics: GatewayMetrics,
     ) -> None:
+        self.route = route
         self.request_id = request_id
         self.timing = timing
         self._rank = rank
@@ -118,6 +121,7 @@ class DecodeRelay:
             self._response.release()
             self._pool.end_decode(self._rank.name)
             self._metrics.stream_ended(
+                self.route,
                 stream.usage,
                 ended,
                 started=timing.started,

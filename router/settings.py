@@ -56,6 +56,15 @@ class GatewaySettings(BaseModel):
         2.0, gt=0, description="seconds between health checks and decode load syncs"
     )
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest request body")
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="seconds a client may take to send its request body"
+    )
+    max_header_bytes: int = Field(
+        64 * 1024, gt=0, description="largest request head (baton gateway; 431 beyond)"
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="seconds a client may take to send its request head"
+    )
 
     @classmethod
     def add_flags(cls, parser: argparse.ArgumentParser) -> None:

@@ -302,6 +302,12 @@ class UpstreamPool:
                 if reused and not conn.started and attempt == 0:
                     continue
                 raise
+            except BaseException:
+                # Cancelled while the engine works on the request (the client left; a
+                # non-streamed answer has no headers before its end): drop the connection, so
+                # the engine sees the request go away and aborts it.
+                conn.transport.close()
+                raise
             return UpstreamResponse(self, conn, within_s)
         raise AssertionError("unreachable")
 

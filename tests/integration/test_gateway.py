@@ -168,11 +168,70 @@ def test_models_come_from_the_engines(stack: Stack) -> None:
     assert [m.id for m in stack.client().models.list()] == [MODEL]
 
 
-def test_ready_needs_a_healthy_prefill_and_decode(start_sim, start_gateway) -> None:
+def test_ready_needs_a_healthy_decode_target_and_says_when_decode_serves_alone(
+    start_sim, start_gateway
+) -> None:
     decode = start_engine(start_sim)
     gateway = start_gateway(f"--decode={decode.url}", "--prefill=http://127.0.0.1:9")
-    assert httpx.get(f"{gateway.url}/ready").status_code == 503
+    # No prefill instance is healthy, yet decode alone serves every request: still Ready, or
+    # a readiness probe would take every gateway pod out of its Service.
+    ready = httpx.get(f"{gateway.url}/ready")
+    assert ready.status_code == 200
+    assert ready.json() == {"status": "ready", "prefill": "0 of 1 healthy; decode serves alone"}
+    decode.process.kill()
+    eventually(lambda: httpx.get(f"{gateway.url}/ready").status_code == 503)
     assert httpx.get(f"{gateway.url}/health").status_code == 200
+
+
+def test_with_no_healthy_engine_a_request_gets_503_not_an_unknown_model(
+    start_sim, start_gateway
+) -> None:
+    decode = start_engine(start_sim)
+    gateway = start_gateway("--api-key", "k", f"--decode={decode.url}")
+    stack = Stack(gateway, [], decode)
+    decode.process.kill()
+    eventually(lambda: httpx.get(f"{gateway.url}/ready").status_code == 503)
+    with pytest.raises(openai.InternalServerError) as failed:
+        chat(stack, max_tokens=2)
+    assert failed.value.status_code == 503  # the OpenAI SDK retries a 503, never a 404
+    error = failed.value.body
+    assert isinstance(error, dict) and error["code"] == "no_healthy_target"
+
+
+def test_a_dead_decode_servers_other_ranks_are_not_tried_after_it_fails(
+    start_sim, start_gateway
+) -> None:
+    dead = start_engine(start_sim, "--data-parallel-size", "4")
+    alive = start_engine(start_sim)
+    # Health checks far apart: the dead server stays in the pool while the requests run.
+    gateway = start_gateway(
+        "--api-key",
+        "k",
+        f"--decode={dead.url}@0-3",
+        f"--decode={alive.url}",
+        "--health-interval",
+        "60",
+    )
+    stack = Stack(gateway, [], alive)
+    dead.process.kill()
+    dead.process.wait()
+    for turn in range(12):
+        before = stack.gateway_metric("baton_gateway_retries_total", phase="decode")
+        response = chat(stack, content=f"turn {turn}", max_tokens=2)
+        assert response.usage.completion_tokens == 2
+        # At most the one attempt that found the server dead: never its other ranks after it.
+        assert stack.gateway_metric("baton_gateway_retries_total", phase="decode") - before <= 1
+
+
+def test_with_one_decode_target_a_lost_kv_is_decoded_alone_on_it(start_sim, start_gateway) -> None:
+    prefill, decode = start_engine(start_sim), start_engine(start_sim)
+    gateway = start_gateway("--api-key", "k", f"--prefill={prefill.url}", f"--decode={decode.url}")
+    stack = Stack(gateway, [prefill], decode)
+    stack.fault(prefill, action="drop_kv", count=1)
+    response = chat(stack, max_tokens=4)
+    assert response.usage.completion_tokens == 4
+    assert stack.gateway_metric("baton_gateway_fallbacks_total", reason="decode_retry") == 1
+    stack.assert_nothing_leaked()
 
 
 # ---- routing
@@ -290,7 +349,7 @@ def test_a_second_gateway_routes_around_the_first_ones_load(
         # ... and sends each of its own requests to the one idle rank
         second = openai.OpenAI(base_url=f"{other.url}/v1", api_key="k", max_retries=0)
         for i in range(4):
-            stream = open_stream(second, f"y{i}", 50)
+            stream = open_stream(second, f"y{i}", 100_000)  # still running when scraped
             assert _decode_in_flight(other, stack.decode)[idle] == 1
             stream.close()
             # the engine drops it; wait until a sync has seen that (the estimate lags a sync)
@@ -567,7 +626,8 @@ def test_engines_behind_an_api_key_are_served_with_the_engine_key_file(
     # The engines refuse a gateway without the key: its startup probe learnt no model.
     keyless = start_gateway(*flags)
     refused = httpx.post(f"{keyless.url}/v1/completions", json=body, timeout=30)
-    assert refused.status_code == 404 and "no healthy engine" in refused.json()["error"]["message"]
+    assert refused.status_code == 503 and "no healthy engine" in refused.json()["error"]["message"]
+    assert "answers /v1/models with 401" in keyless.log()
 
 
 def test_unknown_route_is_an_openai_404(stack: Stack) -> None:

@@ -139,9 +139,15 @@ def test_hybrid_lb_header_is_a_local_rank_index(start_sim) -> None:
 def test_without_header_requests_spread_over_ranks_least_loaded_first(sim) -> None:
     import concurrent.futures
 
-    body = {"prompt": "spread", "max_tokens": 200, "ignore_eos": True}
+    # Long enough (about 7 s) that each request still runs when the last one arrives, even on a
+    # busy machine: one that ended first would leave its rank the least loaded again.
+    body = {"prompt": "spread", "max_tokens": 3500, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda _: post(sim.url, "/v1/completions", json=body), range(8)))
+        list(
+            pool.map(
+                lambda _: httpx.post(f"{sim.url}/v1/completions", json=body, timeout=120), range(8)
+            )
+        )
     per_rank = [scrape(sim.url, "vllm:request_success_total", engine=str(r)) for r in range(4)]
     assert per_rank == [2, 2, 2, 2]
 

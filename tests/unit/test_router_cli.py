@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from router.app import create_app
 from router.cli import build_parser, config_from_args, main
 from router.handoff import Timeouts
 from router.policy import PrefillPolicy, RoutingPolicy
@@ -66,3 +67,29 @@ def test_no_engines_is_refused_with_the_ways_to_name_them(
 ) -> None:
     assert main([]) == 2
     assert "--decode" in capsys.readouterr().err
+
+
+def test_an_empty_api_key_is_refused_not_taken_as_no_authentication(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # `--api-key "$KEY"` with KEY unset
+    assert main(["--decode=http://127.0.0.1:9002", "--api-key", ""]) == 2
+    error = capsys.readouterr().err
+    assert "--api-key is empty (an unset variable?)" in error
+
+
+def test_an_https_engine_is_refused_at_load_naming_the_url(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--decode=https://10.0.0.9:8000@0-3"]) == 2
+    error = capsys.readouterr().err
+    assert "'https://10.0.0.9:8000'" in error and "plain HTTP" in error
+
+
+def test_a_gateway_with_no_api_keys_says_it_serves_everyone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = config_from_args(build_parser().parse_args(["--decode=http://127.0.0.1:9002"]))
+    with caplog.at_level("WARNING", logger="baton.gateway"):
+        create_app(config)
+    assert "no API keys: every client is served without authentication" in caplog.text

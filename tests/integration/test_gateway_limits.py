@@ -1,0 +1,179 @@
+"""``baton gateway`` against clients that misbehave or leave: bounded headers, bodies and idle
+connections, request ids it will not forward, and upstream work abandoned the moment a client
+goes. Real ``baton sim`` engines and raw sockets on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+
+import httpx
+import pytest
+
+from tests.helpers import eventually, scrape
+from tests.integration.test_gateway import LONG, MODEL, Stack, chat, start_engine
+
+CHAT = b'{"model": "dsv4", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}'
+
+
+@pytest.fixture
+def stack(start_sim, start_gateway) -> Stack:
+    prefill, decode = start_engine(start_sim), start_engine(start_sim)
+    gateway = start_gateway(
+        "--api-key",
+        "k",
+        f"--prefill={prefill.url}",
+        f"--decode={decode.url}",
+        "--header-timeout",
+        "1",
+        "--body-timeout",
+        "1",
+    )
+    return Stack(gateway, [prefill], decode)
+
+
+def raw(stack: Stack, data: bytes, *, then_wait: bool = True) -> bytes:
+    """Send ``data`` on a fresh connection and read until the gateway closes it (bounded)."""
+    with socket.create_connection(("127.0.0.1", stack.gateway.port), timeout=15) as connection:
+        # Refused before it all went: the answer is still there to read.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            connection.sendall(data)
+        received = b""
+        while then_wait:
+            chunk = connection.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        return received
+
+
+def head(path: str = "/v1/chat/completions", length: int = len(CHAT), **extra: str) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: gateway", "Authorization: Bearer k"]
+    lines += ["Content-Type: application/json", f"Content-Length: {length}"]
+    lines += [f"{name.replace('_', '-')}: {value}" for name, value in extra.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def test_a_huge_header_is_refused_with_431_and_the_gateway_keeps_serving(stack: Stack) -> None:
+    answer = raw(stack, head(X_Padding="x" * (4 * 1024 * 1024)) + CHAT)
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    assert b'"type":"invalid_request_error"' in answer
+    assert chat(stack, max_tokens=2).usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("sent", "status"),
+    [
+        (b"", None),  # connected, never a byte: closed with nothing said
+        (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n", b"408"),  # half a head
+    ],
+    ids=["silent", "half-head"],
+)
+def test_a_connection_that_stalls_before_its_head_ends_is_closed(
+    stack: Stack, sent: bytes, status: bytes | None
+) -> None:
+    answer = raw(stack, sent)
+    if status is None:
+        assert answer == b""
+    else:
+        assert answer.startswith(b"HTTP/1.1 " + status)
+
+
+def test_a_body_that_stops_coming_gets_408(stack: Stack) -> None:
+    answer = raw(stack, head(length=1000) + CHAT[:10])
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert b'"code":"request_timeout"' in answer
+
+
+def test_a_client_gone_while_uploading_is_counted_and_logged_quietly(stack: Stack) -> None:
+    raw(stack, head(length=100_000) + CHAT[:10], then_wait=False)
+    eventually(
+        lambda: stack.gateway_metric("baton_gateway_aborts_total", phase="upload") == 1,
+        timeout=30,
+    )
+    assert "Traceback" not in stack.gateway.log() and " ERROR " not in stack.gateway.log()
+
+
+@pytest.mark.parametrize(
+    "request_id",
+    [b"\xff\xfe-not-utf8", b"x" * 10_000],
+    ids=["not-utf8", "over-long"],
+)
+def test_a_request_id_the_engines_cannot_take_is_refused_and_never_ejects_an_engine(
+    stack: Stack, request_id: bytes
+) -> None:
+    for _ in range(5):  # more than the circuit breaker's three
+        answer = raw(stack, head(X_Request_Id=request_id.decode("latin-1")) + CHAT)
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+        assert b'"param":"X-Request-Id"' in answer
+    assert chat(stack, content=LONG, max_tokens=2).usage.completion_tokens == 2
+    assert stack.gateway_metric("baton_gateway_fallbacks_total") == 0  # prefill still served
+    assert stack.gateway_metric("baton_gateway_retries_total") == 0
+
+
+def test_a_client_gone_during_prefill_aborts_prefill_and_decode_never_starts(
+    stack: Stack,
+) -> None:
+    # A long prompt on a stalled prefill engine: the request waits in its prefill leg.
+    stack.fault(stack.prefill[0], action="stall", seconds=60)
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 50, "stream": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{stack.gateway.url}/v1/completions",
+            json=body,
+            headers={"Authorization": "Bearer k"},
+            timeout=httpx.Timeout(30, read=1),
+        )
+    eventually(
+        lambda: (
+            stack.gateway_metric("baton_gateway_requests_total", outcome="client_disconnect") == 1
+        ),
+        timeout=30,
+    )
+    eventually(lambda: scrape(stack.prefill[0].url, "vllm:num_requests_waiting") == 0, timeout=30)
+    assert scrape(stack.decode.url, "vllm:prompt_tokens_total") == 0  # decode never saw it
+    assert stack.gateway_metric("baton_gateway_in_flight_requests") == 0
+
+
+def test_a_client_gone_from_a_non_streamed_request_aborts_its_decode(stack: Stack) -> None:
+    body = {"model": MODEL, "prompt": "go on", "max_tokens": 100_000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{stack.gateway.url}/v1/completions",
+            json=body,
+            headers={"Authorization": "Bearer k"},
+            timeout=httpx.Timeout(30, read=1),
+        )
+    eventually(
+        lambda: (
+            scrape(stack.decode.url, "vllm:request_success_total", finished_reason="abort") == 1
+        ),
+        timeout=30,
+    )
+    eventually(lambda: scrape(stack.decode.url, "vllm:num_requests_running") == 0)
+    assert stack.gateway_metric("baton_gateway_aborts_total", reason="client_disconnect") == 1
+
+
+def test_many_silent_connections_do_not_stop_real_requests(stack: Stack) -> None:
+    sockets = [socket.create_connection(("127.0.0.1", stack.gateway.port)) for _ in range(200)]
+    try:
+        done = threading.Event()
+
+        def all_closed() -> bool:
+            for s in sockets:
+                s.settimeout(0.01)
+                try:
+                    if s.recv(1) != b"":
+                        return False
+                except TimeoutError:
+                    return False
+            done.set()
+            return True
+
+        assert chat(stack, max_tokens=2).usage.completion_tokens == 2
+        eventually(all_closed, timeout=60, interval=0.5)
+        assert done.is_set()
+    finally:
+        for s in sockets:
+            s.close()
