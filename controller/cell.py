@@ -7,8 +7,9 @@ instances and its scheduling gates, each decided by a function that returns what
 - A decode group restarts as a whole (a wide-EP group cannot lose a rank): when one of its pods
   failed, was deleted after launch or lost its tray, every live decode pod of the cell is
   deleted, and the group is created afresh once they are gone (on the spare tray for a rank
-  whose tray failed). Restarts back off (``RestartPolicy``); past the budget the cell waits,
-  Degraded, until old restarts age out of the window.
+  whose tray failed or takes no new pods, e.g. cordoned). Restarts back off
+  (``RestartPolicy``); past the budget the cell waits, Degraded, until old restarts age out of
+  the window.
 - A prefill instance restarts alone; changing the prefill count creates or deletes prefill pods
   and never touches the decode group.
 - Every pod carries a hash of the spec it was rendered from. When the ModelDeployment's spec

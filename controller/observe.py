@@ -28,7 +28,7 @@ from baton.core.labels import (
     HOSTNAME_LABEL,
     TEMPLATE_HASH_ANNOTATION,
 )
-from controller.names import decode_pod_name, prefill_index
+from controller.names import decode_pod_name, prefill_index, prefill_pod_name
 from controller.placement import CellPlacement, PrefillInstance
 from controller.topology import Topology, parse_topology
 
@@ -53,6 +53,7 @@ __all__ = [
     "terminating",
     "topology",
     "tray_keeps_pods",
+    "unbound_pods",
 ]
 
 Manifest = dict[str, Any]
@@ -285,6 +286,26 @@ def current_cells(view: DeploymentView, trays: Topology) -> list[CellPlacement]:
             )
         )
     return cells
+
+
+def unbound_pods(view: DeploymentView, cells: Sequence[CellPlacement]) -> set[str]:
+    """The pods of ``cells`` that do not run on their tray: not created, on their way out,
+    ended, or not yet bound by the scheduler. Each is created anew, or waits for a binding,
+    so its tray must still accept new pods."""
+    unbound: set[str] = set()
+    for cell in cells:
+        planned = [decode_pod_name(cell.name, rank) for rank in range(len(cell.decode_trays))]
+        planned += [prefill_pod_name(cell.name, instance.index) for instance in cell.prefill]
+        for name in planned:
+            pod = view.pods.get(name)
+            if (
+                pod is None
+                or terminating(pod)
+                or is_terminal(pod)
+                or not pod.get("spec", {}).get("nodeName")
+            ):
+                unbound.add(name)
+    return unbound
 
 
 def tray_keeps_pods(trays: Topology, pod: Mapping[str, Any]) -> bool:

@@ -157,6 +157,31 @@ def test_tray_not_ready_moves_the_group_to_the_spare(api, namespace, rack) -> No
     assert failing not in cell["decode"]["trays"] + cell["spareTrays"]
 
 
+def test_a_restart_while_a_decode_tray_is_cordoned_puts_its_rank_on_the_spare(
+    api, namespace, rack
+) -> None:
+    apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
+    cell = wait_ready(api, namespace, "dsv4")["status"]["cells"][0]
+    cordoned, spare = cell["decode"]["trays"][6], cell["spareTrays"][0]
+    core = client.CoreV1Api(api)
+    core.patch_node(cordoned, {"spec": {"unschedulable": True}})
+    core.delete_namespaced_pod("dsv4-cell-0-decode-1", namespace)
+
+    def on_the_spare() -> bool:
+        decode = pods(api, namespace, "decode")
+        return (
+            len(decode) == 8
+            and decode["dsv4-cell-0-decode-6"].spec.node_name == spare
+            and all(p.status.phase == "Running" for p in decode.values())
+        )
+
+    eventually(on_the_spare, timeout=60, interval=0.25)
+    obj = wait_ready(api, namespace, "dsv4")
+    assert obj["status"]["decodeRanks"] == 32
+    assert cordoned not in obj["status"]["cells"][0]["decode"]["trays"]
+    assert condition(obj, "Degraded")["status"] == "False"
+
+
 def test_prefill_scales_up_and_down_without_touching_decode(api, namespace, rack) -> None:
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     wait_ready(api, namespace, "dsv4")

@@ -51,12 +51,26 @@ class World:
         for manifest in decision.create:
             target = self.services if manifest["kind"] == "Service" else self.pods
             target.setdefault(manifest["metadata"]["name"], copy.deepcopy(manifest))
+        nodes = {node["metadata"]["name"]: node for node in self.nodes}
         for name in decision.ungate:
             pod = self.pods[name]
             pod["spec"]["schedulingGates"] = []
             tray = pod["spec"]["affinity"]["nodeAffinity"][
                 "requiredDuringSchedulingIgnoredDuringExecution"
             ]["nodeSelectorTerms"][0]["matchExpressions"][0]["values"][0]
+            if nodes[tray]["spec"].get("unschedulable"):  # kube-scheduler binds nothing there
+                pod["status"] = {
+                    "phase": "Pending",
+                    "conditions": [
+                        {
+                            "type": "PodScheduled",
+                            "status": "False",
+                            "reason": "Unschedulable",
+                            "message": "0/18 nodes are available: 1 node(s) were unschedulable.",
+                        }
+                    ],
+                }
+                continue
             pod["spec"]["nodeName"] = tray
             pod["status"] = {
                 "phase": "Running",
@@ -64,7 +78,6 @@ class World:
                 "conditions": [{"type": "Ready", "status": "True"}],
             }
             self.next_ip += 1
-        nodes = {node["metadata"]["name"]: node for node in self.nodes}
         for mark in decision.trays:
             annotations = nodes[mark.node]["metadata"]["annotations"]
             annotations[TRAY_FAILURES_ANNOTATION] = str(mark.failures)
@@ -90,6 +103,11 @@ class World:
         """The tray's kubelet stops reporting: its Ready condition goes False."""
         node = next(n for n in self.nodes if n["metadata"]["name"] == name)
         node["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+
+    def cordon(self, name: str) -> None:
+        """``kubectl cordon``: pods there keep running, new ones are not bound there."""
+        node = next(n for n in self.nodes if n["metadata"]["name"] == name)
+        node["spec"]["unschedulable"] = True
 
     def reasons(self, decision: Actions, reason: str) -> list[str]:
         return [e.message for e in decision.events if e.reason == reason]
@@ -327,6 +345,9 @@ def test_a_pod_the_scheduler_cannot_place_is_named_not_called_starting() -> None
     assert (w.deployment["status"]["ready"], ready["reason"]) == ("0/1", "PodsUnschedulable")
     assert "dsv4-cell-0-decode-3" in ready["message"] and scheduler in ready["message"]
     assert (progressing["status"], progressing["reason"]) == ("False", "PodsUnschedulable")
+    degraded = w.condition("Degraded")  # 28 of 32 ranks: the group serves nothing
+    assert (degraded["status"], degraded["reason"]) == ("True", "PodsUnschedulable")
+    assert "dsv4-cell-0-decode-3" in degraded["message"]
 
 
 def test_a_cell_that_cannot_be_placed_is_the_reason_not_pods_pending() -> None:
@@ -396,3 +417,41 @@ def test_scaling_prefill_in_gets_an_event_naming_the_pods() -> None:
     assert w.reasons(decision, "PrefillRemoved") == [
         "prefill dsv4-cell-0-prefill-1, dsv4-cell-0-prefill-2 removed (1 instance per cell wanted)"
     ]
+
+
+def test_a_group_restarting_while_one_of_its_trays_is_cordoned_moves_that_rank_to_the_spare() -> (
+    None
+):
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    [spare] = w.deployment["status"]["cells"][0]["spareTrays"]
+    cordoned = w.pods["dsv4-cell-0-decode-5"]["spec"]["nodeName"]
+    w.cordon(cordoned)
+    assert w.step().delete_pods == ()  # a cordoned tray keeps its running pods
+    del w.pods["dsv4-cell-0-decode-2"]  # any restart of the group
+    restart = w.step()
+    assert set(restart.delete_pods) == names("decode", 8) - {"dsv4-cell-0-decode-2"}
+    recreate = w.step()  # once the old pods are gone: rank 5 cannot come back to its tray
+    [new_spare] = w.deployment["status"]["cells"][0]["spareTrays"]
+    assert w.reasons(recreate, "SpareMoving") == [
+        f"spare tray of dsv4-cell-0 moves from {spare} (now runs decode) to {new_spare}"
+    ]
+    w.settle()
+    assert w.pods["dsv4-cell-0-decode-5"]["spec"]["nodeName"] == spare
+    assert cordoned not in {p["spec"].get("nodeName") for p in w.pods.values()}
+    assert w.condition("Ready")["status"] == "True"
+    assert w.deployment["status"]["decodeRanks"] == 32
+
+
+def test_a_cell_down_after_a_restart_is_degraded_until_its_group_serves_again() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    w.fail("dsv4-cell-0-decode-1")
+    w.step()  # the restart: every decode pod deleted
+    w.step()  # the group created again, gated until all of it exists
+    degraded = w.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "GroupRestarting")
+    assert "dsv4-cell-0: decode group not serving since its restart" in degraded["message"]
+    assert "0 of 32 ranks ready" in degraded["message"]
+    w.settle()
+    assert (w.condition("Ready")["status"], w.condition("Degraded")["status"]) == ("True", "False")
