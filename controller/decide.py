@@ -95,7 +95,7 @@ def decide(observed: Observed, policy: RestartPolicy | None = None) -> Actions:
         _deployment_actions(view, plan, current, trays, observed, policy, kept) for view in views
     ]
     failures = tuple(failure for share in shares for failure in share.failures)
-    marks, quarantines = tray_marks(failures, observed.nodes, policy, rfc3339(observed.now))
+    marks, quarantines = tray_marks(failures, observed.nodes, policy, observed.now)
     for view, share in zip(views, shares, strict=True):
         if share.status is not None:
             status[view.name] = share.status.model_dump(

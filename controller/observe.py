@@ -40,6 +40,7 @@ __all__ = [
     "cell_of",
     "current_cells",
     "deployments",
+    "ended_at",
     "gated",
     "is_terminal",
     "labels",
@@ -134,6 +135,24 @@ def _phase(pod: Mapping[str, Any]) -> str:
 def is_terminal(pod: Mapping[str, Any]) -> bool:
     """The pod ended (Succeeded or Failed): its containers will not run again."""
     return _phase(pod) in _TERMINAL
+
+
+def ended_at(pod: Mapping[str, Any]) -> datetime | None:
+    """When the pod's first container ended, as its kubelet reports it (whole seconds), else
+    when it stopped being Ready; None when it says neither."""
+    status = pod.get("status", {})
+    ends = [
+        parse_time(finished)
+        for container in status.get("containerStatuses") or []
+        if (finished := (container.get("state", {}).get("terminated") or {}).get("finishedAt"))
+    ]
+    if ends:
+        return min(ends)
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "Ready" and condition.get("status") == "False":
+            moved = condition.get("lastTransitionTime")
+            return parse_time(moved) if moved else None
+    return None
 
 
 def gated(pod: Mapping[str, Any]) -> bool:

@@ -4,11 +4,13 @@ whole cell, capacity problems, gang recovery of the decode group, prefill scalin
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
 from kubernetes import client
 
+from controller.observe import rfc3339
 from rigs.devcluster import mark_tray_not_ready, patch_model_deployment_spec
 from rigs.processes import eventually
 from tests.k8s.helpers import (
@@ -233,8 +235,11 @@ def test_a_tray_whose_pods_keep_failing_is_quarantined_and_its_group_moves(
     cell = wait_ready(api, namespace, "dsv4")["status"]["cells"][0]
     tray, spare = cell["decode"]["trays"][2], cell["spareTrays"][0]
     core = client.CoreV1Api(api)
-    # Two earlier failures on record; the engine on this tray now fails a third time.
-    core.patch_node(tray, {"metadata": {"annotations": {"baton.dev/tray-failures": "2"}}})
+    # Two earlier failures on record, within the last day; the engine on this tray now fails a
+    # third time.
+    hour_ago = datetime.now(UTC) - timedelta(hours=1)
+    earlier = ",".join(rfc3339(hour_ago + timedelta(minutes=m)) for m in (0, 5))
+    core.patch_node(tray, {"metadata": {"annotations": {"baton.dev/tray-failures": earlier}}})
     failing = core.read_namespaced_pod_status("dsv4-cell-0-decode-2", namespace)
     assert failing.status is not None  # it was Running
     failing.status.phase = "Failed"
@@ -251,7 +256,8 @@ def test_a_tray_whose_pods_keep_failing_is_quarantined_and_its_group_moves(
         )
 
     eventually(quarantined_and_moved, timeout=60, interval=0.25)
-    assert annotations_of(core.read_node(tray))["baton.dev/tray-failures"] == "3"
+    failures = annotations_of(core.read_node(tray))["baton.dev/tray-failures"].split(",")
+    assert len(failures) == 3 and ",".join(failures[:2]) == earlier
     obj = wait_ready(api, namespace, "dsv4")
     degraded = condition(obj, "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "TrayQuarantined")

@@ -80,7 +80,7 @@ class World:
             self.next_ip += 1
         for mark in decision.trays:
             annotations = nodes[mark.node]["metadata"]["annotations"]
-            annotations[TRAY_FAILURES_ANNOTATION] = str(mark.failures)
+            annotations[TRAY_FAILURES_ANNOTATION] = ",".join(mark.failures)
             if mark.quarantine:
                 annotations[QUARANTINED_ANNOTATION] = mark.quarantine
         if decision.status:
@@ -96,8 +96,22 @@ class World:
     def condition(self, kind: str) -> dict[str, Any]:
         return next(c for c in self.deployment["status"]["conditions"] if c["type"] == kind)
 
-    def fail(self, name: str) -> None:
-        self.pods[name]["status"]["phase"] = "Failed"
+    def fail(self, name: str, at: datetime | None = None) -> None:
+        """The pod's engine exits (at ``at``, as the kubelet reports it, when given)."""
+        status = self.pods[name]["status"]
+        status["phase"] = "Failed"
+        if at is not None:
+            finished = at.strftime("%Y-%m-%dT%H:%M:%SZ")
+            status["containerStatuses"] = [
+                {"name": "engine", "state": {"terminated": {"exitCode": 1, "finishedAt": finished}}}
+            ]
+
+    def tray_of(self, pod: str) -> str:
+        return str(self.pods[pod]["spec"]["nodeName"])
+
+    def annotate(self, tray: str, key: str, value: str) -> None:
+        node = next(n for n in self.nodes if n["metadata"]["name"] == tray)
+        node["metadata"]["annotations"][key] = value
 
     def fail_tray(self, name: str) -> None:
         """The tray's kubelet stops reporting: its Ready condition goes False."""
@@ -169,7 +183,9 @@ def test_a_failed_decode_pod_restarts_the_whole_group_and_counts_against_its_tra
     decision = w.step()
     assert set(decision.delete_pods) == names("decode", 8)
     assert [e.reason for e in decision.events] == ["GroupRestarting"]
-    assert [(m.node, m.failures, m.quarantine) for m in decision.trays] == [(tray, 1, None)]
+    assert [(m.node, m.failures, m.quarantine) for m in decision.trays] == [
+        (tray, ("2026-11-29T12:00:00Z",), None)
+    ]
     assert w.condition("Degraded")["reason"] == "GroupRestarting"
     w.settle()
     assert {n: id(p) for n, p in w.pods.items() if "prefill" in n} == prefill_before
@@ -204,13 +220,17 @@ def test_restart_backoff_doubles_and_the_budget_stops_restarts() -> None:
 def test_a_tray_failing_repeatedly_is_quarantined_and_avoided() -> None:
     w = world(cell={"prefill": {"instances": 2}})
     w.settle()
-    tray = w.pods["dsv4-cell-0-decode-0"]["spec"]["nodeName"]
-    node = next(n for n in w.nodes if n["metadata"]["name"] == tray)
-    node["metadata"]["annotations"][TRAY_FAILURES_ANNOTATION] = "2"
+    tray = w.tray_of("dsv4-cell-0-decode-0")
+    earlier = "2026-11-28T15:00:00Z,2026-11-29T09:30:00Z"  # within the last 24 hours
+    w.annotate(tray, TRAY_FAILURES_ANNOTATION, earlier)
     w.fail("dsv4-cell-0-decode-0")
     decision = w.step()
     [mark] = decision.trays
-    assert mark.failures == 3 and mark.quarantine is not None
+    assert mark.failures == (*earlier.split(","), "2026-11-29T12:00:00Z")
+    assert (
+        mark.quarantine
+        == "3 Baton pod failures on this tray within 24h, the last at 2026-11-29T12:00:00Z"
+    )
     assert "TrayQuarantined" in [e.reason for e in decision.events]
     w.settle()
     assert tray not in {p["spec"].get("nodeName") for p in w.pods.values()}
@@ -455,3 +475,48 @@ def test_a_cell_down_after_a_restart_is_degraded_until_its_group_serves_again() 
     assert "0 of 32 ranks ready" in degraded["message"]
     w.settle()
     assert (w.condition("Ready")["status"], w.condition("Degraded")["status"]) == ("True", "False")
+
+
+def test_a_group_brought_down_by_one_rank_blames_only_the_tray_whose_pod_ended_first() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    w.fail("dsv4-cell-0-decode-4", at=T0 - timedelta(seconds=30))
+    for peer in ("dsv4-cell-0-decode-1", "dsv4-cell-0-decode-6"):  # lost their peer
+        w.fail(peer, at=T0 - timedelta(seconds=20))
+    culprit = w.tray_of("dsv4-cell-0-decode-4")
+    decision = w.step()
+    assert [(m.node, len(m.failures)) for m in decision.trays] == [(culprit, 1)]
+    [restart] = w.reasons(decision, "GroupRestarting")
+    assert f"counted against {culprit}, whose pod ended first" in restart
+
+
+def test_pods_that_ended_together_blame_no_tray() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    for pod in ("dsv4-cell-0-decode-1", "dsv4-cell-0-decode-6"):
+        w.fail(pod, at=T0 - timedelta(seconds=5))
+    decision = w.step()
+    assert set(decision.delete_pods) == names("decode", 8)
+    assert decision.trays == ()
+    [restart] = w.reasons(decision, "GroupRestarting")
+    assert "no tray blamed: dsv4-cell-0-decode-1, dsv4-cell-0-decode-6 ended together" in restart
+
+
+def test_tray_failures_older_than_a_day_are_forgotten() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    tray = w.tray_of("dsv4-cell-0-decode-0")
+    w.annotate(tray, TRAY_FAILURES_ANNOTATION, "2026-11-27T08:00:00Z,2026-11-28T11:59:59Z")
+    w.fail("dsv4-cell-0-decode-0")
+    [mark] = w.step().trays
+    assert (mark.failures, mark.quarantine) == (("2026-11-29T12:00:00Z",), None)
+
+
+def test_a_count_that_is_not_a_list_of_times_is_read_as_no_recent_failure() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    tray = w.tray_of("dsv4-cell-0-decode-0")
+    w.annotate(tray, TRAY_FAILURES_ANNOTATION, "7")  # an earlier Baton's bare count
+    w.fail("dsv4-cell-0-decode-0")
+    [mark] = w.step().trays
+    assert (mark.failures, mark.quarantine) == (("2026-11-29T12:00:00Z",), None)
