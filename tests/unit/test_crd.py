@@ -49,7 +49,7 @@ def test_crd_has_status_subresource_short_name_and_printer_columns() -> None:
         "scale": {"specReplicasPath": ".spec.cells", "statusReplicasPath": ".status.placedCells"},
     }
     columns = [column["name"] for column in version["additionalPrinterColumns"]]
-    assert columns == ["Ready", "Cells", "Prefill", "Decode Ranks", "Balance", "Age"]
+    assert columns == ["Ready", "Reason", "Cells", "Prefill", "Decode Ranks", "Balance", "Age"]
 
 
 def test_spec_requires_model_and_bounds_its_numbers() -> None:
