@@ -23,10 +23,11 @@ class Event:
 
 @dataclass(frozen=True, slots=True)
 class TrayMark:
-    """Annotations to set on a tray: its failure count and, past the limit, quarantine."""
+    """Annotations to set on a tray: the times of its recent failures and, past the limit,
+    quarantine."""
 
     node: str
-    failures: int
+    failures: tuple[str, ...]  # RFC 3339, oldest first
     quarantine: str | None = None
 
 

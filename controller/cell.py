@@ -7,8 +7,9 @@ instances and its scheduling gates, each decided by a function that returns what
 - A decode group restarts as a whole (a wide-EP group cannot lose a rank): when one of its pods
   failed, was deleted after launch or lost its tray, every live decode pod of the cell is
   deleted, and the group is created afresh once they are gone (on the spare tray for a rank
-  whose tray failed). Restarts back off (``RestartPolicy``); past the budget the cell waits,
-  Degraded, until old restarts age out of the window.
+  whose tray failed or takes no new pods, e.g. cordoned). Restarts back off
+  (``RestartPolicy``); past the budget the cell waits, Degraded, until old restarts age out of
+  the window.
 - A prefill instance restarts alone; changing the prefill count creates or deletes prefill pods
   and never touches the decode group.
 - Every pod carries a hash of the spec it was rendered from. When the ModelDeployment's spec
@@ -41,6 +42,7 @@ from controller.observe import (
     DeploymentView,
     Manifest,
     Observed,
+    ended_at,
     gated,
     is_terminal,
     labels,
@@ -217,17 +219,16 @@ def decode_group_actions(
                 wake_in=wait.total_seconds(),
                 ready_pods=ready_pods,
             )
-        why: list[str] = []
-        failures: list[TrayFailure] = []
-        for pod_name in sorted(set(failed) | set(lost)):
-            tray = planned_tray(live_decode[pod_name])
-            why.append(
-                f"{pod_name} on {tray} {'failed' if pod_name in failed else 'lost its tray'}"
-            )
-            if tray is not None:
-                failures.append(TrayFailure(tray, deployment))
+        why = [
+            f"{n} on {planned_tray(live_decode[n])} {'failed' if n in failed else 'lost its tray'}"
+            for n in sorted(set(failed) | set(lost))
+        ]
         if not why:
             why.append("a decode pod was deleted" if missing else "its placement changed")
+        blamed, blame = _blame(live_decode, failed, lost)
+        if blame:
+            why.append(blame)
+        failures = [TrayFailure(tray, deployment) for tray in blamed]
         event = Event(
             deployment,
             "Warning",
@@ -266,6 +267,30 @@ def decode_group_actions(
         # Not launched yet, or every old pod gone (new pods reuse the names): create the rest.
         create = tuple(wanted[n] for n in names if n not in live)
     return DecodeGroupActions(len(names), create=create, restarts=recent, ready_pods=ready_pods)
+
+
+def _blame(pods: Pods, failed: Sequence[str], lost: Sequence[str]) -> tuple[list[str], str]:
+    """The trays a decode group's restart counts against, and what to say about it.
+
+    When one rank dies, a wide-EP group's other ranks die with it: only a lost tray, else the
+    tray whose pod ended first, is to blame. Pods that ended in the same second (the kubelet's
+    resolution) cannot be told apart, and none is blamed: the restart budget still stops a
+    crash loop, and the event names them."""
+    if lost:
+        return sorted(t for n in lost if (t := planned_tray(pods[n])) is not None), ""
+    if not failed:
+        return [], ""
+    if len(failed) == 1:
+        tray = planned_tray(pods[failed[0]])
+        return ([tray], "") if tray is not None else ([], "")
+    ends = {n: ended_at(pods[n]) for n in failed}
+    known = sorted((end, n) for n, end in ends.items() if end is not None)
+    first = [n for end, n in known if end == known[0][0]] if known else sorted(failed)
+    tray = planned_tray(pods[first[0]])
+    if len(first) == 1 and tray is not None:
+        return [tray], f"counted against {tray}, whose pod ended first"
+    when = f" at {rfc3339(known[0][0])}" if known else ""
+    return [], f"no tray blamed: {', '.join(first)} ended together{when}"
 
 
 def prefill_actions(

@@ -38,6 +38,7 @@ from controller.observe import (
     rfc3339,
     terminating,
     topology,
+    unbound_pods,
 )
 from controller.placement import CellPlacement, DeploymentShape, Plan, plan_placement
 from controller.restarts import RestartPolicy, TrayFailure, tray_marks
@@ -82,15 +83,19 @@ def decide(observed: Observed, policy: RestartPolicy | None = None) -> Actions:
     if not views:
         return Actions(events=invalid_events, status=status)
     trays = topology(observed, views)
-    current = Plan(tuple(cell for view in views for cell in current_cells(view, trays)))
-    plan = plan_placement([DeploymentShape.of(v.model) for v in views], trays, current)
+    per_view = [(view, current_cells(view, trays)) for view in views]
+    current = Plan(tuple(cell for _, cells in per_view for cell in cells))
+    # A pod created anew (a restarted decode group, a failed prefill instance) cannot go back
+    # to a cordoned tray: placement gives it another one, as if that tray had failed.
+    unbound = {pod for view, cells in per_view for pod in unbound_pods(view, cells)}
+    plan = plan_placement([DeploymentShape.of(v.model) for v in views], trays, current, unbound)
     live_cells = {cell_of(pod) for view in views for pod in view.pods.values()}
     kept = {cell.name for cell in plan.cells} | live_cells  # cells whose objects stay
     shares = [
         _deployment_actions(view, plan, current, trays, observed, policy, kept) for view in views
     ]
     failures = tuple(failure for share in shares for failure in share.failures)
-    marks, quarantines = tray_marks(failures, observed.nodes, policy, rfc3339(observed.now))
+    marks, quarantines = tray_marks(failures, observed.nodes, policy, observed.now)
     for view, share in zip(views, shares, strict=True):
         if share.status is not None:
             status[view.name] = share.status.model_dump(

@@ -28,7 +28,7 @@ from baton.core.labels import (
     HOSTNAME_LABEL,
     TEMPLATE_HASH_ANNOTATION,
 )
-from controller.names import decode_pod_name, prefill_index
+from controller.names import decode_pod_name, prefill_index, prefill_pod_name
 from controller.placement import CellPlacement, PrefillInstance
 from controller.topology import Topology, parse_topology
 
@@ -40,6 +40,7 @@ __all__ = [
     "cell_of",
     "current_cells",
     "deployments",
+    "ended_at",
     "gated",
     "is_terminal",
     "labels",
@@ -53,6 +54,7 @@ __all__ = [
     "terminating",
     "topology",
     "tray_keeps_pods",
+    "unbound_pods",
 ]
 
 Manifest = dict[str, Any]
@@ -133,6 +135,24 @@ def _phase(pod: Mapping[str, Any]) -> str:
 def is_terminal(pod: Mapping[str, Any]) -> bool:
     """The pod ended (Succeeded or Failed): its containers will not run again."""
     return _phase(pod) in _TERMINAL
+
+
+def ended_at(pod: Mapping[str, Any]) -> datetime | None:
+    """When the pod's first container ended, as its kubelet reports it (whole seconds), else
+    when it stopped being Ready; None when it says neither."""
+    status = pod.get("status", {})
+    ends = [
+        parse_time(finished)
+        for container in status.get("containerStatuses") or []
+        if (finished := (container.get("state", {}).get("terminated") or {}).get("finishedAt"))
+    ]
+    if ends:
+        return min(ends)
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "Ready" and condition.get("status") == "False":
+            moved = condition.get("lastTransitionTime")
+            return parse_time(moved) if moved else None
+    return None
 
 
 def gated(pod: Mapping[str, Any]) -> bool:
@@ -285,6 +305,26 @@ def current_cells(view: DeploymentView, trays: Topology) -> list[CellPlacement]:
             )
         )
     return cells
+
+
+def unbound_pods(view: DeploymentView, cells: Sequence[CellPlacement]) -> set[str]:
+    """The pods of ``cells`` that do not run on their tray: not created, on their way out,
+    ended, or not yet bound by the scheduler. Each is created anew, or waits for a binding,
+    so its tray must still accept new pods."""
+    unbound: set[str] = set()
+    for cell in cells:
+        planned = [decode_pod_name(cell.name, rank) for rank in range(len(cell.decode_trays))]
+        planned += [prefill_pod_name(cell.name, instance.index) for instance in cell.prefill]
+        for name in planned:
+            pod = view.pods.get(name)
+            if (
+                pod is None
+                or terminating(pod)
+                or is_terminal(pod)
+                or not pod.get("spec", {}).get("nodeName")
+            ):
+                unbound.add(name)
+    return unbound
 
 
 def tray_keeps_pods(trays: Topology, pod: Mapping[str, Any]) -> bool:

@@ -14,10 +14,14 @@ Algorithm (``plan_placement``), in three steps:
 
 1. Keep. Each cell of the current placement that is still wanted is repaired in its domain, in
    name order:
-   a. a pod whose tray still keeps pods (Ready, not quarantined, not evicting, same domain,
-      enough GPUs) stays where it is, on the same GPUs; a spare stays while its tray accepts new
-      pods; prefill instances beyond the wanted count are dropped (highest indices);
-   b. a decode rank whose tray failed is re-placed at the same rank onto the cell's spare tray,
+   a. a pod running on a tray that still keeps pods (Ready, not quarantined, not evicting, same
+      domain, enough GPUs) stays where it is, on the same GPUs; a pod that is not running there
+      (``unbound``: to be created again, or not yet bound by the scheduler) stays only while its
+      tray accepts new pods, since a new pod never binds to a cordoned tray; a spare stays while
+      its tray accepts new pods; prefill instances beyond the wanted count are dropped (highest
+      indices);
+   b. a decode rank whose tray failed (or, for a pod to be created again, no longer accepts new
+      pods) is re-placed at the same rank onto the cell's spare tray,
       else a free whole tray of the domain, else a whole tray holding only the cell's own
       prefill (those instances move, as in d). The group restarts as a whole: a wide-EP group
       cannot lose a rank. If the group is still short, the domain can no longer hold the cell:
@@ -51,7 +55,8 @@ Invariants (each checked in tests/unit/test_placement.py):
   and its N prefill instances; a cell that does not fit has no pod anywhere.
 - No tray holds more GPUs than it has, counting those held by others; decode pods and spares
   take whole trays; no pod is placed on a tray that is not eligible.
-- Re-planning moves no pod whose tray is healthy, except prefill instances on a tray their own
+- Re-planning moves no running pod whose tray keeps pods and no unbound pod whose tray is
+  eligible, except prefill instances on a tray their own
   decode group claimed (1b) and the pods of a cell released from its domain (1b).
 - Prefill never takes a spare tray: spares are topped up before prefill scales up.
 - The largest prefill count that still fits is reported per cell.
@@ -62,7 +67,7 @@ Invariants (each checked in tests/unit/test_placement.py):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -266,8 +271,9 @@ def _prefill_wanted(shape: DeploymentShape) -> int:
 class _Pass:
     """One planning pass: the ledger and the steps that read and update it."""
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, unbound: Collection[str]) -> None:
         self.topology = topology
+        self.unbound = unbound
         self.ledger = _Ledger()
 
     def is_whole(self, tray: Tray, shape: DeploymentShape) -> bool:
@@ -299,8 +305,8 @@ class _Pass:
             return None  # the domain is gone or the shape changed: admit afresh
         ledger = self.ledger
         decode: list[Tray | None] = []
-        for name in old.decode_trays:
-            tray = self._keepable(name, domain)
+        for rank, name in enumerate(old.decode_trays):
+            tray = self._keepable(name, domain, decode_pod_name(old.name, rank))
             if (
                 tray is not None
                 and tray.gpus == shape.decode.gpus_per_pod
@@ -313,7 +319,7 @@ class _Pass:
                 decode.append(None)  # a lost rank, re-placed by _complete_decode
         spares: list[Tray] = []
         for name in old.spare_trays[: shape.decode.spare_trays]:
-            tray = self._keepable(name, domain)
+            tray = self._keepable(name, domain, None)
             if tray is not None and self.is_whole(tray, shape):
                 ledger.take_whole(tray)
                 spares.append(tray)
@@ -322,7 +328,7 @@ class _Pass:
         for instance in sorted(old.prefill, key=lambda instance: instance.index):
             if limit is not None and instance.index >= limit:
                 continue
-            tray = self._keepable(instance.tray, domain)
+            tray = self._keepable(instance.tray, domain, prefill_pod_name(old.name, instance.index))
             if tray is not None and ledger.take(tray, instance.gpus):
                 prefill[instance.index] = instance
         if not self._complete_decode(decode, spares, prefill, domain, shape):
@@ -361,10 +367,13 @@ class _Pass:
             max_prefill_instances=len(prefill) + free_slots,
         )
 
-    def _keepable(self, name: str, domain: NVLinkDomain) -> Tray | None:
+    def _keepable(self, name: str, domain: NVLinkDomain, pod: str | None) -> Tray | None:
+        """Tray ``name`` if ``pod`` (None: a spare) may stay on it."""
         tray = self.topology.tray(name)
         if tray is None or tray.domain != domain.name or not tray.keeps_pods:
             return None
+        if pod in self.unbound and not tray.eligible:
+            return None  # its pod is created anew, and a new pod is not bound to a cordoned tray
         return tray
 
     def _complete_decode(
@@ -584,9 +593,15 @@ def _changes(
 
 
 def plan_placement(
-    deployments: Sequence[DeploymentShape], topology: Topology, current: Plan | None = None
+    deployments: Sequence[DeploymentShape],
+    topology: Topology,
+    current: Plan | None = None,
+    unbound: Collection[str] = frozenset(),
 ) -> Plan:
-    """Place every wanted cell, keeping the current placement where its trays are healthy."""
+    """Place every wanted cell, keeping the current placement where its trays are healthy.
+
+    ``unbound`` names the current placement's pods that do not run on their tray (not created,
+    on their way out, ended, or not yet bound by the scheduler); the others run there."""
     wanted: dict[str, DeploymentShape] = {}
     names: set[str] = set()
     for shape in deployments:
@@ -595,7 +610,7 @@ def plan_placement(
         names.add(shape.name)
         for index in range(shape.cells):
             wanted[cell_name(shape.name, index)] = shape
-    step = _Pass(topology)
+    step = _Pass(topology, unbound)
     placed: dict[str, CellPlacement] = {}
     hosted: set[str] = set()
     previous = {cell.name: cell for cell in current.cells} if current else {}

@@ -337,10 +337,10 @@ class Controller:
                 [m["metadata"]["name"] for m in actions.create] or "nothing",
                 actions.delete_pods + actions.delete_services or "nothing",
                 len(actions.ungate),
-                [(m.node, m.failures, m.quarantine) for m in actions.trays] or "unchanged",
+                [(m.node, len(m.failures), m.quarantine) for m in actions.trays] or "unchanged",
             )
         for mark in actions.trays:
-            annotations = {TRAY_FAILURES_ANNOTATION: str(mark.failures)}
+            annotations = {TRAY_FAILURES_ANNOTATION: ",".join(mark.failures)}
             if mark.quarantine is not None:
                 annotations[QUARANTINED_ANNOTATION] = mark.quarantine
             self._count("patch", "nodes")

@@ -216,6 +216,7 @@ class _Cells:
     backoff: tuple[str, ...]
     exhausted: tuple[str, ...]
     short: tuple[str, ...]  # "cell: n of m prefill instances fit ..."
+    down: tuple[str, ...]  # "cell: decode group not serving since its restart: ..."
 
     @property
     def all_ready(self) -> bool:
@@ -282,6 +283,8 @@ def _summarize(
     states: dict[str, list[str]] = {}
     unschedulable: list[str] = []
     short: list[str] = []
+    down: list[str] = []
+    gpus_per_pod = view.model.spec.cell.decode.gpus_per_pod
     ready_cells = 0
     for cell, cell_actions in zip(placed, actions, strict=True):
         pods = {decode_pod_name(cell.name, i): t for i, t in enumerate(cell.decode_trays)}
@@ -293,6 +296,19 @@ def _summarize(
             states.setdefault(state, []).append(pod_name)
             if state == "unschedulable" and pod is not None:
                 unschedulable.append(f"{pod_name} ({_scheduler_says(pod)})")
+        decode = cell_actions.decode
+        if (
+            decode.restarts
+            and not decode.ready
+            and cell.name not in restarting + backoff + exhausted
+        ):
+            # Restarted after a failure and not back yet: the cell serves nothing meanwhile,
+            # which a first start (no restarts) is not.
+            down.append(
+                f"{cell.name}: decode group not serving since its restart at "
+                f"{decode.restarts[-1]}: {decode.ready_pods * gpus_per_pod} of "
+                f"{decode.pods * gpus_per_pod} ranks ready"
+            )
         wanted_here = len(cell.prefill) if per_cell is None else per_cell
         if len(cell.prefill) < wanted_here:
             trouble = trays.troubles(cell.domain) or "every other tray is in use"
@@ -363,6 +379,7 @@ def _summarize(
         backoff=backoff,
         exhausted=exhausted,
         short=tuple(short),
+        down=tuple(down),
     )
 
 
@@ -416,17 +433,20 @@ def _progressing(summary: _Cells, stamp: ConditionStamp) -> Condition:
     )
 
 
-# Serving with less than wanted, as opposed to not serving yet.
+# Serving with less than wanted, as opposed to not serving yet. A pod the scheduler refuses is
+# stuck, not on its way: a decode group missing one is down whatever its other ranks say.
 _DEGRADING = (
     Reason.RESTART_BUDGET_EXHAUSTED,
     Reason.RESTART_BACKOFF,
     Reason.GROUP_RESTARTING,
+    Reason.PODS_UNSCHEDULABLE,
     Reason.PREFILL_SHORT,
 )
 
 
 def _degraded(summary: _Cells, quarantined: Sequence[str], stamp: ConditionStamp) -> Condition:
     problems = [(c.reason, c.message) for c in summary.causes if c.reason in _DEGRADING]
+    problems += [(Reason.GROUP_RESTARTING, down) for down in summary.down]
     if quarantined:
         problems.append((Reason.TRAY_QUARANTINED, f"quarantined trays: {', '.join(quarantined)}"))
     if problems:

@@ -12,8 +12,10 @@ For every decode group (from a :class:`~eplb.config.GroupSource`) a
 
    - Prepare to every agent at once; every ack within ``prepareTimeoutSeconds`` or Abort to all.
    - Commit to every agent at one agreed step: the highest step an agent reported when staging
-     finished plus ``applyMarginSteps``. Any Commit failing: Abort to all (an agent drops a
-     committed switch until it takes effect), so no rank ever switches alone.
+     finished plus ``applyMarginSteps``, and later still if an engine's pace while staging would
+     take it there before the Commits and then the Aborts could run out their deadlines. Any
+     Commit failing or timing out: Abort to all (an agent drops a committed switch until it
+     takes effect), which so lands before any rank switches: no rank ever switches alone.
    - The placement in force becomes the new one; once a full window has run under it, its
      achieved window balance is measured against the prediction.
 3. A broken stream, an agent that cannot be reached, or a new incarnation (an engine restart)
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -85,6 +88,16 @@ class _Achievement:
     applied_at: int
     predicted: float
     placement: Placement
+
+
+@dataclass(frozen=True, slots=True)
+class _Ack:
+    """An agent's Prepare acknowledgement: its step when staging finished, when the service
+    heard it, and the steps per second the engine ran from just before Prepare until then."""
+
+    step: int
+    at: float  # time.monotonic()
+    pace: float
 
 
 @dataclass(slots=True)
@@ -293,10 +306,7 @@ class GroupRunner:
         message = encode_placement(track.name, decision.placement, track.version + 1)
         started = time.perf_counter()
         prepared = await asyncio.gather(
-            *(
-                client.prepare(switch_id, [message], self.config.prepare_timeout_seconds)
-                for client in self.clients
-            ),
+            *(self._prepare(client, switch_id, message) for client in self.clients),
             return_exceptions=True,
         )
         failures = [r for r in prepared if isinstance(r, BaseException)]
@@ -312,8 +322,7 @@ class GroupRunner:
                     switch_id,
                 )
             )
-        acks = [r for r in prepared if isinstance(r, pb.PrepareResponse)]
-        apply_at = max(ack.current_step for ack in acks) + self.config.apply_margin_steps
+        apply_at = self._apply_step([r for r in prepared if isinstance(r, _Ack)])
         track.window.expect(track.version + 1, decision.placement)
         committed = await asyncio.gather(
             *(
@@ -370,6 +379,40 @@ class GroupRunner:
             round_trip * 1e3,
         )
         return record
+
+    async def _prepare(self, client: AgentClient, switch_id: str, message: pb.Placement) -> _Ack:
+        """Prepare on one agent, timing the engine's steps from just before it to the ack."""
+        timeout = self.config.prepare_timeout_seconds
+        started = time.monotonic()
+        before = (await client.get_placement(timeout)).current_step
+        ack = await client.prepare(switch_id, [message], timeout)
+        heard = time.monotonic()
+        return _Ack(
+            ack.current_step, heard, (ack.current_step - before) / max(heard - started, 1e-3)
+        )
+
+    def _apply_step(self, acks: list[_Ack]) -> int:
+        """The step every agent is committed to switch at.
+
+        At least ``applyMarginSteps`` past the highest acknowledged step; and, at the pace each
+        engine ran while staging, not before the Commits and then the Aborts could each run out
+        their deadline: an agent that fails or vanishes at Commit is then aborted everywhere
+        before any engine reaches the step. An engine that acknowledged early has stepped on
+        while the others staged, which is counted from its ack."""
+        now = time.monotonic()
+        horizon = 2 * self.config.commit_timeout_seconds
+        margin = max(ack.step for ack in acks) + self.config.apply_margin_steps
+        paced = max(math.ceil(ack.step + ack.pace * (now - ack.at + horizon)) for ack in acks)
+        if paced > margin:
+            log.info(
+                "group %s: switch step %d, past the margin's %d: the engines' pace (up to %.0f "
+                "steps/s) would reach it before Commit and Abort deadlines run out",
+                self.spec.name,
+                paced,
+                margin,
+                max(ack.pace for ack in acks),
+            )
+        return max(margin, paced)
 
     async def _abort_all(self, switch_id: str, reason: str) -> None:
         results = await asyncio.gather(

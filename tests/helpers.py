@@ -78,15 +78,16 @@ def cached_tokens_of(answer: _Answer) -> int:
     return details.cached_tokens
 
 
-def keep_decoding(url: str, requests: int = 64, max_tokens: int = 200_000) -> None:
-    """``requests`` long decodes spread over a 32-rank group's ranks, in daemon threads."""
+def keep_decoding(url: str, requests: int = 64, max_tokens: int = 200_000, ranks: int = 32) -> None:
+    """``requests`` long decodes spread over a server's ``ranks`` (local) ranks, in daemon
+    threads."""
 
     def run(index: int) -> None:
         # The test stops the simulator under these requests when it ends.
         with contextlib.suppress(httpx.HTTPError):
             httpx.post(
                 f"{url}/v1/completions",
-                headers={"X-data-parallel-rank": str(index % 32)},
+                headers={"X-data-parallel-rank": str(index % ranks)},
                 json={"prompt": "load", "max_tokens": max_tokens, "ignore_eos": True},
                 timeout=600,
             )

@@ -4,11 +4,13 @@ whole cell, capacity problems, gang recovery of the decode group, prefill scalin
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
 from kubernetes import client
 
+from controller.observe import rfc3339
 from rigs.devcluster import mark_tray_not_ready, patch_model_deployment_spec
 from rigs.processes import eventually
 from tests.k8s.helpers import (
@@ -157,6 +159,31 @@ def test_tray_not_ready_moves_the_group_to_the_spare(api, namespace, rack) -> No
     assert failing not in cell["decode"]["trays"] + cell["spareTrays"]
 
 
+def test_a_restart_while_a_decode_tray_is_cordoned_puts_its_rank_on_the_spare(
+    api, namespace, rack
+) -> None:
+    apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
+    cell = wait_ready(api, namespace, "dsv4")["status"]["cells"][0]
+    cordoned, spare = cell["decode"]["trays"][6], cell["spareTrays"][0]
+    core = client.CoreV1Api(api)
+    core.patch_node(cordoned, {"spec": {"unschedulable": True}})
+    core.delete_namespaced_pod("dsv4-cell-0-decode-1", namespace)
+
+    def on_the_spare() -> bool:
+        decode = pods(api, namespace, "decode")
+        return (
+            len(decode) == 8
+            and decode["dsv4-cell-0-decode-6"].spec.node_name == spare
+            and all(p.status.phase == "Running" for p in decode.values())
+        )
+
+    eventually(on_the_spare, timeout=60, interval=0.25)
+    obj = wait_ready(api, namespace, "dsv4")
+    assert obj["status"]["decodeRanks"] == 32
+    assert cordoned not in obj["status"]["cells"][0]["decode"]["trays"]
+    assert condition(obj, "Degraded")["status"] == "False"
+
+
 def test_prefill_scales_up_and_down_without_touching_decode(api, namespace, rack) -> None:
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     wait_ready(api, namespace, "dsv4")
@@ -208,8 +235,11 @@ def test_a_tray_whose_pods_keep_failing_is_quarantined_and_its_group_moves(
     cell = wait_ready(api, namespace, "dsv4")["status"]["cells"][0]
     tray, spare = cell["decode"]["trays"][2], cell["spareTrays"][0]
     core = client.CoreV1Api(api)
-    # Two earlier failures on record; the engine on this tray now fails a third time.
-    core.patch_node(tray, {"metadata": {"annotations": {"baton.dev/tray-failures": "2"}}})
+    # Two earlier failures on record, within the last day; the engine on this tray now fails a
+    # third time.
+    hour_ago = datetime.now(UTC) - timedelta(hours=1)
+    earlier = ",".join(rfc3339(hour_ago + timedelta(minutes=m)) for m in (0, 5))
+    core.patch_node(tray, {"metadata": {"annotations": {"baton.dev/tray-failures": earlier}}})
     failing = core.read_namespaced_pod_status("dsv4-cell-0-decode-2", namespace)
     assert failing.status is not None  # it was Running
     failing.status.phase = "Failed"
@@ -226,7 +256,8 @@ def test_a_tray_whose_pods_keep_failing_is_quarantined_and_its_group_moves(
         )
 
     eventually(quarantined_and_moved, timeout=60, interval=0.25)
-    assert annotations_of(core.read_node(tray))["baton.dev/tray-failures"] == "3"
+    failures = annotations_of(core.read_node(tray))["baton.dev/tray-failures"].split(",")
+    assert len(failures) == 3 and ",".join(failures[:2]) == earlier
     obj = wait_ready(api, namespace, "dsv4")
     degraded = condition(obj, "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "TrayQuarantined")

@@ -51,12 +51,26 @@ class World:
         for manifest in decision.create:
             target = self.services if manifest["kind"] == "Service" else self.pods
             target.setdefault(manifest["metadata"]["name"], copy.deepcopy(manifest))
+        nodes = {node["metadata"]["name"]: node for node in self.nodes}
         for name in decision.ungate:
             pod = self.pods[name]
             pod["spec"]["schedulingGates"] = []
             tray = pod["spec"]["affinity"]["nodeAffinity"][
                 "requiredDuringSchedulingIgnoredDuringExecution"
             ]["nodeSelectorTerms"][0]["matchExpressions"][0]["values"][0]
+            if nodes[tray]["spec"].get("unschedulable"):  # kube-scheduler binds nothing there
+                pod["status"] = {
+                    "phase": "Pending",
+                    "conditions": [
+                        {
+                            "type": "PodScheduled",
+                            "status": "False",
+                            "reason": "Unschedulable",
+                            "message": "0/18 nodes are available: 1 node(s) were unschedulable.",
+                        }
+                    ],
+                }
+                continue
             pod["spec"]["nodeName"] = tray
             pod["status"] = {
                 "phase": "Running",
@@ -64,10 +78,9 @@ class World:
                 "conditions": [{"type": "Ready", "status": "True"}],
             }
             self.next_ip += 1
-        nodes = {node["metadata"]["name"]: node for node in self.nodes}
         for mark in decision.trays:
             annotations = nodes[mark.node]["metadata"]["annotations"]
-            annotations[TRAY_FAILURES_ANNOTATION] = str(mark.failures)
+            annotations[TRAY_FAILURES_ANNOTATION] = ",".join(mark.failures)
             if mark.quarantine:
                 annotations[QUARANTINED_ANNOTATION] = mark.quarantine
         if decision.status:
@@ -83,13 +96,32 @@ class World:
     def condition(self, kind: str) -> dict[str, Any]:
         return next(c for c in self.deployment["status"]["conditions"] if c["type"] == kind)
 
-    def fail(self, name: str) -> None:
-        self.pods[name]["status"]["phase"] = "Failed"
+    def fail(self, name: str, at: datetime | None = None) -> None:
+        """The pod's engine exits (at ``at``, as the kubelet reports it, when given)."""
+        status = self.pods[name]["status"]
+        status["phase"] = "Failed"
+        if at is not None:
+            finished = at.strftime("%Y-%m-%dT%H:%M:%SZ")
+            status["containerStatuses"] = [
+                {"name": "engine", "state": {"terminated": {"exitCode": 1, "finishedAt": finished}}}
+            ]
+
+    def tray_of(self, pod: str) -> str:
+        return str(self.pods[pod]["spec"]["nodeName"])
+
+    def annotate(self, tray: str, key: str, value: str) -> None:
+        node = next(n for n in self.nodes if n["metadata"]["name"] == tray)
+        node["metadata"]["annotations"][key] = value
 
     def fail_tray(self, name: str) -> None:
         """The tray's kubelet stops reporting: its Ready condition goes False."""
         node = next(n for n in self.nodes if n["metadata"]["name"] == name)
         node["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+
+    def cordon(self, name: str) -> None:
+        """``kubectl cordon``: pods there keep running, new ones are not bound there."""
+        node = next(n for n in self.nodes if n["metadata"]["name"] == name)
+        node["spec"]["unschedulable"] = True
 
     def reasons(self, decision: Actions, reason: str) -> list[str]:
         return [e.message for e in decision.events if e.reason == reason]
@@ -151,7 +183,9 @@ def test_a_failed_decode_pod_restarts_the_whole_group_and_counts_against_its_tra
     decision = w.step()
     assert set(decision.delete_pods) == names("decode", 8)
     assert [e.reason for e in decision.events] == ["GroupRestarting"]
-    assert [(m.node, m.failures, m.quarantine) for m in decision.trays] == [(tray, 1, None)]
+    assert [(m.node, m.failures, m.quarantine) for m in decision.trays] == [
+        (tray, ("2026-11-29T12:00:00Z",), None)
+    ]
     assert w.condition("Degraded")["reason"] == "GroupRestarting"
     w.settle()
     assert {n: id(p) for n, p in w.pods.items() if "prefill" in n} == prefill_before
@@ -186,13 +220,17 @@ def test_restart_backoff_doubles_and_the_budget_stops_restarts() -> None:
 def test_a_tray_failing_repeatedly_is_quarantined_and_avoided() -> None:
     w = world(cell={"prefill": {"instances": 2}})
     w.settle()
-    tray = w.pods["dsv4-cell-0-decode-0"]["spec"]["nodeName"]
-    node = next(n for n in w.nodes if n["metadata"]["name"] == tray)
-    node["metadata"]["annotations"][TRAY_FAILURES_ANNOTATION] = "2"
+    tray = w.tray_of("dsv4-cell-0-decode-0")
+    earlier = "2026-11-28T15:00:00Z,2026-11-29T09:30:00Z"  # within the last 24 hours
+    w.annotate(tray, TRAY_FAILURES_ANNOTATION, earlier)
     w.fail("dsv4-cell-0-decode-0")
     decision = w.step()
     [mark] = decision.trays
-    assert mark.failures == 3 and mark.quarantine is not None
+    assert mark.failures == (*earlier.split(","), "2026-11-29T12:00:00Z")
+    assert (
+        mark.quarantine
+        == "3 Baton pod failures on this tray within 24h, the last at 2026-11-29T12:00:00Z"
+    )
     assert "TrayQuarantined" in [e.reason for e in decision.events]
     w.settle()
     assert tray not in {p["spec"].get("nodeName") for p in w.pods.values()}
@@ -327,6 +365,9 @@ def test_a_pod_the_scheduler_cannot_place_is_named_not_called_starting() -> None
     assert (w.deployment["status"]["ready"], ready["reason"]) == ("0/1", "PodsUnschedulable")
     assert "dsv4-cell-0-decode-3" in ready["message"] and scheduler in ready["message"]
     assert (progressing["status"], progressing["reason"]) == ("False", "PodsUnschedulable")
+    degraded = w.condition("Degraded")  # 28 of 32 ranks: the group serves nothing
+    assert (degraded["status"], degraded["reason"]) == ("True", "PodsUnschedulable")
+    assert "dsv4-cell-0-decode-3" in degraded["message"]
 
 
 def test_a_cell_that_cannot_be_placed_is_the_reason_not_pods_pending() -> None:
@@ -396,3 +437,86 @@ def test_scaling_prefill_in_gets_an_event_naming_the_pods() -> None:
     assert w.reasons(decision, "PrefillRemoved") == [
         "prefill dsv4-cell-0-prefill-1, dsv4-cell-0-prefill-2 removed (1 instance per cell wanted)"
     ]
+
+
+def test_a_group_restarting_while_one_of_its_trays_is_cordoned_moves_that_rank_to_the_spare() -> (
+    None
+):
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    [spare] = w.deployment["status"]["cells"][0]["spareTrays"]
+    cordoned = w.pods["dsv4-cell-0-decode-5"]["spec"]["nodeName"]
+    w.cordon(cordoned)
+    assert w.step().delete_pods == ()  # a cordoned tray keeps its running pods
+    del w.pods["dsv4-cell-0-decode-2"]  # any restart of the group
+    restart = w.step()
+    assert set(restart.delete_pods) == names("decode", 8) - {"dsv4-cell-0-decode-2"}
+    recreate = w.step()  # once the old pods are gone: rank 5 cannot come back to its tray
+    [new_spare] = w.deployment["status"]["cells"][0]["spareTrays"]
+    assert w.reasons(recreate, "SpareMoving") == [
+        f"spare tray of dsv4-cell-0 moves from {spare} (now runs decode) to {new_spare}"
+    ]
+    w.settle()
+    assert w.pods["dsv4-cell-0-decode-5"]["spec"]["nodeName"] == spare
+    assert cordoned not in {p["spec"].get("nodeName") for p in w.pods.values()}
+    assert w.condition("Ready")["status"] == "True"
+    assert w.deployment["status"]["decodeRanks"] == 32
+
+
+def test_a_cell_down_after_a_restart_is_degraded_until_its_group_serves_again() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    w.fail("dsv4-cell-0-decode-1")
+    w.step()  # the restart: every decode pod deleted
+    w.step()  # the group created again, gated until all of it exists
+    degraded = w.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "GroupRestarting")
+    assert "dsv4-cell-0: decode group not serving since its restart" in degraded["message"]
+    assert "0 of 32 ranks ready" in degraded["message"]
+    w.settle()
+    assert (w.condition("Ready")["status"], w.condition("Degraded")["status"]) == ("True", "False")
+
+
+def test_a_group_brought_down_by_one_rank_blames_only_the_tray_whose_pod_ended_first() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    w.fail("dsv4-cell-0-decode-4", at=T0 - timedelta(seconds=30))
+    for peer in ("dsv4-cell-0-decode-1", "dsv4-cell-0-decode-6"):  # lost their peer
+        w.fail(peer, at=T0 - timedelta(seconds=20))
+    culprit = w.tray_of("dsv4-cell-0-decode-4")
+    decision = w.step()
+    assert [(m.node, len(m.failures)) for m in decision.trays] == [(culprit, 1)]
+    [restart] = w.reasons(decision, "GroupRestarting")
+    assert f"counted against {culprit}, whose pod ended first" in restart
+
+
+def test_pods_that_ended_together_blame_no_tray() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    for pod in ("dsv4-cell-0-decode-1", "dsv4-cell-0-decode-6"):
+        w.fail(pod, at=T0 - timedelta(seconds=5))
+    decision = w.step()
+    assert set(decision.delete_pods) == names("decode", 8)
+    assert decision.trays == ()
+    [restart] = w.reasons(decision, "GroupRestarting")
+    assert "no tray blamed: dsv4-cell-0-decode-1, dsv4-cell-0-decode-6 ended together" in restart
+
+
+def test_tray_failures_older_than_a_day_are_forgotten() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    tray = w.tray_of("dsv4-cell-0-decode-0")
+    w.annotate(tray, TRAY_FAILURES_ANNOTATION, "2026-11-27T08:00:00Z,2026-11-28T11:59:59Z")
+    w.fail("dsv4-cell-0-decode-0")
+    [mark] = w.step().trays
+    assert (mark.failures, mark.quarantine) == (("2026-11-29T12:00:00Z",), None)
+
+
+def test_a_count_that_is_not_a_list_of_times_is_read_as_no_recent_failure() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    tray = w.tray_of("dsv4-cell-0-decode-0")
+    w.annotate(tray, TRAY_FAILURES_ANNOTATION, "7")  # an earlier Baton's bare count
+    w.fail("dsv4-cell-0-decode-0")
+    [mark] = w.step().trays
+    assert (mark.failures, mark.quarantine) == (("2026-11-29T12:00:00Z",), None)

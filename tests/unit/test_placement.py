@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from baton.core.api import Reason
-from controller.names import cell_name
+from controller.names import cell_name, decode_pod_name, prefill_pod_name
 from controller.placement import (
     CellPlacement,
     DecodeShape,
@@ -486,8 +486,12 @@ def test_same_inputs_give_the_same_plan_whatever_the_node_order(
     assert plan_placement(cluster.shapes, cluster.topology, plan) == plan
 
 
-def healthy_for(tray: Tray | None, domain: str) -> bool:
-    return tray is not None and tray.domain == domain and tray.keeps_pods
+def healthy_for(tray: Tray | None, domain: str, bound: bool = True) -> bool:
+    """A pod may stay: it runs on a tray that keeps pods, or is yet to be bound to an eligible
+    one (a new pod never binds to a cordoned tray)."""
+    return (
+        tray is not None and tray.domain == domain and tray.keeps_pods and (bound or tray.eligible)
+    )
 
 
 def eligible_in(topology: Topology, name: str, domain: str) -> bool:
@@ -501,13 +505,26 @@ def test_replanning_moves_nothing_healthy(data: st.DataObject) -> None:
     cluster = data.draw(clusters())
     before = plan_placement(cluster.shapes, cluster.topology)
     later = topology_from_trays(data.draw(failures(cluster.trays)))
-    after = plan_placement(cluster.shapes, later, before)
+    pods = sorted(
+        name
+        for cell in before.cells
+        for name in [decode_pod_name(cell.name, r) for r in range(len(cell.decode_trays))]
+        + [prefill_pod_name(cell.name, i.index) for i in cell.prefill]
+    )
+    unbound = set(data.draw(st.lists(st.sampled_from(pods), unique=True) if pods else st.just([])))
+    after = plan_placement(cluster.shapes, later, before, unbound)
     assert_sound(after, later, cluster.shapes)
     shape_of = {shape.name: shape for shape in cluster.shapes}
     for old in before.cells:
         new = after.cell(old.name)
         shape = shape_of[old.deployment]
-        decode_ok = [healthy_for(later.tray(name), old.domain) for name in old.decode_trays]
+        decode_bound = [
+            decode_pod_name(old.name, rank) not in unbound for rank in range(len(old.decode_trays))
+        ]
+        decode_ok = [
+            healthy_for(later.tray(name), old.domain, bound)
+            for name, bound in zip(old.decode_trays, decode_bound, strict=True)
+        ]
         if new is None or new.domain != old.domain:
             # Released only when the domain cannot hold the decode group any more.
             domain = later.domain(old.domain)
@@ -516,7 +533,13 @@ def test_replanning_moves_nothing_healthy(data: st.DataObject) -> None:
                 for tray in (domain.trays if domain else ())
                 if tray.gpus == shape.decode.gpus_per_pod
                 and tray.used_by_others == 0
-                and (tray.eligible or (tray.name in old.decode_trays and tray.keeps_pods))
+                and (
+                    tray.eligible
+                    or any(
+                        name == tray.name and bound and tray.keeps_pods
+                        for name, bound in zip(old.decode_trays, decode_bound, strict=True)
+                    )
+                )
             ]
             assert len(usable) < shape.decode.trays
             continue
@@ -528,9 +551,16 @@ def test_replanning_moves_nothing_healthy(data: st.DataObject) -> None:
         for rank, spare in zip(lost, spares, strict=False):
             assert new.decode_trays[rank] == spare, "a lost decode rank takes a spare first"
         assert (old.name in after.restarted) == (not all(decode_ok))
+        for rank, name in enumerate(new.decode_trays):
+            if decode_pod_name(new.name, rank) in unbound:
+                assert eligible_in(later, name, new.domain), "an unbound pod on a cordoned tray"
         kept = {i.index: i for i in new.prefill}
+        for instance in new.prefill:
+            if prefill_pod_name(new.name, instance.index) in unbound:
+                assert eligible_in(later, instance.tray, new.domain)
         for instance in old.prefill:
-            if healthy_for(later.tray(instance.tray), old.domain):
+            bound = prefill_pod_name(old.name, instance.index) not in unbound
+            if healthy_for(later.tray(instance.tray), old.domain, bound):
                 if instance.tray in new.decode_trays:
                     continue  # reclaimed by its own decode group, which had nothing else
                 assert kept.get(instance.index) == instance

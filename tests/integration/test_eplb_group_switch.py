@@ -1,0 +1,213 @@
+"""The EPLB service's two-phase switch over the 8 servers of one DEP32 decode group.
+
+Each server is its own ``baton sim`` process serving 4 of the 32 ranks (hybrid LB, as the
+controller renders a decode pod per tray) with its own agent, over real gRPC. The service must
+switch all of them at one step or none: a server refusing Prepare aborts the switch on every
+server, and so does one killed (SIGKILL) or frozen (SIGSTOP: it holds its connections and never
+answers, as a tray that drops off the network) when the service commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from baton.core.eplb_wire import decode_placement, encode_placement
+from baton.core.proto import eplb_agent_pb2 as pb
+from eplb.client import AgentClient
+from eplb.config import EplbServiceConfig, GroupSpec
+from eplb.decide import Decision, Outcome, decide
+from eplb.errors import AgentRejected
+from eplb.metrics import EplbMetrics
+from eplb.service import GroupRunner
+from eplb.window import Window
+from tests.helpers import SimHandle, free_port, keep_decoding
+
+SERVERS, LOCAL_RANKS = 8, 4
+WINDOW, INTERVAL = 100, 600
+
+
+@dataclass(frozen=True)
+class Server:
+    handle: SimHandle
+    agent: str  # host:port of its EPLB agent
+
+
+@pytest.fixture
+def group(start_sim) -> Iterator[list[Server]]:
+    """The 8 servers of one DEP32 group, started together; a frozen one is thawed after."""
+
+    def start(index: int) -> Server:
+        port = free_port()
+        handle = start_sim(
+            *("--data-parallel-size", "32", "--data-parallel-size-local", str(LOCAL_RANKS)),
+            *("--data-parallel-start-rank", str(index * LOCAL_RANKS), "--data-parallel-hybrid-lb"),
+            *("--enable-expert-parallel", "--enable-eplb", "--eplb-config"),
+            f'{{"num_redundant_experts":32,"window_size":{WINDOW},"step_interval":{INTERVAL}}}',
+            *("--speculative-config", '{"method":"mtp","num_speculative_tokens":3}'),
+            *("--eplb-agent-port", str(port)),
+            # Half speed: 8 engines stepping on a shared 2-core machine keep up.
+            *("--time-scale", "2"),
+        )
+        return Server(handle, f"127.0.0.1:{port}")
+
+    with ThreadPoolExecutor(2) as pool:  # 8 imports at once starve each other's start
+        servers = list(pool.map(start, range(SERVERS)))
+    yield servers
+    for server in servers:
+        if server.handle.process.poll() is None:
+            server.handle.process.send_signal(signal.SIGCONT)
+
+
+def runner_for(
+    servers: list[Server], clients: list[AgentClient] | None = None, **overrides: object
+) -> GroupRunner:
+    agents = tuple(server.agent for server in servers)
+    config = EplbServiceConfig(
+        window_size=WINDOW,
+        step_interval=INTERVAL,
+        groups=(GroupSpec(name="cell-0", agents=agents),),
+        **overrides,
+    )
+    return GroupRunner(
+        config.groups[0],
+        config,
+        clients or [AgentClient(agent) for agent in agents],
+        EplbMetrics(CollectorRegistry()),
+    )
+
+
+def skewed_decision(runner: GroupRunner) -> tuple[str, Decision]:
+    track = runner.tracks["target"]
+    rng = np.random.default_rng(0)
+    load = np.rint(rng.lognormal(0.0, 1.0, size=(43, 384)) * 1e5).astype(np.int64)
+    decision = decide(Window(0, WINDOW, WINDOW, load, 0.5), track.placement, runner.policy, 600)
+    assert decision.outcome is Outcome.REBALANCE
+    return "target", decision
+
+
+def load_every_server(servers: list[Server]) -> None:
+    for server in servers:
+        keep_decoding(server.handle.url, requests=8, ranks=LOCAL_RANKS)
+
+
+async def first_step_under(agent: str, model: str, version: int) -> int:
+    """The first step an agent reports under placement ``version`` of ``model``."""
+    client = AgentClient(agent)
+    try:
+        async for report in client.stream_load(10):
+            if report.model == model and report.placement_version == version:
+                return report.first_step
+        raise AssertionError(f"{agent}: load stream ended")
+    finally:
+        await client.close()
+
+
+async def state(agent: str) -> pb.PlacementState:
+    client = AgentClient(agent)
+    try:
+        return await client.get_placement(5.0)
+    finally:
+        await client.close()
+
+
+async def assert_never_switches(servers: list[Server], switch_id: str, past_step: int) -> None:
+    """Nothing of ``switch_id`` is staged on any live server, and each one decodes past
+    ``past_step`` (the step it was committed for) on the placement it had."""
+    for server in servers:
+        client = AgentClient(server.agent)
+        with pytest.raises(AgentRejected, match="not staged"):
+            await client.commit(switch_id, 0, 5.0)
+        await client.close()
+    for server in servers:
+        for _ in range(600):
+            placement = await state(server.agent)
+            if placement.current_step > past_step:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"{server.agent} never reached step {past_step}")
+        versions = {p.model: p.version for p in placement.placements}
+        assert versions == {"target": 0, "draft": 0}, server.agent
+
+
+async def close(runner: GroupRunner) -> None:
+    for client in runner.clients:
+        await client.close()
+
+
+async def test_every_server_switches_at_the_one_agreed_step(group) -> None:
+    load_every_server(group)
+    runner = runner_for(group)
+    await runner.sync()
+    model, decision = skewed_decision(runner)
+    watchers = [asyncio.create_task(first_step_under(s.agent, model, 1)) for s in group]
+    await asyncio.sleep(0.5)  # every stream subscribed before anything can switch
+    record = await runner.switch(model, decision)
+    assert record.result == "committed" and record.apply_at_step is not None
+    firsts = await asyncio.wait_for(asyncio.gather(*watchers), timeout=120)
+    assert firsts == [record.apply_at_step] * SERVERS  # no rank switched alone, or early
+    for server in group:
+        in_force = {p.model: p for p in (await state(server.agent)).placements}
+        assert in_force[model].version == 1 and in_force["draft"].version == 0
+        assert decode_placement(in_force[model], 32, 384) == decision.placement
+    await close(runner)
+
+
+async def test_a_server_refusing_prepare_aborts_the_switch_on_all_eight(group) -> None:
+    runner = runner_for(group)
+    await runner.sync()
+    model, decision = skewed_decision(runner)
+    # Server 5 still holds a switch whose Abort it never got: it refuses the next Prepare.
+    stray = AgentClient(group[5].agent)
+    await stray.prepare("stray", [encode_placement(model, decision.placement, 1)], 30.0)
+    record = await runner.switch(model, decision)
+    assert record.result == "prepare_failed" and record.switch_id is not None
+    load_every_server(group)
+    await assert_never_switches(group, record.switch_id, past_step=runner.config.apply_margin_steps)
+    await stray.abort("stray", "test over", 5.0)
+    await stray.close()
+    await close(runner)
+
+
+class _LostAtCommit(AgentClient):
+    """The agent of a server whose process gets ``signal`` just as the service commits to it."""
+
+    def __init__(self, address: str, process: subprocess.Popen[bytes], sent: signal.Signals):
+        super().__init__(address)
+        self.process, self.sent = process, sent
+        self.asked: int | None = None
+
+    async def commit(self, switch_id: str, apply_at_step: int, deadline: float) -> int:
+        self.asked = apply_at_step
+        self.process.send_signal(self.sent)
+        if self.sent is signal.SIGKILL:
+            await asyncio.to_thread(self.process.wait)
+        return await super().commit(switch_id, apply_at_step, deadline)
+
+
+@pytest.mark.parametrize("sent", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+async def test_a_server_lost_at_commit_aborts_the_switch_on_every_other(
+    group, sent: signal.Signals
+) -> None:
+    load_every_server(group)
+    lost = _LostAtCommit(group[3].agent, group[3].handle.process, sent)
+    clients = [lost if i == 3 else AgentClient(s.agent) for i, s in enumerate(group)]
+    # The defaults' proportions: a Commit deadline longer than the margin's steps take.
+    runner = runner_for(group, clients, apply_margin_steps=10, commit_timeout_seconds=5.0)
+    await runner.sync()
+    model, decision = skewed_decision(runner)
+    record = await runner.switch(model, decision)
+    assert record.result == "commit_failed" and record.switch_id is not None
+    assert lost.asked is not None
+    live = [s for i, s in enumerate(group) if i != 3]
+    await assert_never_switches(live, record.switch_id, past_step=lost.asked)
+    await close(runner)
