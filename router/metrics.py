@@ -176,6 +176,13 @@ class GatewayMetrics:
             ["target"],
             registry=r,
         )
+        self.healthy_targets = Gauge(
+            "baton_gateway_healthy_targets",
+            "Targets this gateway would route to now (health check passed, circuit closed) per "
+            "role and cell; 0 for a cell whose targets are all down.",
+            ["role", "cell"],
+            registry=r,
+        )
         # children bound once: handlers never look labels up on the hot path
         self.cached_tokens = self.prompt_tokens.labels("cached")
         self.uncached_tokens = self.prompt_tokens.labels("uncached")

@@ -173,6 +173,9 @@ def test_ready_needs_a_healthy_prefill_and_decode(start_sim, start_gateway) -> N
     gateway = start_gateway(f"--decode={decode.url}", "--prefill=http://127.0.0.1:9")
     assert httpx.get(f"{gateway.url}/ready").status_code == 503
     assert httpx.get(f"{gateway.url}/health").status_code == 200
+    # the cell's prefill shows as 0 healthy targets, not as a missing series
+    healthy = scrape_by(gateway.url, "baton_gateway_healthy_targets", "role")
+    assert healthy == {"prefill": 0, "decode": 1}
 
 
 # ---- routing
