@@ -39,7 +39,7 @@ from router.errors import (
     error_body,
 )
 from router.handoff import Handoff, JsonReply
-from router.metrics import GatewayMetrics
+from router.metrics import CHAT_ROUTE, COMPLETIONS_ROUTE, GatewayMetrics
 from router.pool import Pool
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.relay import SERVER_SEND, RelayResponse
@@ -51,8 +51,6 @@ __all__ = ["Gateway", "create_app", "create_gateway"]
 log = logging.getLogger("baton.gateway")
 
 Endpoint = Callable[[Request], Awaitable[Response]]
-CHAT_ROUTE = "/v1/chat/completions"
-COMPLETIONS_ROUTE = "/v1/completions"
 
 
 class Gateway:

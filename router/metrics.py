@@ -12,7 +12,16 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["CHAT_ROUTE", "COMPLETIONS_ROUTE", "GatewayMetrics"]
+
+CHAT_ROUTE = "/v1/chat/completions"
+COMPLETIONS_ROUTE = "/v1/completions"
+# Every outcome and reason known in advance is exported at 0 from the start: a series that
+# appears with its first failure already counted gives Prometheus no increase to take a rate
+# of, so the first failures would never show in a rate or an alert.
+OUTCOMES = ("ok", "error", "engine_error")
+UPSTREAM_REASONS = ("error", "status", "timeout", "connection")  # router.errors' UpstreamErrors
+FALLBACK_REASONS = (*UPSTREAM_REASONS, "malformed", "no_kv_transfer_params", "decode_retry")
 
 # Agentic TTFT reaches minutes (long prefills queued behind others); ITL sits below 10 ms.
 TTFT_BUCKETS = (
@@ -193,6 +202,13 @@ class GatewayMetrics:
         self.decode_only_routes = self.routes.labels("decode_only")
         # labels known only per request (route, outcome, key source) are looked up once each
         self._children: dict[tuple[object, ...], Any] = {}
+        for route in (CHAT_ROUTE, COMPLETIONS_ROUTE):
+            for outcome in OUTCOMES:
+                self.child(self.requests, route, outcome)
+        for reason in FALLBACK_REASONS:
+            self.child(self.fallbacks, reason)
+        for reason in UPSTREAM_REASONS:
+            self.child(self.retries, "decode", reason)
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: prometheus_client's lookup costs microseconds
