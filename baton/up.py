@@ -75,8 +75,12 @@ def layout_stack(
     eplb_mode: EplbMode = "agent",
     gpus_per_tray: int = 4,
     enable_fault_injection: bool = False,
+    eplb_steps: int | None = None,
 ) -> StackLayout:
-    """Engines at the placed roles, on free loopback ports, and the pool that routes to them."""
+    """Engines at the placed roles, on free loopback ports, and the pool that routes to them.
+    ``eplb_steps``: rebalance every that many decode steps from the load of as many, in place
+    of each mode's default cadence."""
+    cadence = {} if eplb_steps is None else {"window_size": eplb_steps, "step_interval": eplb_steps}
     decode_groups: list[DecodeGroupSpec] = []
     prefill: list[PrefillInstancesSpec] = []
     cells: list[PoolCell] = []
@@ -95,7 +99,9 @@ def layout_stack(
                 side_channel_port=free_port_block(ranks),
                 eplb_agent_port=agent_port,
                 eplb_policy_plugin="baton" if eplb_mode == "plugin" else None,
-                eplb=EplbConfig(num_redundant_experts=32),
+                eplb=EplbConfig(
+                    num_redundant_experts=32, **(cadence if eplb_mode == "plugin" else {})
+                ),
             )
         )
         if agent_port is not None:
@@ -137,7 +143,7 @@ def layout_stack(
         return StackLayout(
             cluster=cluster,
             pool=PoolSpec(cells=tuple(cells)),
-            eplb=EplbServiceConfig(groups=tuple(eplb_groups)),
+            eplb=EplbServiceConfig(groups=tuple(eplb_groups), **cadence),
         )
     return StackLayout(
         cluster=cluster,
@@ -225,6 +231,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the engines take POST /sim/faults (kill, stall, fail_requests, drop_kv) for drills",
     )
     parser.add_argument(
+        "--eplb-steps",
+        type=int,
+        default=None,
+        help="rebalance every this many decode steps from the load of as many (default: "
+        "vLLM's 3000 / 1000 in plugin mode, the service's 500 / 500 in agent mode)",
+    )
+    parser.add_argument(
         "--eplb-metrics-port",
         type=int,
         default=None,
@@ -254,6 +267,7 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
         time_scale=args.time_scale,
         eplb_mode=args.eplb_mode,
         enable_fault_injection=args.enable_fault_injection,
+        eplb_steps=args.eplb_steps,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
