@@ -305,9 +305,18 @@ EPLB = (
     ),
     PanelSpec(
         "Rebalances by outcome",
-        "How often each group rebalanced, and why a decision did not switch (gain too small, "
-        "incomplete window, a failed prepare or commit).",
-        (increase_by("baton_eplb_rebalances_total", "group, outcome"),),
+        "How often each group rebalanced. Agent mode: the service's decisions by outcome "
+        "(committed, or why not: gain too small, incomplete window, a failed prepare or "
+        "commit); plugin mode: the engines' own rebalances, by who placed the experts.",
+        (
+            Query(
+                f"sum by (group, outcome) (increase(baton_eplb_rebalances_total{RATE}))"
+                " or sum by (group, outcome) (label_replace(increase("
+                f'baton_eplb_engine_windows_total{RATE}), "outcome", "in-engine: $1", '
+                '"policy", "(.*)"))',
+                "{{group}} {{outcome}}",
+            ),
+        ),
         unit="short",
         bars=True,
     ),
