@@ -21,7 +21,7 @@ from deploy.grafana.dashboards import DASHBOARDS, DATASOURCE, OUT, generated_fil
 
 # Grafana's own variables a query may use without the dashboard defining them.
 GRAFANA_VARIABLES = {"__rate_interval", "__interval", "__range"}
-VARIABLE = re.compile(r"\$\{?(\w+)")
+VARIABLE = re.compile(r"\$\{?([A-Za-z_]\w*)")
 
 
 def committed() -> dict[str, dict[str, Any]]:
