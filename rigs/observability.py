@@ -21,9 +21,10 @@ from typing import Any
 
 import httpx
 import yaml
+from kubernetes import client
 
 from baton.core.model import SERVED_MODEL_NAME
-from rigs.devcluster import ROOT
+from rigs.devcluster import ROOT, create_model_deployment, read_model_deployment
 from rigs.processes import eventually, free_port, stop_process
 
 __all__ = [
@@ -228,3 +229,35 @@ def drill(stack: BatonUp, *, rounds: int = 3, requests: int = 48) -> dict[int, i
         statuses[status] = statuses.get(status, 0) + 1
     burst()
     return statuses
+
+
+def controller_drill(api: client.ApiClient, namespace: str, model: str) -> None:
+    """A deployment ``dsv4`` of ``model`` placed on a rack's trays by a running controller and
+    Ready; then a decode pod fails on a tray with two failures on record: the decode group
+    restarts, the tray is quarantined and the deployment turns Degraded."""
+    create_model_deployment(
+        api, namespace, "dsv4", {"model": model, "cell": {"prefill": {"instances": 2}}}
+    )
+
+    def status() -> dict[str, Any]:
+        return read_model_deployment(api, namespace, "dsv4").get("status") or {}
+
+    def condition(kind: str) -> str | None:
+        return next(
+            (c["status"] for c in status().get("conditions", []) if c["type"] == kind), None
+        )
+
+    eventually(lambda: condition("Ready") == "True", timeout=60, interval=0.25)
+    tray = status()["cells"][0]["decode"]["trays"][2]
+    core = client.CoreV1Api(api)
+    core.patch_node(tray, {"metadata": {"annotations": {"baton.dev/tray-failures": "2"}}})
+    failing = core.read_namespaced_pod_status("dsv4-cell-0-decode-2", namespace)
+    assert failing.status is not None  # it was Running
+    failing.status.phase = "Failed"
+    core.replace_namespaced_pod_status("dsv4-cell-0-decode-2", namespace, failing)
+
+    def quarantined() -> bool:
+        meta = core.read_node(tray).metadata
+        return "baton.dev/quarantined" in ((meta.annotations if meta else None) or {})
+
+    eventually(lambda: quarantined() and condition("Degraded") == "True", timeout=60)
