@@ -85,24 +85,20 @@ class ControllerMetrics:
             "baton_controller_queue_depth", "Namespaces waiting to be reconciled", registry=registry
         )
         # The actions an operator is paged about, counted from the events that announce them
-        # (one event per action: a cell placed, a decode group restarted, a tray quarantined).
+        # (one event per action; the events name the deployment, cell and tray). Unlabelled, so
+        # each exists at 0 from the start: a labelled child would appear with its first action
+        # already counted, which no rate or increase can see.
         self.placements = Counter(
-            "baton_controller_placements",
-            "Cells placed in an NVLink domain",
-            ["namespace", "deployment"],
-            registry=registry,
+            "baton_controller_placements", "Cells placed in an NVLink domain", registry=registry
         )
         self.group_restarts = Counter(
             "baton_controller_group_restarts",
             "Decode groups restarted as a whole after a pod failed or lost its tray",
-            ["namespace", "deployment"],
             registry=registry,
         )
         self.quarantines = Counter(
             "baton_controller_tray_quarantines",
-            "Trays quarantined after repeated Baton pod failures, by the deployment whose pod "
-            "failed last",
-            ["namespace", "deployment"],
+            "Trays quarantined after repeated Baton pod failures",
             registry=registry,
         )
         self._by_reason: dict[str, Counter] = {
@@ -113,12 +109,12 @@ class ControllerMetrics:
         for outcome in ("success", "error"):  # both series exist before the first error
             self.reconciles.labels(outcome)
 
-    def count(self, namespace: str, events: Iterable[Event]) -> None:
+    def count(self, events: Iterable[Event]) -> None:
         """Count the placements, group restarts and quarantines ``events`` announce."""
         for event in events:
             counter = self._by_reason.get(event.reason)
             if counter is not None:
-                counter.labels(namespace, event.deployment).inc()
+                counter.inc()
 
     def watch_conditions(
         self, registry: CollectorRegistry, deployments: Callable[[], list[dict[str, Any]]]
@@ -471,7 +467,7 @@ class Controller:
                     raise
             else:
                 versions[deployment] = json_object(written)["metadata"]["resourceVersion"]
-        self.metrics.count(namespace, actions.events)
+        self.metrics.count(actions.events)
         self._emit(namespace, actions.events)
         return versions
 

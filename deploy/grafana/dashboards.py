@@ -348,21 +348,25 @@ CONTROLLER = (
     PanelSpec(
         "Placements",
         "When cells were placed in an NVLink domain.",
-        (increase_by("baton_controller_placements_total", "namespace, deployment"),),
+        (Query(f"sum(increase(baton_controller_placements_total{RATE}))", "placements"),),
         unit="short",
         bars=True,
     ),
     PanelSpec(
         "Decode group restarts",
         "When a decode group restarted as a whole after a pod failed or lost its tray.",
-        (increase_by("baton_controller_group_restarts_total", "namespace, deployment"),),
+        (Query(f"sum(increase(baton_controller_group_restarts_total{RATE}))", "group restarts"),),
         unit="short",
         bars=True,
     ),
     PanelSpec(
         "Tray quarantines",
         "When a tray was quarantined after repeated pod failures.",
-        (increase_by("baton_controller_tray_quarantines_total", "namespace, deployment"),),
+        (
+            Query(
+                f"sum(increase(baton_controller_tray_quarantines_total{RATE}))", "tray quarantines"
+            ),
+        ),
         unit="short",
         bars=True,
     ),
