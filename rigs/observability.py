@@ -67,6 +67,10 @@ class Prometheus:
         result: list[dict[str, Any]] = data["result"]
         return result
 
+    def wait_for(self, expr: str, timeout: float = 60) -> None:
+        """Until ``expr`` has data: the targets it reads have been scraped."""
+        eventually(lambda: self.query(expr), timeout=timeout, interval=0.5)
+
     def rules(self) -> list[dict[str, Any]]:
         return [rule for group in self._get("/api/v1/rules")["groups"] for rule in group["rules"]]
 

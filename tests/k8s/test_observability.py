@@ -111,6 +111,14 @@ def observed(
                 binaries_dir(), directory, file_sd=stack.targets, controller=f"127.0.0.1:{metrics}"
             ) as prometheus,
         ):
+            # the controller's counters at 0, the engines' and the gateway's series, before
+            # anything happens: every first action is an increase
+            for series in (
+                "baton_controller_placements_total",
+                "vllm:num_requests_running",
+                "baton_gateway_requests_total",
+            ):
+                prometheus.wait_for(series)
             controller_drill(api, namespace, MODEL)
             statuses = drill(stack)
             # Prometheus has scraped the gateway's final counts, and evaluated the rules since.
