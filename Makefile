@@ -7,7 +7,7 @@ PROTO_OUT := baton/core/proto
 PROTOS := $(wildcard protos/*.proto)
 GENERATED := $(patsubst protos/%.proto,$(PROTO_OUT)/%_pb2.py,$(PROTOS))
 
-.PHONY: test demo bench lint proto dev-bin vllm-env image clean
+.PHONY: test demo bench lint proto dev-bin vllm-env image clean dashboards
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ lint: $(STAMP) proto
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy
+
+# Grafana dashboards from deploy/grafana/dashboards.py into deploy/grafana/dashboards/ and the
+# chart, with the Prometheus rules: never edited by hand (tests/unit/test_dashboards.py).
+dashboards: $(STAMP)
+	$(BIN)/python -m deploy.grafana.dashboards
 
 # The operator tests' Kubernetes binaries, built from Go modules before pytest starts (10-20
 # minutes on a new machine, then cached in ~/.cache/baton): a test only finds them.

@@ -12,6 +12,11 @@
    (``baton sim --eplb-policy-plugin baton``) and report each window to the service.
 5. ``baton gateway`` on 127.0.0.1:8000 (``--port``) with a pool file of the placed cells.
 
+``--prometheus-targets FILE`` writes every ``/metrics`` endpoint as a Prometheus file-based
+service discovery file (``file_sd_configs``), the engines labelled with their cell and role as
+the chart's PodMonitor labels them, so Baton's dashboards and rules work on the local stack.
+``--enable-fault-injection`` opens the engines' ``POST /sim/faults`` for failure drills.
+
 It prints the rack map and the URLs, and on Ctrl-C or SIGTERM stops every process it started
 and waits for them, so no process is orphaned and every port is freed.
 """
@@ -19,6 +24,7 @@ and waits for them, so no process is orphaned and every port is freed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -28,7 +34,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 import yaml
@@ -44,7 +50,7 @@ from router.pool import DecodeServerSpec, PoolCell, PoolSpec
 from sim.cluster import ClusterSpec, DecodeGroupSpec, PrefillInstancesSpec
 from sim.config import EplbConfig
 
-__all__ = ["EplbMode", "StackLayout", "layout_stack", "main"]
+__all__ = ["EplbMode", "StackLayout", "layout_stack", "main", "prometheus_targets"]
 
 EplbMode = Literal["agent", "plugin"]
 
@@ -63,9 +69,18 @@ class StackLayout:
 
 
 def layout_stack(
-    plan: Plan, *, time_scale: float, eplb_mode: EplbMode = "agent", gpus_per_tray: int = 4
+    plan: Plan,
+    *,
+    time_scale: float,
+    eplb_mode: EplbMode = "agent",
+    gpus_per_tray: int = 4,
+    enable_fault_injection: bool = False,
+    eplb_steps: int | None = None,
 ) -> StackLayout:
-    """Engines at the placed roles, on free loopback ports, and the pool that routes to them."""
+    """Engines at the placed roles, on free loopback ports, and the pool that routes to them.
+    ``eplb_steps``: rebalance every that many decode steps from the load of as many, in place
+    of each mode's default cadence."""
+    cadence = {} if eplb_steps is None else {"window_size": eplb_steps, "step_interval": eplb_steps}
     decode_groups: list[DecodeGroupSpec] = []
     prefill: list[PrefillInstancesSpec] = []
     cells: list[PoolCell] = []
@@ -84,7 +99,9 @@ def layout_stack(
                 side_channel_port=free_port_block(ranks),
                 eplb_agent_port=agent_port,
                 eplb_policy_plugin="baton" if eplb_mode == "plugin" else None,
-                eplb=EplbConfig(num_redundant_experts=32),
+                eplb=EplbConfig(
+                    num_redundant_experts=32, **(cadence if eplb_mode == "plugin" else {})
+                ),
             )
         )
         if agent_port is not None:
@@ -118,6 +135,7 @@ def layout_stack(
         served_model_name=SERVED_MODEL_NAME,
         host="127.0.0.1",
         time_scale=time_scale,
+        enable_fault_injection=enable_fault_injection,
         decode_groups=decode_groups,
         prefill=prefill,
     )
@@ -125,7 +143,7 @@ def layout_stack(
         return StackLayout(
             cluster=cluster,
             pool=PoolSpec(cells=tuple(cells)),
-            eplb=EplbServiceConfig(groups=tuple(eplb_groups)),
+            eplb=EplbServiceConfig(groups=tuple(eplb_groups), **cadence),
         )
     return StackLayout(
         cluster=cluster,
@@ -133,6 +151,35 @@ def layout_stack(
         eplb=EplbServiceConfig(),
         report_port=free_port_block(1),
     )
+
+
+def prometheus_targets(
+    layout: StackLayout, gateway_url: str, eplb_metrics_url: str
+) -> list[dict[str, Any]]:
+    """Every ``/metrics`` endpoint of the stack as Prometheus' file-based discovery lists
+    targets: the gateway, the EPLB service and each engine API server, with its cell and
+    role."""
+
+    def hostport(url: str) -> str:
+        return url.removeprefix("http://").removesuffix("/metrics")
+
+    groups: list[dict[str, Any]] = [
+        {"targets": [hostport(gateway_url)], "labels": {"job": "baton-gateway"}},
+        {"targets": [hostport(eplb_metrics_url)], "labels": {"job": "baton-eplb"}},
+    ]
+    for cell in layout.pool.cells:
+        for role, urls in (
+            ("prefill", cell.prefill),
+            ("decode", tuple(server.url for server in cell.decode)),
+        ):
+            if urls:
+                groups.append(
+                    {
+                        "targets": [hostport(url) for url in urls],
+                        "labels": {"job": "baton-engines", "cell": cell.name, "role": role},
+                    }
+                )
+    return groups
 
 
 def _yaml(model: BaseModel) -> str:
@@ -173,6 +220,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the engines rebalance in-engine with Baton's vLLM plugin and report to the service",
     )
     parser.add_argument(
+        "--prometheus-targets",
+        type=Path,
+        default=None,
+        help="write every /metrics endpoint to this file for Prometheus' file_sd_configs",
+    )
+    parser.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="the engines take POST /sim/faults (kill, stall, fail_requests, drop_kv) for drills",
+    )
+    parser.add_argument(
+        "--eplb-steps",
+        type=int,
+        default=None,
+        help="rebalance every this many decode steps from the load of as many (default: "
+        "vLLM's 3000 / 1000 in plugin mode, the service's 500 / 500 in agent mode)",
+    )
+    parser.add_argument(
         "--eplb-metrics-port",
         type=int,
         default=None,
@@ -197,7 +262,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
-    layout = layout_stack(plan, time_scale=args.time_scale, eplb_mode=args.eplb_mode)
+    layout = layout_stack(
+        plan,
+        time_scale=args.time_scale,
+        eplb_mode=args.eplb_mode,
+        enable_fault_injection=args.enable_fault_injection,
+        eplb_steps=args.eplb_steps,
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -258,7 +329,14 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
             while httpx.get(f"{gateway_url}/ready", timeout=5).status_code != 200:
                 if stop.wait(0.2):
                     return 0
-            _print_urls(layout, gateway_url, f"http://127.0.0.1:{eplb_metrics}/metrics")
+            eplb_metrics_url = f"http://127.0.0.1:{eplb_metrics}/metrics"
+            if args.prometheus_targets is not None:
+                targets = prometheus_targets(layout, gateway_url, eplb_metrics_url)
+                # written whole, then renamed: Prometheus never reads a half-written file
+                partial = args.prometheus_targets.with_name(args.prometheus_targets.name + ".new")
+                partial.write_text(json.dumps(targets, indent=2))
+                partial.replace(args.prometheus_targets)
+            _print_urls(layout, gateway_url, eplb_metrics_url)
             while not stop.wait(0.5):
                 for process in processes:
                     if process.poll() is not None:

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "placement": "bench.placement",
     "eplb": "bench.eplb",
     "controller": "bench.controller",
+    "observability": "bench.observability",
 }
 
 

@@ -19,15 +19,17 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from baton.core.api import GROUP, KIND, PLURAL, VERSION
+from baton.core.api import GROUP, KIND, PLURAL, VERSION, Reason
 from baton.core.kube import json_object, raw_json
 from baton.core.labels import (
     CELL_GATE,
@@ -47,13 +49,16 @@ from controller.podspec import COMPUTE_DOMAIN_API
 from controller.restarts import RestartPolicy
 from controller.runtime import Informer, WorkQueue
 
-__all__ = ["Controller", "ControllerMetrics"]
+__all__ = ["ConditionCollector", "Controller", "ControllerMetrics"]
 
 log = logging.getLogger("baton.controller")
 RESYNC_S = 30.0
 
 
 class ControllerMetrics:
+    """The controller's own series (``baton_controller_``) and, read from the informer's cache
+    at scrape time, every ModelDeployment's conditions (``baton_modeldeployment_condition``)."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.reconciles = Counter(
             "baton_controller_reconciles",
@@ -79,6 +84,71 @@ class ControllerMetrics:
         self.queue_depth = Gauge(
             "baton_controller_queue_depth", "Namespaces waiting to be reconciled", registry=registry
         )
+        # The actions an operator is paged about, counted from the events that announce them
+        # (one event per action; the events name the deployment, cell and tray). Unlabelled, so
+        # each exists at 0 from the start: a labelled child would appear with its first action
+        # already counted, which no rate or increase can see.
+        self.placements = Counter(
+            "baton_controller_placements", "Cells placed in an NVLink domain", registry=registry
+        )
+        self.group_restarts = Counter(
+            "baton_controller_group_restarts",
+            "Decode groups restarted as a whole after a pod failed or lost its tray",
+            registry=registry,
+        )
+        self.quarantines = Counter(
+            "baton_controller_tray_quarantines",
+            "Trays quarantined after repeated Baton pod failures",
+            registry=registry,
+        )
+        self._by_reason: dict[str, Counter] = {
+            Reason.PLACED: self.placements,
+            Reason.GROUP_RESTARTING: self.group_restarts,
+            Reason.TRAY_QUARANTINED: self.quarantines,
+        }
+        for outcome in ("success", "error"):  # both series exist before the first error
+            self.reconciles.labels(outcome)
+
+    def count(self, events: Iterable[Event]) -> None:
+        """Count the placements, group restarts and quarantines ``events`` announce."""
+        for event in events:
+            counter = self._by_reason.get(event.reason)
+            if counter is not None:
+                counter.inc()
+
+    def watch_conditions(
+        self, registry: CollectorRegistry, deployments: Callable[[], list[dict[str, Any]]]
+    ) -> None:
+        """Export the conditions of ``deployments()`` (the informer's cache) at every scrape."""
+        registry.register(ConditionCollector(deployments))
+
+
+class ConditionCollector(Collector):
+    """``baton_modeldeployment_condition{namespace,name,type,status}``, as kube-state-metrics
+    exports a Deployment's conditions: one series per status (true, false, unknown) of each
+    condition, 1 for the status it has. A standby replica's cache is as current as the
+    leader's, so every replica exports the same series."""
+
+    def __init__(self, deployments: Callable[[], list[dict[str, Any]]]) -> None:
+        self.deployments = deployments
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "baton_modeldeployment_condition",
+            "The ModelDeployment's status conditions (Placed, Ready, Progressing, Degraded): 1 "
+            "for the status each has",
+            labels=["namespace", "name", "type", "status"],
+        )
+        for deployment in self.deployments():
+            meta = deployment["metadata"]
+            conditions = (deployment.get("status") or {}).get("conditions") or []
+            for condition in conditions:
+                for status in ("True", "False", "Unknown"):
+                    family.add_metric(
+                        [meta["namespace"], meta["name"], condition["type"], status.lower()],
+                        float(condition.get("status") == status),
+                    )
+        yield family
 
 
 def _placement_fingerprint(node: dict[str, Any] | None) -> tuple[Any, ...] | None:
@@ -114,7 +184,8 @@ class Controller:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.policy = policy or RestartPolicy()
-        self.metrics = ControllerMetrics(registry or CollectorRegistry())
+        registry = registry or CollectorRegistry()
+        self.metrics = ControllerMetrics(registry)
         self.identity = identity or f"baton-controller-{uuid.uuid4().hex[:8]}"
         self.elector = LeaseElector(api, lease_namespace, lease_name, self.identity)
         self.queue = WorkQueue()
@@ -136,6 +207,7 @@ class Controller:
             self._on_pod,
             label_selector=DEPLOYMENT_LABEL,
         )
+        self.metrics.watch_conditions(registry, self.deployments.items)
 
     # --- events into the queue -----------------------------------------------------------------
 
@@ -395,6 +467,7 @@ class Controller:
                     raise
             else:
                 versions[deployment] = json_object(written)["metadata"]["resourceVersion"]
+        self.metrics.count(actions.events)
         self._emit(namespace, actions.events)
         return versions
 

@@ -45,7 +45,7 @@ from router.errors import (
     error_body,
 )
 from router.handoff import Handoff, JsonReply
-from router.metrics import GatewayMetrics
+from router.metrics import CHAT_ROUTE, COMPLETIONS_ROUTE, GatewayMetrics
 from router.pool import Pool
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.relay import SERVER_SEND, RelayResponse
@@ -59,8 +59,6 @@ log = logging.getLogger("baton.gateway")
 Endpoint = Callable[[Request], Awaitable[Response]]
 T = TypeVar("T")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
-CHAT_ROUTE = "/v1/chat/completions"
-COMPLETIONS_ROUTE = "/v1/completions"
 
 
 class Gateway:
@@ -238,6 +236,11 @@ async def _disconnect(receive: Receive) -> None:
         pass
 
 
+def _outcome(exc: GatewayError) -> str:
+    """A refused request (bad input, key, model: the client's to fix) is not a gateway error."""
+    return "error" if exc.status >= 500 else "rejected"
+
+
 def _error(exc: GatewayError) -> Response:
     return Response(exc.body(), status_code=exc.status, media_type="application/json")
 
@@ -317,8 +320,8 @@ class _Api:
             self.metrics.child(self.metrics.aborts, "upload", "client_disconnect").inc()
             self.metrics.child(requests, route, "client_disconnect").inc()
             raise
-        except GatewayError:
-            self.metrics.child(requests, route, "error").inc()
+        except GatewayError as exc:
+            self.metrics.child(requests, route, _outcome(exc)).inc()
             raise
         assert self.handoff is not None  # built before the server takes requests
         try:
@@ -329,8 +332,8 @@ class _Api:
             self.metrics.child(self.metrics.aborts, "before_first_token", "client_disconnect").inc()
             self.metrics.child(requests, route, "client_disconnect").inc()
             raise
-        except GatewayError:
-            self.metrics.child(requests, route, "error").inc()
+        except GatewayError as exc:
+            self.metrics.child(requests, route, _outcome(exc)).inc()
             raise
         if isinstance(reply, JsonReply):
             outcome = "ok" if reply.status == 200 else "engine_error"
@@ -374,11 +377,14 @@ class _Api:
         # rebuilt per scrape, so targets that left the pool leave the gauges too
         metrics.in_flight.clear()
         metrics.peer_in_flight.clear()
+        metrics.healthy_targets.clear()
         for name, count in pool.in_flight().items():
             role = "prefill" if name in pool.prefill else "decode"
             metrics.in_flight.labels(role, name).set(count)
         for name, count in pool.peer_in_flight().items():
             metrics.peer_in_flight.labels(name).set(count)
+        for (role, cell), count in pool.healthy_targets().items():
+            metrics.healthy_targets.labels(role, cell).set(count)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

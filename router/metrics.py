@@ -12,7 +12,18 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["CHAT_ROUTE", "COMPLETIONS_ROUTE", "GatewayMetrics"]
+
+CHAT_ROUTE = "/v1/chat/completions"
+COMPLETIONS_ROUTE = "/v1/completions"
+# Every outcome and reason known in advance is exported at 0 from the start: a series that
+# appears with its first failure already counted gives Prometheus no increase to take a rate
+# of, so the first failures would never show in a rate or an alert.
+# error: the gateway's own 5xx; rejected: its 4xx (bad input, auth); engine_error: an engine's
+# 4xx relayed; stream_error: a stream ended by an SSE error event.
+OUTCOMES = ("ok", "rejected", "error", "engine_error", "stream_error", "client_disconnect")
+UPSTREAM_REASONS = ("error", "status", "timeout", "connection")  # router.errors' UpstreamErrors
+FALLBACK_REASONS = (*UPSTREAM_REASONS, "malformed", "no_kv_transfer_params", "decode_retry")
 
 # Agentic TTFT reaches minutes (long prefills queued behind others); ITL sits below 10 ms.
 TTFT_BUCKETS = (
@@ -176,6 +187,13 @@ class GatewayMetrics:
             ["target"],
             registry=r,
         )
+        self.healthy_targets = Gauge(
+            "baton_gateway_healthy_targets",
+            "Targets this gateway would route to now (health check passed, circuit closed) per "
+            "role and cell; 0 for a cell whose targets are all down.",
+            ["role", "cell"],
+            registry=r,
+        )
         # children bound once: handlers never look labels up on the hot path
         self.cached_tokens = self.prompt_tokens.labels("cached")
         self.uncached_tokens = self.prompt_tokens.labels("uncached")
@@ -186,6 +204,13 @@ class GatewayMetrics:
         self.decode_only_routes = self.routes.labels("decode_only")
         # labels known only per request (route, outcome, key source) are looked up once each
         self._children: dict[tuple[object, ...], Any] = {}
+        for route in (CHAT_ROUTE, COMPLETIONS_ROUTE):
+            for outcome in OUTCOMES:
+                self.child(self.requests, route, outcome)
+        for reason in FALLBACK_REASONS:
+            self.child(self.fallbacks, reason)
+        for reason in UPSTREAM_REASONS:
+            self.child(self.retries, "decode", reason)
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: prometheus_client's lookup costs microseconds

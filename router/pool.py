@@ -319,6 +319,17 @@ class Pool:
         leak checks."""
         return {t.name: t.in_flight for t in [*self.prefill.values(), *self.decode.values()]}
 
+    def healthy_targets(self) -> dict[tuple[str, str], int]:
+        """Healthy targets per (role, cell), zeros included: a cell whose decode group is down
+        must show as 0, not vanish."""
+        now = time.monotonic()
+        counts: dict[tuple[str, str], int] = {}
+        for role, targets in (("prefill", self.prefill), ("decode", self.decode)):
+            for target in targets.values():
+                key = (role, target.cell)
+                counts[key] = counts.get(key, 0) + target.healthy(now)
+        return counts
+
     def peer_in_flight(self) -> dict[str, int]:
         """Requests other gateway replicas hold per decode rank, as of the last load sync."""
         return {t.name: t.others for t in self.decode.values()}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the operator tests' binaries from Go modules into a cache keyed by their versions:
 # kube-apiserver, kube-scheduler, kube-controller-manager, kubectl (k8s/), etcd (etcd/), kwok
-# (kwok/), helm (helm/). Built once per machine; progress goes to stderr, the cache directory to
-# stdout. `build.sh --where` prints the directory without building anything.
+# (kwok/), helm (helm/), prometheus and promtool (prometheus/). Built once per machine; progress
+# goes to stderr, the cache directory to stdout. `build.sh --where` prints the directory without building anything.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # This script is part of the key: a change to how the binaries are built rebuilds them.
@@ -56,6 +56,23 @@ if [ ! -e "$out/.complete" ]; then
   (cd "$here/kuberay" && go mod download github.com/ray-project/kuberay/ray-operator)
   kuberay="$(cd "$here/kuberay" && go list -m -f '{{.Dir}}' github.com/ray-project/kuberay/ray-operator)"
   cp "$kuberay/config/crd/bases/ray.io_rayservices.yaml" "$out/"
+  # remove_all_sd leaves static and file targets, all the tests use, out of Prometheus' forty
+  # service discoveries (cloud SDKs, most of its build); without builtinassets the web UI is
+  # absent and the HTTP API the tests query is whole.
+  step "prometheus, promtool"
+  (cd "$here/prometheus" && go build "${flags[@]}" -tags remove_all_sd -o "$out/" \
+    github.com/prometheus/prometheus/cmd/prometheus github.com/prometheus/prometheus/cmd/promtool)
+  # Not binaries: the Prometheus Operator's monitoring.coreos.com CRDs, from its module, for
+  # the chart's ServiceMonitor, PodMonitor and PrometheusRule (tests/k8s/test_helm.py).
+  step "the Prometheus Operator's CRDs"
+  (cd "$here/prometheus-operator" && go mod download github.com/prometheus-operator/prometheus-operator)
+  operator="$(cd "$here/prometheus-operator" && go list -m -f '{{.Dir}}' \
+    github.com/prometheus-operator/prometheus-operator)"
+  mkdir -p "$out/monitoring-crds"
+  for kind in servicemonitors podmonitors prometheusrules; do
+    cp "$operator/example/prometheus-operator-crd/monitoring.coreos.com_$kind.yaml" \
+      "$out/monitoring-crds/"
+  done
   touch "$out/.complete"
   step "done"
 fi

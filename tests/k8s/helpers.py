@@ -24,6 +24,7 @@ def start_controller(
     *,
     kubeconfig: Path | None = None,
     lease_namespace: str = "default",
+    metrics_port: int | None = None,
 ) -> subprocess.Popen:
     """``baton controller`` against the test cluster (as admin unless ``kubeconfig`` says
     otherwise), logging to ``<identity>.log``."""
@@ -38,7 +39,7 @@ def start_controller(
             f"--lease-name={lease}",
             f"--lease-namespace={lease_namespace}",
             f"--identity={identity}",
-            f"--metrics-port={free_port()}",
+            f"--metrics-port={metrics_port or free_port()}",
             "--metrics-host=127.0.0.1",
         ],
         stdout=log,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import re
 import shutil
 import subprocess
@@ -30,11 +31,13 @@ from baton.core.api import GROUP, PLURAL, ModelDeployment
 from baton.core.crd import CRD_PATH
 from baton.core.follow import DeploymentRef
 from baton.core.kube import json_object
-from baton.core.labels import DEPLOYMENT_LABEL
+from baton.core.labels import CELL_LABEL, DEPLOYMENT_LABEL, ROLE_LABEL
 from controller.cli import build_parser as controller_parser
 from controller.placement import DeploymentShape, plan_placement
 from controller.podspec import render_cell
 from controller.topology import synthetic_topology
+from deploy.grafana.dashboards import DASHBOARDS, RULES
+from deploy.grafana.dashboards import OUT as DASHBOARDS_OUT
 from eplb.cli import build_parser as eplb_parser
 from eplb.config import load_config
 from rigs.devcluster import (
@@ -71,6 +74,17 @@ CHART = ROOT / "helm" / "baton"
 RAY_SERVE_EXAMPLE = CHART / "examples" / "ray-serve.yaml"
 # deploy/dev/build.sh copies it from KubeRay's Go module beside the binaries.
 RAY_SERVICE_CRD = "ray.io_rayservices.yaml"
+# and the Prometheus Operator's CRDs from its module, into monitoring-crds/
+MONITORING_PLURALS = {
+    "ServiceMonitor": "servicemonitors",
+    "PodMonitor": "podmonitors",
+    "PrometheusRule": "prometheusrules",
+}
+MONITORING_ON = (
+    "monitoring.serviceMonitor.enabled=true,monitoring.podMonitor.enabled=true,"
+    "monitoring.prometheusRule.enabled=true,monitoring.dashboards.enabled=true,"
+    "monitoring.serviceMonitor.labels.release=kps,monitoring.prometheusRule.labels.release=kps"
+)
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -167,6 +181,15 @@ def created(api: client.ApiClient, namespace: str, objects: list[dict]) -> Itera
         if obj["kind"] == "RayService":
             client.CustomObjectsApi(api).create_namespaced_custom_object(
                 "ray.io", "v1", namespace, "rayservices", obj, field_validation="Strict"
+            )
+        elif obj["kind"] in MONITORING_PLURALS:
+            client.CustomObjectsApi(api).create_namespaced_custom_object(
+                "monitoring.coreos.com",
+                "v1",
+                namespace,
+                MONITORING_PLURALS[obj["kind"]],
+                obj,
+                field_validation="Strict",
             )
         else:
             utils.create_from_dict(api, obj, namespace=namespace)
@@ -771,11 +794,10 @@ def test_the_ray_serve_example_runs_router_serve_app_on_a_rayservice_instead_of_
     assert f"http://b-baton-gateway:{serve_port}" in test_pod["spec"]["containers"][0]["command"][2]
 
 
-@pytest.fixture
-def ray_service_crd(api: client.ApiClient) -> None:
-    """KubeRay's RayService CRD on the API server, served."""
+def served(api: client.ApiClient, crd_file: Path) -> None:
+    """The CRD in ``crd_file`` on the API server, established."""
     extensions = client.ApiextensionsV1Api(api)
-    crd = yaml.safe_load((binaries_dir() / RAY_SERVICE_CRD).read_text())
+    crd = yaml.safe_load(crd_file.read_text())
     try:
         extensions.create_custom_resource_definition(crd)
     except ApiException as exc:
@@ -788,6 +810,109 @@ def ray_service_crd(api: client.ApiClient) -> None:
         return any(c.type == "Established" and c.status == "True" for c in conditions)
 
     eventually(established, timeout=30)
+
+
+@pytest.fixture
+def ray_service_crd(api: client.ApiClient) -> None:
+    """KubeRay's RayService CRD on the API server, served."""
+    served(api, binaries_dir() / RAY_SERVICE_CRD)
+
+
+@pytest.fixture
+def monitoring_crds(api: client.ApiClient) -> None:
+    """The ServiceMonitor, PodMonitor and PrometheusRule CRDs on the API server, served."""
+    for crd_file in sorted((binaries_dir() / "monitoring-crds").glob("*.yaml")):
+        served(api, crd_file)
+
+
+def test_monitoring_is_off_by_default() -> None:
+    kinds = {o["kind"] for o in render("b", "--set", "gateway.modelDeployment=serving/dsv4")}
+    assert not kinds & set(MONITORING_PLURALS)
+    names = {o["metadata"]["name"] for o in render("b", "--set", "gateway.modelDeployment=s/d")}
+    assert not any("dashboard" in name for name in names)
+
+
+def test_the_monitors_rules_and_dashboards_are_accepted_and_select_what_they_monitor(
+    api: client.ApiClient, namespace: str, monitoring_crds: None
+) -> None:
+    objects = render(
+        f"m-{namespace}",
+        "--namespace",
+        namespace,
+        "--set",
+        f"gateway.modelDeployment={namespace}/dsv4,crds.install=false,{MONITORING_ON}",
+        "--skip-tests",
+    )
+    by_kind: dict[str, list[dict]] = {}
+    for obj in objects:
+        by_kind.setdefault(obj["kind"], []).append(obj)
+    with created(api, namespace, objects):
+        custom = client.CustomObjectsApi(api)
+        for kind, plural in MONITORING_PLURALS.items():
+            [obj] = by_kind[kind]
+            stored = json_object(
+                custom.get_namespaced_custom_object(
+                    "monitoring.coreos.com", "v1", namespace, plural, obj["metadata"]["name"]
+                )
+            )
+            assert stored["spec"] == obj["spec"], kind  # nothing pruned by the CRD's schema
+
+    # The ServiceMonitor selects the three metrics Services, each on a port it has.
+    [monitor] = by_kind["ServiceMonitor"]
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    ports = {endpoint["port"] for endpoint in monitor["spec"]["endpoints"]}
+    selected = {
+        service["metadata"]["name"]: {port["name"] for port in service["spec"]["ports"]}
+        for service in by_kind["Service"]
+        if _selects(monitor["spec"]["selector"], service["metadata"]["labels"])
+    }
+    release = f"m-{namespace}-baton"
+    assert set(selected) == {
+        f"{release}-gateway",
+        f"{release}-eplb",
+        f"{release}-controller-metrics",
+    }
+    assert all(names & ports for names in selected.values())
+
+    # The PodMonitor selects the deployment's engine pods, on their http port, in their
+    # namespace, and labels each series with its pod's cell and role.
+    [pod_monitor] = by_kind["PodMonitor"]
+    assert pod_monitor["spec"]["namespaceSelector"]["matchNames"] == [namespace]
+    deployment = ModelDeployment.model_validate(
+        {"metadata": {"name": "dsv4"}, "spec": {"model": "deepseek-ai/DeepSeek-V4.1-Flash"}}
+    )
+    plan = plan_placement([DeploymentShape.of(deployment)], synthetic_topology(1))
+    engines = [
+        m
+        for m in render_cell(
+            deployment.spec, plan.cells[0], deployment="dsv4", uid="u", namespace=namespace
+        )
+        if m["kind"] == "Pod"
+    ]
+    [endpoint] = pod_monitor["spec"]["podMetricsEndpoints"]
+    for pod in engines:
+        assert _selects(pod_monitor["spec"]["selector"], pod["metadata"]["labels"])
+        pod_ports = [p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])]
+        assert endpoint["port"] in pod_ports
+    relabelled = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    pod_labels = engines[0]["metadata"]["labels"]
+    for target, label in (("cell", CELL_LABEL), ("role", ROLE_LABEL)):
+        meta = "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", label)
+        assert relabelled[target] == [meta] and label in pod_labels
+
+    # The rules are the file promtool tests; the dashboards the JSON make dashboards writes.
+    [rule] = by_kind["PrometheusRule"]
+    assert rule["spec"] == yaml.safe_load(RULES.read_text())
+    dashboards = {
+        key: json.loads(value)
+        for config_map in by_kind["ConfigMap"]
+        if config_map["metadata"]["labels"].get("grafana_dashboard") == "1"
+        for key, value in config_map["data"].items()
+    }
+    assert dashboards == {
+        f"{spec.uid}.json": json.loads((DASHBOARDS_OUT / f"{spec.uid}.json").read_text())
+        for spec in DASHBOARDS
+    }
 
 
 def test_in_ray_serve_mode_the_api_server_takes_the_rayservice_and_its_pods_follow_the_deployment(

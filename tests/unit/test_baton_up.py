@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from baton.up import layout_stack
+from typing import Any
+
+from baton.up import layout_stack, prometheus_targets
 from controller.placement import DeploymentShape, Plan, plan_placement
 from controller.topology import synthetic_topology
 
@@ -27,3 +29,24 @@ def test_plugin_mode_has_the_engines_rebalance_with_batons_plugin_and_report() -
     assert group.enable_eplb and group.eplb.num_redundant_experts == 32
     assert layout.eplb.groups == ()
     assert layout.report_port is not None
+
+
+def test_prometheus_targets_list_every_metrics_endpoint_with_the_engines_cell_and_role() -> None:
+    layout = layout_stack(plan(), time_scale=1.0, enable_fault_injection=True)
+    assert layout.cluster.enable_fault_injection
+    groups = prometheus_targets(layout, "http://127.0.0.1:8000", "http://127.0.0.1:9090/metrics")
+    by_job: dict[str, list[dict[str, Any]]] = {}
+    for group in groups:
+        by_job.setdefault(group["labels"]["job"], []).append(group)
+    assert by_job["baton-gateway"] == [
+        {"targets": ["127.0.0.1:8000"], "labels": {"job": "baton-gateway"}}
+    ]
+    assert by_job["baton-eplb"][0]["targets"] == ["127.0.0.1:9090"]
+    [cell] = layout.pool.cells
+    engines = {
+        (g["labels"]["role"], g["labels"]["cell"]): g["targets"] for g in by_job["baton-engines"]
+    }
+    assert engines == {
+        ("prefill", cell.name): [url.removeprefix("http://") for url in cell.prefill],
+        ("decode", cell.name): [s.url.removeprefix("http://") for s in cell.decode],
+    }
