@@ -137,6 +137,22 @@ def authenticate(keys: tuple[bytes, ...], headers: Mapping[str, str]) -> None:
         raise Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>'")
 
 
+def runnable(body: Mapping[str, Any], context_length: int | None) -> None:
+    """InvalidRequest for what every engine would refuse, found before a prefill is spent on it
+    (and its KV held for the decode that never comes): more output tokens asked for than the
+    model's context holds, whatever the prompt."""
+    if context_length is None:
+        return
+    for field in ("max_completion_tokens", "max_tokens"):
+        requested = body.get(field)
+        if isinstance(requested, int) and requested >= context_length:
+            raise InvalidRequest(
+                f"'{field}' is too large: {requested}. This model's maximum context length is "
+                f"{context_length} tokens, prompt included",
+                param=field,
+            )
+
+
 def request_id_of(headers: Mapping[str, str]) -> str:
     """The client's ``X-Request-Id`` when it is one an engine takes (1-256 visible ASCII
     characters: it is forwarded, and one an engine cannot parse would fail there and count
@@ -265,6 +281,7 @@ class _Api:
         self.pool = pool or Pool(
             config.pool.cells if config.pool is not None else (),
             probe_interval_s=settings.health_interval_s,
+            stall_after_s=settings.stall_after_s,
         )
         self.handoff: Handoff | None = None
 
@@ -320,6 +337,11 @@ class _Api:
             self.metrics.child(self.metrics.aborts, "upload", "client_disconnect").inc()
             self.metrics.child(requests, route, "client_disconnect").inc()
             raise
+        except GatewayError as exc:
+            self.metrics.child(requests, route, _outcome(exc)).inc()
+            raise
+        try:
+            runnable(body, self.pool.context_length(body["model"]))
         except GatewayError as exc:
             self.metrics.child(requests, route, _outcome(exc)).inc()
             raise

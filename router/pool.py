@@ -46,6 +46,8 @@ log = logging.getLogger("baton.gateway.pool")
 # vLLM's per-engine gauges whose sum is the decode load a rank carries (the ``engine`` label is
 # its global DP rank).
 ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+# Counters that move with every step an engine makes on running requests.
+_PROGRESS_METRICS = ("vllm:prompt_tokens", "vllm:generation_tokens")
 
 
 def engine_url(url: str) -> str:
@@ -155,9 +157,10 @@ class _Target:
     others: int = 0  # decode only: other replicas' requests, estimated at the last load sync
     outstanding_tokens: int = 0
     dp_rank: int = -1  # decode only: the X-data-parallel-rank value, -1 for none
+    stalled: bool = False  # decode only: its server runs requests but makes no progress
 
     def healthy(self, now: float) -> bool:
-        return self.up and self.breaker.allows(now)
+        return self.up and not self.stalled and self.breaker.allows(now)
 
 
 @dataclass(slots=True)
@@ -167,7 +170,12 @@ class _Server:
     url: str
     targets: list[_Target] = field(default_factory=list)
     models: tuple[str, ...] = ()
+    # each model's context length as the engine states it (vLLM's max_model_len), when it does
+    context: dict[str, int] = field(default_factory=dict)
     up: bool = True  # the last active health check answered 200
+    tokens: float = -1.0  # prompt + generation tokens the engine has counted, at the last sync
+    progressed_at: float = 0.0  # monotonic: when that count last moved, or the engine was idle
+    stalled: bool = False
 
 
 class Pool:
@@ -176,11 +184,14 @@ class Pool:
         cells: Sequence[PoolCell],
         *,
         probe_interval_s: float,
+        stall_after_s: float = 30.0,
         breaker: Callable[[], Breaker] = Breaker,
     ) -> None:
         """``probe_interval_s``: seconds between health checks, and between decode load syncs;
-        ``breaker`` makes each target's circuit breaker."""
+        ``stall_after_s``: seconds a decode server may run requests without counting a token
+        before it is routed around; ``breaker`` makes each target's circuit breaker."""
         self.probe_interval_s = probe_interval_s
+        self.stall_after_s = stall_after_s
         self._new_breaker = breaker
         self.prefill: dict[str, _Target] = {}
         self.decode: dict[str, _Target] = {}
@@ -188,6 +199,7 @@ class Pool:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._models: tuple[str, ...] = ()
+        self._context: dict[str, int] = {}
         self._generation = 0  # of target sets handed to apply(), newest wins
         self.update(cells)
 
@@ -265,12 +277,21 @@ class Pool:
         health check or target update: every request checks its model against them."""
         return self._models
 
+    def context_length(self, model: str) -> int | None:
+        """The longest context every healthy engine serving ``model`` takes (prompt plus
+        output tokens), when they state one: a request beyond it fails on any of them."""
+        return self._context.get(model)
+
     def _refresh_models(self) -> None:
         names: dict[str, None] = {}
+        context: dict[str, int] = {}
         for server in self._servers.values():
             if any(t.up for t in server.targets):
                 names.update(dict.fromkeys(server.models))
+                for model, length in server.context.items():
+                    context[model] = min(length, context.get(model, length))
         self._models = tuple(names)
+        self._context = context
 
     def ready(self) -> bool:
         """A healthy decode target whose models are known: it serves every request, alone
@@ -381,7 +402,13 @@ class Pool:
                         up = False
                     else:
                         data = await resp.json()
-                        server.models = tuple(m["id"] for m in data.get("data", []))
+                        cards = data.get("data", [])
+                        server.models = tuple(card["id"] for card in cards)
+                        server.context = {
+                            card["id"]: card["max_model_len"]
+                            for card in cards
+                            if isinstance(card.get("max_model_len"), int)
+                        }
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
             up = False
         for target in server.targets:
@@ -396,9 +423,34 @@ class Pool:
     async def sync_decode_load(self) -> None:
         """Estimate the load other gateway replicas put on each decode rank from what the engines
         report. The engines' count lags this gateway's (a request in handoff is not there yet), so
-        it only adds to this gateway's exact count, never replaces it."""
-        urls = {t.url for t in self.decode.values() if t.dp_rank >= 0 and t.up}
+        it only adds to this gateway's exact count, never replaces it. The same scrape tells a
+        stalled server (see :meth:`_judge_progress`)."""
+        urls = {t.url for t in self.decode.values() if t.up}
         await asyncio.gather(*(self._sync_server(url) for url in urls))
+
+    def _judge_progress(self, server: _Server, running: int, tokens: float) -> None:
+        """A decode server with requests running whose token counts have not moved for
+        ``stall_after_s`` is stalled (a hung engine keeps answering /health): its ranks take no
+        new request until the counts move again."""
+        now = time.monotonic()
+        if running == 0 or tokens != server.tokens:
+            server.tokens, server.progressed_at = tokens, now
+            stalled = False
+        else:
+            stalled = now - server.progressed_at >= self.stall_after_s
+        if stalled and not server.stalled:
+            log.warning(
+                "%s made no progress for %.0f s with %d requests running; routed around until "
+                "it does",
+                server.url,
+                now - server.progressed_at,
+                running,
+            )
+        elif server.stalled and not stalled:
+            log.info("%s makes progress again; readmitted", server.url)
+        server.stalled = stalled
+        for target in server.targets:
+            target.stalled = stalled
 
     async def _sync_server(self, url: str) -> None:
         assert self._session is not None
@@ -408,20 +460,29 @@ class Pool:
                 text = await response.text()
         except (aiohttp.ClientError, TimeoutError):
             return
-        load = _engine_load(text)
+        load, running, tokens = _engine_load(text)
         # Engines label global DP ranks; the header takes local indices: the n-th smallest label.
         ranks = sorted(load, key=int)
         server = self._servers.get(url)
+        if server is not None:
+            self._judge_progress(server, running, tokens)
         for target in server.targets if server is not None else ():
             if target.name in self.decode and 0 <= target.dp_rank < len(ranks):
                 target.others = max(0, load[ranks[target.dp_rank]] - target.in_flight)
 
 
-def _engine_load(text: str) -> dict[str, int]:
+def _engine_load(text: str) -> tuple[dict[str, int], int, float]:
+    """Requests per engine label, requests running, and prompt plus generation tokens counted."""
     load: dict[str, int] = {}
+    running = 0
+    tokens = 0.0
     for family in text_string_to_metric_families(text):
         if family.name in ENGINE_LOAD_METRICS:
             for sample in family.samples:
                 engine = sample.labels.get("engine", "0")
                 load[engine] = load.get(engine, 0) + int(sample.value)
-    return load
+                if family.name == "vllm:num_requests_running":
+                    running += int(sample.value)
+        elif family.name in _PROGRESS_METRICS:
+            tokens += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return load, running, tokens

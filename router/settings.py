@@ -55,6 +55,12 @@ class GatewaySettings(BaseModel):
     health_interval_s: float = Field(
         2.0, gt=0, description="seconds between health checks and decode load syncs"
     )
+    stall_after_s: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a decode server may run requests without counting a token before "
+        "new requests avoid it",
+    )
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest request body")
     body_timeout_s: float = Field(
         60.0, gt=0, description="seconds a client may take to send its request body"

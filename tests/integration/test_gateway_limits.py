@@ -177,3 +177,53 @@ def test_many_silent_connections_do_not_stop_real_requests(stack: Stack) -> None
     finally:
         for s in sockets:
             s.close()
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_request_no_engine_can_run_is_refused_before_it_costs_a_prefill(
+    stack: Stack, field: str
+) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": LONG}], field: 10**9}
+    response = httpx.post(
+        f"{stack.gateway.url}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": "Bearer k"},
+        timeout=30,
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == field and "maximum context length" in error["message"]
+    assert scrape(stack.prefill[0].url, "vllm:prompt_tokens_total") == 0  # no prefill ran
+
+
+def test_a_stalled_decode_server_is_routed_around_while_its_health_says_ok(
+    start_sim, start_gateway
+) -> None:
+    stalled, other = start_engine(start_sim), start_engine(start_sim)
+    gateway = start_gateway(
+        "--api-key", "k", f"--decode={stalled.url}", f"--decode={other.url}", "--stall-after", "2"
+    )
+    stack = Stack(gateway, [], other)
+    # Work on the engine, then its steps stop; /health still answers 200.
+    body = {
+        "model": MODEL,
+        "prompt": "x",
+        "max_tokens": 100_000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{stalled.url}/v1/completions", json=body, timeout=30) as held:
+        lines = held.iter_lines()  # kept: a dropped line iterator closes the stream
+        next(lines)
+        stack.fault(stalled, action="stall", seconds=600)
+        assert httpx.get(f"{stalled.url}/health").status_code == 200
+        eventually(
+            lambda: stack.gateway_metric("baton_gateway_healthy_targets", role="decode") == 1,
+            timeout=30,
+        )
+        for turn in range(6):  # by hashing about half would have gone to the stalled server
+            answer = stack.client(timeout=20).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"turn {turn}"}], max_tokens=2
+            )
+            assert answer.usage is not None and answer.usage.completion_tokens == 2
+        assert "made no progress" in gateway.log()
