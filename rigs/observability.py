@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import yaml
 from kubernetes import client
 
 from baton.core.model import SERVED_MODEL_NAME
+from controller.observe import rfc3339
 from rigs.devcluster import ROOT, create_model_deployment, read_model_deployment
 from rigs.processes import eventually, free_port, stop_process
 
@@ -254,7 +256,10 @@ def controller_drill(api: client.ApiClient, namespace: str, model: str) -> None:
     eventually(lambda: condition("Ready") == "True", timeout=60, interval=0.25)
     tray = status()["cells"][0]["decode"]["trays"][2]
     core = client.CoreV1Api(api)
-    core.patch_node(tray, {"metadata": {"annotations": {"baton.dev/tray-failures": "2"}}})
+    # Two earlier failures on record within the last day (the annotation holds their times).
+    hour_ago = datetime.now(UTC) - timedelta(hours=1)
+    earlier = ",".join(rfc3339(hour_ago + timedelta(minutes=m)) for m in (0, 5))
+    core.patch_node(tray, {"metadata": {"annotations": {"baton.dev/tray-failures": earlier}}})
     failing = core.read_namespaced_pod_status("dsv4-cell-0-decode-2", namespace)
     assert failing.status is not None  # it was Running
     failing.status.phase = "Failed"

@@ -178,12 +178,12 @@ def test_ready_needs_a_healthy_decode_target_and_says_when_decode_serves_alone(
     ready = httpx.get(f"{gateway.url}/ready")
     assert ready.status_code == 200
     assert ready.json() == {"status": "ready", "prefill": "0 of 1 healthy; decode serves alone"}
-    decode.process.kill()
-    eventually(lambda: httpx.get(f"{gateway.url}/ready").status_code == 503)
-    assert httpx.get(f"{gateway.url}/health").status_code == 200
     # the cell's prefill shows as 0 healthy targets, not as a missing series
     healthy = scrape_by(gateway.url, "baton_gateway_healthy_targets", "role")
     assert healthy == {"prefill": 0, "decode": 1}
+    decode.process.kill()
+    eventually(lambda: httpx.get(f"{gateway.url}/ready").status_code == 503)
+    assert httpx.get(f"{gateway.url}/health").status_code == 200
 
 
 def test_with_no_healthy_engine_a_request_gets_503_not_an_unknown_model(
