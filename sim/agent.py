@@ -8,6 +8,9 @@ own pace), Commit makes the switch happen at the agreed step, Abort drops what w
 (committed or not) until it takes effect. A malformed placement is rejected before anything is
 staged.
 
+A load subscriber more than ``_WINDOWS_BEHIND`` windows behind is dropped (RESOURCE_EXHAUSTED,
+one log line, counted for ``/metrics``), so a subscriber that stops reading costs bounded memory.
+
 A stalled rank cannot stage weights, so Prepare acknowledges only once no rank of the group is
 stalled (a hung rank never acks); a switch aborted while it was staging is never staged.
 
@@ -25,7 +28,6 @@ import contextlib
 import hmac
 import logging
 import uuid
-from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -41,7 +43,9 @@ __all__ = ["EplbAgentServer", "decode_placement", "encode_placement"]
 
 log = logging.getLogger("baton.sim.agent")
 DEFAULT_STEPS_PER_REPORT = 100
-_QUEUE_REPORTS = 4096
+# Windows of load reports (one per rank and model) a subscriber may fall behind before it is
+# dropped: a subscriber that stops reading must not grow the engine's memory.
+_WINDOWS_BEHIND = 8
 # Switch ids aborted recently, remembered so a Prepare still staging them does not stage them.
 _REMEMBERED_ABORTS = 256
 # Simulated seconds between checks of a stalled or dead group while a Prepare waits.
@@ -125,7 +129,7 @@ class _Servicer(pb_grpc.EplbAgentServicer):
 
     async def StreamLoad(
         self, request: pb.StreamLoadRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.LoadReport]:
+    ) -> None:
         ranks = list(request.dp_ranks) or sorted(self.group.ranks)
         unknown = set(ranks) - set(self.group.ranks)
         if unknown:
@@ -133,32 +137,67 @@ class _Servicer(pb_grpc.EplbAgentServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"ranks {sorted(unknown)} are not served here"
             )
         per_report = request.steps_per_report or DEFAULT_STEPS_PER_REPORT
-        queue: asyncio.Queue[pb.LoadReport] = asyncio.Queue(_QUEUE_REPORTS)
+        # A window is one report per rank and model; a subscriber further behind than
+        # _WINDOWS_BEHIND of them is dropped, so what one holds here stays bounded.
+        queue: asyncio.Queue[pb.LoadReport] = asyncio.Queue(
+            _WINDOWS_BEHIND * len(ranks) * len(self.moe.models)
+        )
         buffers: dict[str, tuple[int, int, list[np.ndarray]]] = {}
+        overrun = asyncio.Event()
 
         def listen(model: str, step: int, physical: np.ndarray, version: int) -> None:
+            if overrun.is_set():
+                return
             first, buffered_version, steps = buffers.get(model, (step, version, []))
             if steps and (step != first + len(steps) or version != buffered_version):
-                self._flush(queue, model, first, buffered_version, steps, ranks)
+                if not self._flush(queue, model, first, buffered_version, steps, ranks):
+                    return drop()
                 first, buffered_version, steps = step, version, []
             steps.append(physical)
             buffers[model] = (first, buffered_version, steps)
             if len(steps) >= per_report:
-                self._flush(queue, model, first, buffered_version, steps, ranks)
                 del buffers[model]
+                if not self._flush(queue, model, first, buffered_version, steps, ranks):
+                    drop()
+
+        def drop() -> None:
+            overrun.set()
+            buffers.clear()
+            while not queue.empty():  # the reports it will never get: free them now
+                queue.get_nowait()
+            self.moe.load_subscribers_dropped += 1
+            log.warning(
+                "load subscriber %s dropped: more than %d windows behind",
+                context.peer(),
+                _WINDOWS_BEHIND,
+            )
 
         self.moe.listeners.append(listen)
+        # A subscriber that does not read blocks its write in gRPC's flow control: writes run
+        # in their own task, so the overrun can end the stream while one waits.
+        sending = asyncio.ensure_future(self._send(queue, context))
         try:
-            while True:
-                try:
-                    report = await asyncio.wait_for(queue.get(), timeout=1.0)
-                except TimeoutError:
-                    if self.group.dead:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is dead")
-                    continue
-                yield report
+            while not sending.done():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(overrun.wait(), timeout=1.0)
+                if overrun.is_set():
+                    sending.cancel()
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"more than {_WINDOWS_BEHIND} windows of load reports behind; "
+                        "read faster or ask for fewer ranks",
+                    )
+                if self.group.dead:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is dead")
+            await sending  # a failed write ends the stream with its error
         finally:
+            sending.cancel()
             self.moe.listeners.remove(listen)
+
+    @staticmethod
+    async def _send(queue: asyncio.Queue[pb.LoadReport], context: grpc.aio.ServicerContext) -> None:
+        while True:
+            await context.write(await queue.get())
 
     def _flush(
         self,
@@ -168,7 +207,8 @@ class _Servicer(pb_grpc.EplbAgentServicer):
         version: int,
         steps: list[np.ndarray],
         ranks: list[int],
-    ) -> None:
+    ) -> bool:
+        """Queue one report per rank of these steps; False when the subscriber has no room."""
         counts = np.stack(steps).astype("<u4")
         slots = counts.shape[2] // self.moe.num_ranks
         for rank in ranks:
@@ -186,9 +226,8 @@ class _Servicer(pb_grpc.EplbAgentServicer):
             try:
                 queue.put_nowait(report)
             except asyncio.QueueFull:
-                log.warning(
-                    "load subscriber too slow; dropped %s steps %d+ of rank %d", model, first, rank
-                )
+                return False
+        return True
 
     async def Prepare(
         self, request: pb.PrepareRequest, context: grpc.aio.ServicerContext

@@ -10,7 +10,7 @@ from baton.core.proto import eplb_agent_pb2 as pb
 from baton.core.proto import eplb_agent_pb2_grpc as pb_grpc
 from eplb.algorithm import rebalance
 from sim.agent import decode_placement, encode_placement
-from tests.helpers import eventually, free_port, keep_decoding
+from tests.helpers import eventually, free_port, keep_decoding, scrape
 
 
 @pytest.fixture
@@ -123,3 +123,26 @@ def test_abort_drops_the_staged_placement(agent) -> None:
     assert stub.Abort(pb.AbortRequest(switch_id="s4", reason="test")).ok
     assert not stub.Commit(pb.CommitRequest(switch_id="s4")).ok
     assert current(stub)["target"].version == 0
+
+
+DROPPED = "baton:eplb_agent_load_subscribers_dropped_total"
+
+
+def test_a_load_subscriber_that_never_reads_is_dropped_once(agent) -> None:
+    sim, stub = agent
+    keep_decoding(sim.url)
+    # One report per rank, model and step: the fastest a subscriber can fall behind.
+    request = pb.StreamLoadRequest(steps_per_report=1)
+    stalled = [stub.StreamLoad(request), stub.StreamLoad(request)]  # never read until the end
+    eventually(lambda: scrape(sim.url, DROPPED) == 2, timeout=60)
+    for stream in stalled:
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in stream:  # what was already in flight, then the status
+                pass
+        assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    about_it = [line for line in sim.log().splitlines() if "load subscriber" in line]
+    assert len(about_it) == 2, about_it
+    # The engine goes on serving a subscriber that reads.
+    fresh = stub.StreamLoad(pb.StreamLoadRequest(dp_ranks=[0], steps_per_report=10))
+    assert next(fresh).num_steps == 10
+    fresh.cancel()
