@@ -8,8 +8,9 @@ own pace), Commit makes the switch happen at the agreed step, Abort drops what w
 (committed or not) until it takes effect. A malformed placement is rejected before anything is
 staged.
 
-A load subscriber more than ``_WINDOWS_BEHIND`` windows behind is dropped (RESOURCE_EXHAUSTED,
-one log line, counted for ``/metrics``), so a subscriber that stops reading costs bounded memory.
+A load subscriber more than ``_WINDOWS_BEHIND`` windows (and ``_STEPS_BEHIND`` steps) behind is
+dropped (RESOURCE_EXHAUSTED, one log line, counted for ``/metrics``), so a subscriber that stops
+reading costs bounded memory.
 
 A stalled rank cannot stage weights, so Prepare acknowledges only once no rank of the group is
 stalled (a hung rank never acks); a switch aborted while it was staging is never staged.
@@ -44,8 +45,10 @@ __all__ = ["EplbAgentServer", "decode_placement", "encode_placement"]
 log = logging.getLogger("baton.sim.agent")
 DEFAULT_STEPS_PER_REPORT = 100
 # Windows of load reports (one per rank and model) a subscriber may fall behind before it is
-# dropped: a subscriber that stops reading must not grow the engine's memory.
+# dropped, and at least as many steps (short reports make short windows, and a busy reader
+# lags by time, not windows): a subscriber that stops reading must not grow the engine's memory.
 _WINDOWS_BEHIND = 8
+_STEPS_BEHIND = 500
 # Switch ids aborted recently, remembered so a Prepare still staging them does not stage them.
 _REMEMBERED_ABORTS = 256
 # Simulated seconds between checks of a stalled or dead group while a Prepare waits.
@@ -138,9 +141,10 @@ class _Servicer(pb_grpc.EplbAgentServicer):
             )
         per_report = request.steps_per_report or DEFAULT_STEPS_PER_REPORT
         # A window is one report per rank and model; a subscriber further behind than
-        # _WINDOWS_BEHIND of them is dropped, so what one holds here stays bounded.
+        # ``windows_behind`` of them is dropped, so what one holds here stays bounded.
+        windows_behind = max(_WINDOWS_BEHIND, -(-_STEPS_BEHIND // per_report))
         queue: asyncio.Queue[pb.LoadReport] = asyncio.Queue(
-            _WINDOWS_BEHIND * len(ranks) * len(self.moe.models)
+            windows_behind * len(ranks) * len(self.moe.models)
         )
         buffers: dict[str, tuple[int, int, list[np.ndarray]]] = {}
         overrun = asyncio.Event()
@@ -167,9 +171,10 @@ class _Servicer(pb_grpc.EplbAgentServicer):
                 queue.get_nowait()
             self.moe.load_subscribers_dropped += 1
             log.warning(
-                "load subscriber %s dropped: more than %d windows behind",
+                "load subscriber %s dropped: more than %d windows (%d steps) behind",
                 context.peer(),
-                _WINDOWS_BEHIND,
+                windows_behind,
+                windows_behind * per_report,
             )
 
         self.moe.listeners.append(listen)
@@ -184,7 +189,7 @@ class _Servicer(pb_grpc.EplbAgentServicer):
                     sending.cancel()
                     await context.abort(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"more than {_WINDOWS_BEHIND} windows of load reports behind; "
+                        f"more than {windows_behind} windows of load reports behind; "
                         "read faster or ask for fewer ranks",
                     )
                 if self.group.dead:
