@@ -16,9 +16,10 @@ A stalled rank cannot stage weights, so Prepare acknowledges only once no rank o
 stalled (a hung rank never acks); a switch aborted while it was staging is never staged.
 
 Authentication: with a token (``--eplb-agent-token-file``, a Kubernetes Secret mounted as a
-file), Prepare, Commit and Abort need the gRPC metadata ``authorization: Bearer <token>``; a bad
-or missing token is refused with UNAUTHENTICATED and logged. Describe, StreamLoad and
-GetPlacement stay open: they change nothing. TLS is optional (``--eplb-agent-tls-cert`` and
+file), every call needs the gRPC metadata ``authorization: Bearer <token>``; a bad or missing
+token is refused with UNAUTHENTICATED and logged. Without a token the agent refuses Prepare,
+Commit and Abort (PERMISSION_DENIED) unless ``--eplb-agent-insecure`` opens it, for local tests;
+either way it says so at startup. TLS is optional (``--eplb-agent-tls-cert`` and
 ``--eplb-agent-tls-key``).
 """
 
@@ -56,16 +57,30 @@ _STALL_POLL_S = 0.05
 
 
 class _Servicer(pb_grpc.EplbAgentServicer):
-    def __init__(self, group: DPGroup, moe: MoERuntime, token: str | None) -> None:
+    def __init__(
+        self, group: DPGroup, moe: MoERuntime, token: str | None, *, insecure: bool
+    ) -> None:
         self.group = group
         self.moe = moe
         self.incarnation = uuid.uuid4().hex
         self._expected = f"Bearer {token}".encode() if token is not None else None
+        self._insecure = insecure
         self._aborted: dict[str, None] = {}  # insertion-ordered set of recent aborts
 
-    async def _authenticate(self, context: grpc.aio.ServicerContext, method: str) -> None:
-        """Refuse ``method`` (UNAUTHENTICATED) unless it carries the agent's bearer token."""
+    async def _authenticate(
+        self, context: grpc.aio.ServicerContext, method: str, *, switches: bool = False
+    ) -> None:
+        """Refuse ``method`` (UNAUTHENTICATED) unless it carries the agent's bearer token; on
+        an agent without a token, refuse the calls that ``switches`` placement (PERMISSION_DENIED)
+        unless the agent was opened with ``--eplb-agent-insecure``."""
         if self._expected is None:
+            if switches and not self._insecure:
+                log.warning("refused %s from %s: the agent has no token", method, context.peer())
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"this agent has no token and takes no {method}; start it with "
+                    "--eplb-agent-token-file (or --eplb-agent-insecure for local tests)",
+                )
             return
         given = b""
         for key, value in context.invocation_metadata() or ():
@@ -109,6 +124,7 @@ class _Servicer(pb_grpc.EplbAgentServicer):
     async def Describe(
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> pb.AgentInfo:
+        await self._authenticate(context, "Describe")
         if self.group.dead:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is dead")
         models = [
@@ -133,6 +149,7 @@ class _Servicer(pb_grpc.EplbAgentServicer):
     async def StreamLoad(
         self, request: pb.StreamLoadRequest, context: grpc.aio.ServicerContext
     ) -> None:
+        await self._authenticate(context, "StreamLoad")
         ranks = list(request.dp_ranks) or sorted(self.group.ranks)
         unknown = set(ranks) - set(self.group.ranks)
         if unknown:
@@ -237,7 +254,7 @@ class _Servicer(pb_grpc.EplbAgentServicer):
     async def Prepare(
         self, request: pb.PrepareRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrepareResponse:
-        await self._authenticate(context, "Prepare")
+        await self._authenticate(context, "Prepare", switches=True)
         if self.group.dead:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is dead")
         staged: dict[str, Placement] = {}
@@ -297,7 +314,7 @@ class _Servicer(pb_grpc.EplbAgentServicer):
     async def Commit(
         self, request: pb.CommitRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitResponse:
-        await self._authenticate(context, "Commit")
+        await self._authenticate(context, "Commit", switches=True)
         if self.group.dead:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is dead")
         switches = [
@@ -316,7 +333,7 @@ class _Servicer(pb_grpc.EplbAgentServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        await self._authenticate(context, "Abort")
+        await self._authenticate(context, "Abort", switches=True)
         self._aborted[request.switch_id] = None
         while len(self._aborted) > _REMEMBERED_ABORTS:
             del self._aborted[next(iter(self._aborted))]
@@ -330,6 +347,7 @@ class _Servicer(pb_grpc.EplbAgentServicer):
     async def GetPlacement(
         self, request: pb.GetPlacementRequest, context: grpc.aio.ServicerContext
     ) -> pb.PlacementState:
+        await self._authenticate(context, "GetPlacement")
         return pb.PlacementState(
             placements=[
                 encode_placement(name, s.placement, s.version)
@@ -349,20 +367,25 @@ class EplbAgentServer:
         port: int,
         *,
         token: str | None = None,
+        insecure: bool = False,
         tls_cert: bytes | None = None,
         tls_key: bytes | None = None,
     ) -> None:
         if group.moe is None:
             raise ValueError("the EPLB agent needs --enable-expert-parallel")
+        if token is not None and insecure:
+            raise ValueError("an EPLB agent with a token cannot be insecure; pass one or the other")
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("TLS needs both a certificate and its key")
         self.host = host
         self.port = port
+        self._token, self._insecure = token is not None, insecure
         self._credentials = (
             grpc.ssl_server_credentials([(tls_key, tls_cert)]) if tls_cert and tls_key else None
         )
         self._server = grpc.aio.server()
-        pb_grpc.add_EplbAgentServicer_to_server(_Servicer(group, group.moe, token), self._server)
+        servicer = _Servicer(group, group.moe, token, insecure=insecure)
+        pb_grpc.add_EplbAgentServicer_to_server(servicer, self._server)
 
     async def start(self) -> None:
         address = f"{self.host}:{self.port}"
@@ -371,6 +394,20 @@ class EplbAgentServer:
         else:
             self._server.add_insecure_port(address)
         await self._server.start()
+        if self._token:
+            log.info("EPLB agent on %s: every call needs its bearer token", address)
+        elif self._insecure:
+            log.warning(
+                "EPLB agent on %s has no token and --eplb-agent-insecure: Prepare, Commit and "
+                "Abort are open to anyone who can reach it",
+                address,
+            )
+        else:
+            log.warning(
+                "EPLB agent on %s has no token: it refuses Prepare, Commit and Abort; give it "
+                "--eplb-agent-token-file (or --eplb-agent-insecure for local tests)",
+                address,
+            )
 
     async def stop(self) -> None:
         await self._server.stop(grace=0.5)

@@ -53,7 +53,7 @@ def group(start_sim) -> Iterator[list[Server]]:
             *("--enable-expert-parallel", "--enable-eplb", "--eplb-config"),
             f'{{"num_redundant_experts":32,"window_size":{WINDOW},"step_interval":{INTERVAL}}}',
             *("--speculative-config", '{"method":"mtp","num_speculative_tokens":3}'),
-            *("--eplb-agent-port", str(port)),
+            *("--eplb-agent-port", str(port), "--eplb-agent-insecure"),
             # Half speed: 8 engines stepping on a shared 2-core machine keep up.
             *("--time-scale", "2"),
         )

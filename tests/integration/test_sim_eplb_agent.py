@@ -10,7 +10,7 @@ from baton.core.proto import eplb_agent_pb2 as pb
 from baton.core.proto import eplb_agent_pb2_grpc as pb_grpc
 from eplb.algorithm import rebalance
 from sim.agent import decode_placement, encode_placement
-from tests.helpers import eventually, free_port, keep_decoding, scrape
+from tests.helpers import SimHandle, eventually, free_port, keep_decoding, scrape
 
 
 @pytest.fixture
@@ -25,6 +25,7 @@ def agent(start_sim):
         '{"num_redundant_experts": 32}',
         "--eplb-agent-port",
         str(port),
+        "--eplb-agent-insecure",
         "--speculative-config",
         '{"method": "mtp", "num_speculative_tokens": 3}',
     )
@@ -146,3 +147,66 @@ def test_a_load_subscriber_that_never_reads_is_dropped_once(agent) -> None:
     fresh = stub.StreamLoad(pb.StreamLoadRequest(dp_ranks=[0], steps_per_report=10))
     assert next(fresh).num_steps == 10
     fresh.cancel()
+
+
+def agent_without_flags(start_sim, *flags: str) -> tuple[SimHandle, pb_grpc.EplbAgentStub]:
+    port = free_port()
+    sim = start_sim(
+        *("--data-parallel-size", "32", "--enable-expert-parallel", "--enable-eplb"),
+        *("--eplb-agent-port", str(port), *flags),
+    )
+    return sim, pb_grpc.EplbAgentStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+
+def every_call(stub: pb_grpc.EplbAgentStub, metadata: tuple[tuple[str, str], ...]) -> dict:
+    """Each RPC of the agent once with ``metadata``: its status code (OK when it answered)."""
+    calls = {
+        "Describe": lambda: stub.Describe(pb.DescribeRequest(), metadata=metadata, timeout=10),
+        "GetPlacement": lambda: stub.GetPlacement(
+            pb.GetPlacementRequest(), metadata=metadata, timeout=10
+        ),
+        "StreamLoad": lambda: next(
+            stub.StreamLoad(pb.StreamLoadRequest(), metadata=metadata, timeout=10)
+        ),
+        "Prepare": lambda: stub.Prepare(
+            pb.PrepareRequest(switch_id="x"), metadata=metadata, timeout=10
+        ),
+        "Commit": lambda: stub.Commit(
+            pb.CommitRequest(switch_id="x"), metadata=metadata, timeout=10
+        ),
+        "Abort": lambda: stub.Abort(pb.AbortRequest(switch_id="x"), metadata=metadata, timeout=10),
+    }
+    codes = {}
+    for name, call in calls.items():
+        try:
+            call()
+            codes[name] = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            codes[name] = exc.code()
+    return codes
+
+
+def test_with_a_token_every_call_needs_it(start_sim, tmp_path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    sim, stub = agent_without_flags(start_sim, "--eplb-agent-token-file", str(token_file))
+    keep_decoding(sim.url, max_tokens=2000)  # so a stream has reports to send
+    for metadata in ((), (("authorization", "Bearer wrong"),)):
+        codes = every_call(stub, metadata)
+        assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, codes
+    codes = every_call(stub, (("authorization", "Bearer s3cret"),))
+    assert set(codes.values()) == {grpc.StatusCode.OK}, codes
+
+
+def test_without_a_token_switches_are_refused_unless_the_agent_is_open(start_sim) -> None:
+    sim, stub = agent_without_flags(start_sim)
+    keep_decoding(sim.url, max_tokens=2000)
+    codes = every_call(stub, ())
+    refused = {name for name, code in codes.items() if code != grpc.StatusCode.OK}
+    assert refused == {"Prepare", "Commit", "Abort"}, codes
+    assert {codes[name] for name in refused} == {grpc.StatusCode.PERMISSION_DENIED}
+    assert "--eplb-agent-insecure" in sim.log()  # said at startup, with the way out
+    open_sim, open_stub = agent_without_flags(start_sim, "--eplb-agent-insecure")
+    keep_decoding(open_sim.url, max_tokens=2000)
+    assert set(every_call(open_stub, ()).values()) == {grpc.StatusCode.OK}
+    assert "open to anyone" in open_sim.log()
