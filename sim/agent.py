@@ -6,7 +6,7 @@ Prepare validates and stages (the weights copied one layer per decode step while
 on, each such step paying the copy, as ``sim.moe`` describes; on an idle group at the links'
 own pace), Commit makes the switch happen at the agreed step, Abort drops what was staged
 (committed or not) until it takes effect. A malformed placement is rejected before anything is
-staged.
+staged. A Prepare replaces a switch staged but never committed (its Abort was lost), logged.
 
 A load subscriber more than ``_WINDOWS_BEHIND`` windows (and ``_STEPS_BEHIND`` steps) behind is
 dropped (RESOURCE_EXHAUSTED, one log line, counted for ``/metrics``), so a subscriber that stops
@@ -275,12 +275,17 @@ class _Servicer(pb_grpc.EplbAgentServicer):
                         f"{list(current.phy2log.shape)}"
                     ),
                 )
-            if state.staged is not None and state.staged.switch_id != request.switch_id:
+            staged_before = state.staged
+            if (
+                staged_before is not None
+                and staged_before.switch_id != request.switch_id
+                and staged_before.committed
+            ):
                 return pb.PrepareResponse(
                     ok=False,
                     error=(
-                        f"{message.model}: switch {state.staged.switch_id} is already "
-                        "staged; abort it first"
+                        f"{message.model}: switch {staged_before.switch_id} is committed "
+                        f"for step {staged_before.apply_at_step}; abort it first"
                     ),
                 )
             try:
@@ -292,6 +297,23 @@ class _Servicer(pb_grpc.EplbAgentServicer):
             staged[message.model] = placement
         if request.switch_id in self._aborted:
             return pb.PrepareResponse(ok=False, error=f"switch {request.switch_id} was aborted")
+        # A switch staged but never committed is one the service gave up on (its Abort did not
+        # arrive): the new Prepare replaces it, or this agent would refuse every later switch.
+        stale = {
+            s.staged.switch_id
+            for s in self.moe.models.values()
+            if s.staged is not None
+            and s.staged.switch_id != request.switch_id
+            and not s.staged.committed
+        }
+        for switch_id in sorted(stale):
+            self._remember_abort(switch_id)
+            self.moe.abort(switch_id)
+            log.warning(
+                "switch %s was staged but never committed; %s replaces it",
+                switch_id,
+                request.switch_id,
+            )
         total = sum(
             moves(self.moe.models[name].placement, placement) for name, placement in staged.items()
         )
@@ -334,15 +356,18 @@ class _Servicer(pb_grpc.EplbAgentServicer):
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         await self._authenticate(context, "Abort", switches=True)
-        self._aborted[request.switch_id] = None
-        while len(self._aborted) > _REMEMBERED_ABORTS:
-            del self._aborted[next(iter(self._aborted))]
+        self._remember_abort(request.switch_id)
         # A committed switch is dropped too until it takes effect (it is applied, and leaves
         # ``staged``, at its step): the service aborts every agent when one commit fails.
         dropped = self.moe.abort(request.switch_id)
         if dropped:
             log.info("switch %s aborted: %s", request.switch_id, request.reason)
         return pb.AbortResponse(ok=dropped)
+
+    def _remember_abort(self, switch_id: str) -> None:
+        self._aborted[switch_id] = None
+        while len(self._aborted) > _REMEMBERED_ABORTS:
+            del self._aborted[next(iter(self._aborted))]
 
     async def GetPlacement(
         self, request: pb.GetPlacementRequest, context: grpc.aio.ServicerContext

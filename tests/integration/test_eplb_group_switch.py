@@ -166,9 +166,11 @@ async def test_a_server_refusing_prepare_aborts_the_switch_on_all_eight(group) -
     runner = runner_for(group)
     await runner.sync()
     model, decision = skewed_decision(runner)
-    # Server 5 still holds a switch whose Abort it never got: it refuses the next Prepare.
+    # Server 5 still holds a committed switch whose Abort it never got: it refuses the next
+    # Prepare (one only staged would be replaced).
     stray = AgentClient(group[5].agent)
     await stray.prepare("stray", [encode_placement(model, decision.placement, 1)], 30.0)
+    await stray.commit("stray", 10**9, 30.0)
     record = await runner.switch(model, decision)
     assert record.result == "prepare_failed" and record.switch_id is not None
     load_every_server(group)

@@ -210,3 +210,25 @@ def test_without_a_token_switches_are_refused_unless_the_agent_is_open(start_sim
     keep_decoding(open_sim.url, max_tokens=2000)
     assert set(every_call(open_stub, ()).values()) == {grpc.StatusCode.OK}
     assert "open to anyone" in open_sim.log()
+
+
+def test_a_new_prepare_replaces_a_switch_staged_but_never_committed(agent) -> None:
+    sim, stub = agent
+    rng = np.random.default_rng(1)
+    first, second, third = (
+        encode_placement("target", rebalance(rng.integers(1, 1000, size=(43, 384)), 32, 32))
+        for _ in range(3)
+    )
+    far = 10**9  # no switch here takes effect during the test
+    assert stub.Prepare(pb.PrepareRequest(switch_id="s5", apply_at_step=far, placements=[first])).ok
+    # The service gave up on s5 and its Abort never arrived here; it moves on to s6.
+    reply = stub.Prepare(pb.PrepareRequest(switch_id="s6", apply_at_step=far, placements=[second]))
+    assert reply.ok, reply.error
+    assert "switch s5 was staged but never committed; s6 replaces it" in sim.log()
+    assert not stub.Commit(pb.CommitRequest(switch_id="s5")).ok
+    assert stub.Commit(pb.CommitRequest(switch_id="s6")).ok
+    # A committed switch is the group's agreement: only an Abort drops it.
+    reply = stub.Prepare(pb.PrepareRequest(switch_id="s7", apply_at_step=far, placements=[third]))
+    assert not reply.ok and "switch s6 is committed" in reply.error
+    assert stub.Abort(pb.AbortRequest(switch_id="s6", reason="test")).ok
+    assert stub.Prepare(pb.PrepareRequest(switch_id="s7", apply_at_step=far, placements=[third])).ok
