@@ -8,8 +8,10 @@
    placed roles.
 4. The EPLB service, in one of the two modes of a ModelDeployment's ``spec.eplb.mode``
    (``--eplb-mode``): ``agent`` (the default) drives every decode group's agent (each group
-   serves one); ``plugin`` has every decode group rebalance in-engine with Baton's vLLM plugin
-   (``baton sim --eplb-policy-plugin baton``) and report each window to the service.
+   serves one; agents and service share a fresh token in a file of the stack's private
+   directory, since an agent without one refuses switches); ``plugin`` has every decode group
+   rebalance in-engine with Baton's vLLM plugin (``baton sim --eplb-policy-plugin baton``) and
+   report each window to the service.
 5. ``baton gateway`` on 127.0.0.1:8000 (``--port``) with a pool file of the placed cells.
 
 ``--prometheus-targets FILE`` writes every ``/metrics`` endpoint as a Prometheus file-based
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -76,10 +79,12 @@ def layout_stack(
     gpus_per_tray: int = 4,
     enable_fault_injection: bool = False,
     eplb_steps: int | None = None,
+    eplb_token_file: str | None = None,
 ) -> StackLayout:
     """Engines at the placed roles, on free loopback ports, and the pool that routes to them.
     ``eplb_steps``: rebalance every that many decode steps from the load of as many, in place
-    of each mode's default cadence."""
+    of each mode's default cadence. ``eplb_token_file``: the token every agent wants (agent
+    mode)."""
     cadence = {} if eplb_steps is None else {"window_size": eplb_steps, "step_interval": eplb_steps}
     decode_groups: list[DecodeGroupSpec] = []
     prefill: list[PrefillInstancesSpec] = []
@@ -98,6 +103,7 @@ def layout_stack(
                 port=decode_port,
                 side_channel_port=free_port_block(ranks),
                 eplb_agent_port=agent_port,
+                eplb_agent_token_file=eplb_token_file if agent_port is not None else None,
                 eplb_policy_plugin="baton" if eplb_mode == "plugin" else None,
                 eplb=EplbConfig(
                     num_redundant_experts=32, **(cadence if eplb_mode == "plugin" else {})
@@ -262,18 +268,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
-    layout = layout_stack(
-        plan,
-        time_scale=args.time_scale,
-        eplb_mode=args.eplb_mode,
-        enable_fault_injection=args.enable_fault_injection,
-        eplb_steps=args.eplb_steps,
-    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     processes: list[subprocess.Popen[bytes]] = []
+    # The directory is the user's alone (mode 0700): the token file in it needs no other guard.
     with tempfile.TemporaryDirectory(prefix="baton-up-") as workdir:
+        token_file = Path(workdir, "eplb-agent-token")
+        service_token: list[str] = []
+        if args.eplb_mode == "agent":
+            token_file.write_text(secrets.token_urlsafe(32))
+            service_token = ["--token-file", str(token_file)]
+        layout = layout_stack(
+            plan,
+            time_scale=args.time_scale,
+            eplb_mode=args.eplb_mode,
+            enable_fault_injection=args.enable_fault_injection,
+            eplb_steps=args.eplb_steps,
+            eplb_token_file=str(token_file),
+        )
         cluster_file = Path(workdir, "cluster.yaml")
         pool_file = Path(workdir, "pool.yaml")
         eplb_file = Path(workdir, "eplb.yaml")
@@ -306,6 +319,7 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
                         "--metrics-port",
                         str(eplb_metrics),
                         *reports,
+                        *service_token,
                         "--log-level",
                         "warning",
                     ]

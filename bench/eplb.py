@@ -336,6 +336,7 @@ def _round_trip(count: int) -> dict[str, float]:
         '{"num_redundant_experts": 32}',
         "--eplb-agent-port",
         str(agent_port),
+        "--eplb-agent-insecure",  # a loopback benchmark: no token to hand around
         "--speculative-config",
         '{"method": "mtp", "num_speculative_tokens": 3}',
         "--log-level",

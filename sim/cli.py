@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="file holding the bearer token the EPLB service must send (a mounted Secret)",
     )
+    _flag(
+        sim,
+        "--eplb-agent-insecure",
+        action="store_true",
+        help="without --eplb-agent-token-file, take Prepare/Commit/Abort from anyone (local tests)",
+    )
     _flag(sim, "--eplb-agent-tls-cert", default=None, help="PEM certificate: serve on TLS")
     _flag(sim, "--eplb-agent-tls-key", default=None, help="PEM key of --eplb-agent-tls-cert")
     _flag(sim, "--enable-fault-injection", action="store_true")
@@ -193,6 +199,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         eplb_agent_port=args.eplb_agent_port,
         eplb_policy_plugin=args.eplb_policy_plugin,
         eplb_agent_token_file=args.eplb_agent_token_file,
+        eplb_agent_insecure=args.eplb_agent_insecure,
         eplb_agent_tls_cert=args.eplb_agent_tls_cert,
         eplb_agent_tls_key=args.eplb_agent_tls_key,
         # vLLM's precedence: --api-key, else VLLM_API_KEY.
@@ -207,6 +214,10 @@ def _check_agent_security(args: argparse.Namespace) -> None:
     if (args.eplb_agent_tls_cert is None) != (args.eplb_agent_tls_key is None):
         raise CliError(
             "--eplb-agent-tls-cert and --eplb-agent-tls-key go together; pass both or neither"
+        )
+    if args.eplb_agent_token_file is not None and args.eplb_agent_insecure:
+        raise CliError(
+            "--eplb-agent-insecure and --eplb-agent-token-file contradict each other; pass one"
         )
     if args.eplb_agent_token_file is not None:
         try:

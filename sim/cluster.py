@@ -12,7 +12,8 @@ a DEP32 decode group (8 hybrid-LB API servers of 4 local ranks, or one server fo
     time_scale: 1.0
     decode_groups:
       - {name: cell-0, data_parallel_size: 32, api_servers: 8, port: 8200,
-         side_channel_port: 5700, eplb_agent_port: 50100}
+         side_channel_port: 5700, eplb_agent_port: 50100,
+         eplb_agent_token_file: /etc/baton/eplb-token/token}
       # or, in place of the agent, vLLM's in-engine EPLB with Baton's plugin:
       #    eplb_policy_plugin: baton
     prefill:
@@ -56,6 +57,10 @@ class DecodeGroupSpec(_Spec):
     port: int = Field(ge=1, le=65535)
     side_channel_port: int = Field(ge=1, le=65535)
     eplb_agent_port: int | None = Field(default=None, ge=1, le=65535)
+    eplb_agent_token_file: str | None = Field(
+        default=None,
+        description="the bearer token every agent call needs (sim --eplb-agent-token-file)",
+    )
     eplb_policy_plugin: str | None = Field(
         default=None, description="the in-engine EPLB policy plugin (sim --eplb-policy-plugin)"
     )
@@ -141,6 +146,7 @@ def engine_configs(spec: ClusterSpec) -> Iterator[tuple[EngineConfig, list[int],
             speculative=group.speculative,
             side_channel_port=group.side_channel_port,
             eplb_agent_port=group.eplb_agent_port,
+            eplb_agent_token_file=group.eplb_agent_token_file,
             eplb_policy_plugin=group.eplb_policy_plugin,
             group_name=group.name,
             seed=spec.seed * 7919 + index,

@@ -87,7 +87,9 @@ class EngineConfig:
     # --eplb-policy-plugin: the in-engine policy from an installed plugin (None: vLLM's default)
     eplb_policy_plugin: str | None = None
     group_name: str | None = None  # the decode group's name, from a cluster file
-    eplb_agent_token_file: str | None = None  # bearer token for Prepare/Commit/Abort
+    eplb_agent_token_file: str | None = None  # the bearer token every agent call needs
+    # No token: take Prepare/Commit/Abort from anyone (else refused); local tests only.
+    eplb_agent_insecure: bool = False
     eplb_agent_tls_cert: str | None = None  # PEM files; both or neither
     eplb_agent_tls_key: str | None = None
     time_scale: float = 1.0

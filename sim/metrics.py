@@ -141,6 +141,15 @@ class EngineCollector(Collector):
             lambda r: r.queue_time,
         )
         yield from self._nixl(ranks)
+        if self.group.moe is not None:
+            # The group's agent, not a rank: every API server of the group exposes the same count.
+            dropped = CounterMetricFamily(
+                "baton:eplb_agent_load_subscribers_dropped",
+                "EPLB agent load-stream subscribers dropped for falling behind.",
+                labels=["model_name"],
+            )
+            dropped.add_metric([name], self.group.moe.load_subscribers_dropped)
+            yield dropped
 
     def _nixl(self, ranks: list[tuple[str, DPRank]]) -> Iterator[Metric]:
         name = self.model_name

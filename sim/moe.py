@@ -215,6 +215,8 @@ class MoERuntime:
         )
         self.step = 0
         self.listeners: list[LoadListener] = []
+        # Subscribers of the EPLB agent's load stream dropped for falling behind (a metric).
+        self.load_subscribers_dropped = 0
         self.transfer: ExpertTransfer | None = None  # the switch whose weights are moving
         self._switches = 0  # in-engine switches so far, for their ids
 

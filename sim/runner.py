@@ -70,6 +70,7 @@ async def start_group(
             token=read_token(config.eplb_agent_token_file)
             if config.eplb_agent_token_file
             else None,
+            insecure=config.eplb_agent_insecure,
             tls_cert=_read_pem(config.eplb_agent_tls_cert),
             tls_key=_read_pem(config.eplb_agent_tls_key),
         )

@@ -53,7 +53,7 @@ def group(start_sim) -> Iterator[list[Server]]:
             *("--enable-expert-parallel", "--enable-eplb", "--eplb-config"),
             f'{{"num_redundant_experts":32,"window_size":{WINDOW},"step_interval":{INTERVAL}}}',
             *("--speculative-config", '{"method":"mtp","num_speculative_tokens":3}'),
-            *("--eplb-agent-port", str(port)),
+            *("--eplb-agent-port", str(port), "--eplb-agent-insecure"),
             # Half speed: 8 engines stepping on a shared 2-core machine keep up.
             *("--time-scale", "2"),
         )
@@ -166,9 +166,11 @@ async def test_a_server_refusing_prepare_aborts_the_switch_on_all_eight(group) -
     runner = runner_for(group)
     await runner.sync()
     model, decision = skewed_decision(runner)
-    # Server 5 still holds a switch whose Abort it never got: it refuses the next Prepare.
+    # Server 5 still holds a committed switch whose Abort it never got: it refuses the next
+    # Prepare (one only staged would be replaced).
     stray = AgentClient(group[5].agent)
     await stray.prepare("stray", [encode_placement(model, decision.placement, 1)], 30.0)
+    await stray.commit("stray", 10**9, 30.0)
     record = await runner.switch(model, decision)
     assert record.result == "prepare_failed" and record.switch_id is not None
     load_every_server(group)

@@ -77,7 +77,7 @@ class Rebalancing:
 
 def _placements(agent: str) -> dict[str, pb.Placement]:
     async def read() -> dict[str, pb.Placement]:
-        client = AgentClient(agent)
+        client = AgentClient(agent, token=TOKEN)
         try:
             return {p.model: p for p in (await client.get_placement(5.0)).placements}
         finally:
@@ -226,7 +226,7 @@ def skewed_decision(runner: GroupRunner) -> tuple[str, Decision]:
 
 
 async def version_of(agent: str, model: str) -> int:
-    client = AgentClient(agent)
+    client = AgentClient(agent, token=TOKEN)
     try:
         state = await client.get_placement(5.0)
         return {p.model: p.version for p in state.placements}[model]
@@ -297,7 +297,7 @@ async def test_a_prepare_that_times_out_is_aborted_and_never_staged(guarded_sim)
 
 async def test_a_bad_or_missing_token_is_refused_and_logged(guarded_sim) -> None:
     sim, agent = guarded_sim
-    placement = await AgentClient(agent).get_placement(5.0)  # reading needs no token
+    placement = await AgentClient(agent, token=TOKEN).get_placement(5.0)
     message = placement.placements[0]
     for token in ("wrong-secret", None):
         client = AgentClient(agent, token=token)

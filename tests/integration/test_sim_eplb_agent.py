@@ -10,7 +10,7 @@ from baton.core.proto import eplb_agent_pb2 as pb
 from baton.core.proto import eplb_agent_pb2_grpc as pb_grpc
 from eplb.algorithm import rebalance
 from sim.agent import decode_placement, encode_placement
-from tests.helpers import eventually, free_port, keep_decoding
+from tests.helpers import SimHandle, eventually, free_port, keep_decoding, scrape
 
 
 @pytest.fixture
@@ -25,6 +25,7 @@ def agent(start_sim):
         '{"num_redundant_experts": 32}',
         "--eplb-agent-port",
         str(port),
+        "--eplb-agent-insecure",
         "--speculative-config",
         '{"method": "mtp", "num_speculative_tokens": 3}',
     )
@@ -123,3 +124,111 @@ def test_abort_drops_the_staged_placement(agent) -> None:
     assert stub.Abort(pb.AbortRequest(switch_id="s4", reason="test")).ok
     assert not stub.Commit(pb.CommitRequest(switch_id="s4")).ok
     assert current(stub)["target"].version == 0
+
+
+DROPPED = "baton:eplb_agent_load_subscribers_dropped_total"
+
+
+def test_a_load_subscriber_that_never_reads_is_dropped_once(agent) -> None:
+    sim, stub = agent
+    keep_decoding(sim.url)
+    # One report per rank, model and step: the fastest a subscriber can fall behind.
+    request = pb.StreamLoadRequest(steps_per_report=1)
+    stalled = [stub.StreamLoad(request), stub.StreamLoad(request)]  # never read until the end
+    eventually(lambda: scrape(sim.url, DROPPED) == 2, timeout=60)
+    for stream in stalled:
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in stream:  # what was already in flight, then the status
+                pass
+        assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    about_it = [line for line in sim.log().splitlines() if "load subscriber" in line]
+    assert len(about_it) == 2, about_it
+    # The engine goes on serving a subscriber that reads.
+    fresh = stub.StreamLoad(pb.StreamLoadRequest(dp_ranks=[0], steps_per_report=10))
+    assert next(fresh).num_steps == 10
+    fresh.cancel()
+
+
+def agent_without_flags(start_sim, *flags: str) -> tuple[SimHandle, pb_grpc.EplbAgentStub]:
+    port = free_port()
+    sim = start_sim(
+        *("--data-parallel-size", "32", "--enable-expert-parallel", "--enable-eplb"),
+        *("--eplb-agent-port", str(port), *flags),
+    )
+    return sim, pb_grpc.EplbAgentStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+
+def every_call(stub: pb_grpc.EplbAgentStub, metadata: tuple[tuple[str, str], ...]) -> dict:
+    """Each RPC of the agent once with ``metadata``: its status code (OK when it answered)."""
+    calls = {
+        "Describe": lambda: stub.Describe(pb.DescribeRequest(), metadata=metadata, timeout=10),
+        "GetPlacement": lambda: stub.GetPlacement(
+            pb.GetPlacementRequest(), metadata=metadata, timeout=10
+        ),
+        "StreamLoad": lambda: next(
+            stub.StreamLoad(pb.StreamLoadRequest(), metadata=metadata, timeout=10)
+        ),
+        "Prepare": lambda: stub.Prepare(
+            pb.PrepareRequest(switch_id="x"), metadata=metadata, timeout=10
+        ),
+        "Commit": lambda: stub.Commit(
+            pb.CommitRequest(switch_id="x"), metadata=metadata, timeout=10
+        ),
+        "Abort": lambda: stub.Abort(pb.AbortRequest(switch_id="x"), metadata=metadata, timeout=10),
+    }
+    codes = {}
+    for name, call in calls.items():
+        try:
+            call()
+            codes[name] = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            codes[name] = exc.code()
+    return codes
+
+
+def test_with_a_token_every_call_needs_it(start_sim, tmp_path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    sim, stub = agent_without_flags(start_sim, "--eplb-agent-token-file", str(token_file))
+    keep_decoding(sim.url, max_tokens=2000)  # so a stream has reports to send
+    for metadata in ((), (("authorization", "Bearer wrong"),)):
+        codes = every_call(stub, metadata)
+        assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, codes
+    codes = every_call(stub, (("authorization", "Bearer s3cret"),))
+    assert set(codes.values()) == {grpc.StatusCode.OK}, codes
+
+
+def test_without_a_token_switches_are_refused_unless_the_agent_is_open(start_sim) -> None:
+    sim, stub = agent_without_flags(start_sim)
+    keep_decoding(sim.url, max_tokens=2000)
+    codes = every_call(stub, ())
+    refused = {name for name, code in codes.items() if code != grpc.StatusCode.OK}
+    assert refused == {"Prepare", "Commit", "Abort"}, codes
+    assert {codes[name] for name in refused} == {grpc.StatusCode.PERMISSION_DENIED}
+    assert "--eplb-agent-insecure" in sim.log()  # said at startup, with the way out
+    open_sim, open_stub = agent_without_flags(start_sim, "--eplb-agent-insecure")
+    keep_decoding(open_sim.url, max_tokens=2000)
+    assert set(every_call(open_stub, ()).values()) == {grpc.StatusCode.OK}
+    assert "open to anyone" in open_sim.log()
+
+
+def test_a_new_prepare_replaces_a_switch_staged_but_never_committed(agent) -> None:
+    sim, stub = agent
+    rng = np.random.default_rng(1)
+    first, second, third = (
+        encode_placement("target", rebalance(rng.integers(1, 1000, size=(43, 384)), 32, 32))
+        for _ in range(3)
+    )
+    far = 10**9  # no switch here takes effect during the test
+    assert stub.Prepare(pb.PrepareRequest(switch_id="s5", apply_at_step=far, placements=[first])).ok
+    # The service gave up on s5 and its Abort never arrived here; it moves on to s6.
+    reply = stub.Prepare(pb.PrepareRequest(switch_id="s6", apply_at_step=far, placements=[second]))
+    assert reply.ok, reply.error
+    assert "switch s5 was staged but never committed; s6 replaces it" in sim.log()
+    assert not stub.Commit(pb.CommitRequest(switch_id="s5")).ok
+    assert stub.Commit(pb.CommitRequest(switch_id="s6")).ok
+    # A committed switch is the group's agreement: only an Abort drops it.
+    reply = stub.Prepare(pb.PrepareRequest(switch_id="s7", apply_at_step=far, placements=[third]))
+    assert not reply.ok and "switch s6 is committed" in reply.error
+    assert stub.Abort(pb.AbortRequest(switch_id="s6", reason="test")).ok
+    assert stub.Prepare(pb.PrepareRequest(switch_id="s7", apply_at_step=far, placements=[third])).ok

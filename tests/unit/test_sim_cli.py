@@ -41,6 +41,10 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
             "--eplb-agent-token-file: /nonexistent-token: cannot read the token file",
         ),
         (["--eplb-agent-tls-cert", "/tmp/cert.pem"], "go together; pass both or neither"),
+        (
+            ["--eplb-agent-token-file", "/nonexistent-token", "--eplb-agent-insecure"],
+            "--eplb-agent-insecure and --eplb-agent-token-file contradict each other",
+        ),
     ],
     ids=[
         "json",
@@ -51,6 +55,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
         "profile-missing",
         "token-file-missing",
         "tls-half",
+        "token-and-insecure",
     ],
 )
 def test_bad_flag_exits_2_naming_the_flag(capsys, argv: list[str], needle: str) -> None:
