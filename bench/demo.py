@@ -164,18 +164,18 @@ def main() -> int:
             _samples(gateway),
             _samples(f"http://127.0.0.1:{eplb_port}"),
         )
-        if any(
-            name.startswith(
+        # What went wrong, by reason: the counts only (each series' _created sample is a time).
+        troubles = {
+            (name, labels): value
+            for (name, labels), value in sorted(_samples(gateway).items())
+            if value
+            and name.endswith("_total")
+            and name.startswith(
                 ("baton_gateway_retries", "baton_gateway_fallbacks", "baton_gateway_aborts")
             )
-            and value
-            for (name, _), value in _samples(gateway).items()
-        ):
-            for (name, labels), value in sorted(_samples(gateway).items()):
-                if value and name.startswith(
-                    ("baton_gateway_retries", "baton_gateway_fallbacks", "baton_gateway_aborts")
-                ):
-                    print(f"    {name}{dict(labels)} = {value:.0f}")
+        }
+        for (name, labels), value in troubles.items():
+            print(f"    {name}{dict(labels)} = {value:.0f}")
         return 0
     finally:
         stop_process(up)
