@@ -96,7 +96,7 @@ def _record(directory: Path, quick: bool) -> dict[str, Any]:
                 prometheus.wait_for(series)
             controller_drill(api, namespace, MODEL)
             statuses = drill(stack, rounds=1 if quick else 4)
-            time.sleep(5)  # the last scrapes and rule evaluations
+            prometheus.wait_caught_up(stack.gateway)
             end = time.time()
             dashboards: dict[str, Any] = {}
             for path in sorted(DASHBOARDS.glob("*.json")):

@@ -16,7 +16,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,13 @@ from kubernetes.client.rest import ApiException
 from baton.core.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from baton.core.crd import CRD_PATH
 from baton.core.kube import json_object
-from baton.core.labels import HOSTNAME_LABEL, NODE_ARCH_LABEL, NODE_OS_LABEL
+from baton.core.labels import (
+    HOSTNAME_LABEL,
+    NODE_ARCH_LABEL,
+    NODE_OS_LABEL,
+    TRAY_FAILURES_ANNOTATION,
+)
+from controller.observe import rfc3339
 from controller.topology import synthetic_nodes
 from rigs.processes import eventually, free_port, stop_process
 
@@ -38,12 +44,14 @@ __all__ = [
     "add_trays",
     "binaries_dir",
     "create_model_deployment",
+    "fail_pod",
     "install_crd",
     "mark_tray_not_ready",
     "mark_tray_ready",
     "node_ready",
     "patch_model_deployment_spec",
     "read_model_deployment",
+    "record_tray_failures",
     "remove_nodes",
     "start_control_plane",
     "write_kubeconfig",
@@ -462,3 +470,24 @@ def install_crd(api: client.ApiClient) -> None:
         return names is not None and names.kind == KIND
 
     eventually(served, timeout=30)
+
+
+def fail_pod(api: client.ApiClient, namespace: str, name: str) -> None:
+    """The pod's engine exits for good: phase Failed, as a kubelet reports it."""
+    core = client.CoreV1Api(api)
+    failing = core.read_namespaced_pod_status(name, namespace)
+    if failing.status is None:
+        raise RuntimeError(f"pod {namespace}/{name} has no status yet; fail it once it runs")
+    failing.status.phase = "Failed"
+    core.replace_namespaced_pod_status(name, namespace, failing)
+
+
+def record_tray_failures(api: client.ApiClient, tray: str, count: int) -> str:
+    """``count`` earlier Baton pod failures on ``tray``'s record, an hour ago (within the
+    controller's failure window); returns the annotation written."""
+    hour_ago = datetime.now(UTC) - timedelta(hours=1)
+    earlier = ",".join(rfc3339(hour_ago + timedelta(minutes=5 * i)) for i in range(count))
+    client.CoreV1Api(api).patch_node(
+        tray, {"metadata": {"annotations": {TRAY_FAILURES_ANNOTATION: earlier}}}
+    )
+    return earlier

@@ -16,17 +16,22 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 from kubernetes import client
+from prometheus_client.parser import text_string_to_metric_families
 
 from baton.core.model import SERVED_MODEL_NAME
-from controller.observe import rfc3339
-from rigs.devcluster import ROOT, create_model_deployment, read_model_deployment
+from rigs.devcluster import (
+    ROOT,
+    create_model_deployment,
+    fail_pod,
+    read_model_deployment,
+    record_tray_failures,
+)
 from rigs.processes import eventually, free_port, stop_process
 
 __all__ = [
@@ -72,6 +77,23 @@ class Prometheus:
     def wait_for(self, expr: str, timeout: float = 60) -> None:
         """Until ``expr`` has data: the targets it reads have been scraped."""
         eventually(lambda: self.query(expr), timeout=timeout, interval=0.5)
+
+    def wait_caught_up(self, gateway: str, timeout: float = 30) -> None:
+        """Until Prometheus holds the gateway's request count as it is now: the last scrapes
+        after a drill are in, and the rules have been evaluated on them."""
+        text = httpx.get(f"{gateway}/metrics", timeout=10).text
+        served = sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "baton_gateway_requests_total"
+        )
+
+        def caught_up() -> bool:
+            counts = self.query("sum(baton_gateway_requests_total)")
+            return [float(s["value"][1]) for s in counts] == [served]
+
+        eventually(caught_up, timeout=timeout, interval=0.5)
 
     def rules(self) -> list[dict[str, Any]]:
         return [rule for group in self._get("/api/v1/rules")["groups"] for rule in group["rules"]]
@@ -256,14 +278,8 @@ def controller_drill(api: client.ApiClient, namespace: str, model: str) -> None:
     eventually(lambda: condition("Ready") == "True", timeout=60, interval=0.25)
     tray = status()["cells"][0]["decode"]["trays"][2]
     core = client.CoreV1Api(api)
-    # Two earlier failures on record within the last day (the annotation holds their times).
-    hour_ago = datetime.now(UTC) - timedelta(hours=1)
-    earlier = ",".join(rfc3339(hour_ago + timedelta(minutes=m)) for m in (0, 5))
-    core.patch_node(tray, {"metadata": {"annotations": {"baton.dev/tray-failures": earlier}}})
-    failing = core.read_namespaced_pod_status("dsv4-cell-0-decode-2", namespace)
-    assert failing.status is not None  # it was Running
-    failing.status.phase = "Failed"
-    core.replace_namespaced_pod_status("dsv4-cell-0-decode-2", namespace, failing)
+    record_tray_failures(api, tray, 2)
+    fail_pod(api, namespace, "dsv4-cell-0-decode-2")
 
     def quarantined() -> bool:
         meta = core.read_node(tray).metadata

@@ -55,6 +55,17 @@ def head(path: str = "/v1/chat/completions", length: int = len(CHAT), **extra: s
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
+def leave_after_a_second(stack: Stack, body: dict[str, object]) -> None:
+    """POST a completion and hang up when no answer has come within a second."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{stack.gateway.url}/v1/completions",
+            json=body,
+            headers={"Authorization": "Bearer k"},
+            timeout=httpx.Timeout(30, read=1),
+        )
+
+
 def test_a_huge_header_is_refused_with_431_and_the_gateway_keeps_serving(stack: Stack) -> None:
     answer = raw(stack, head(X_Padding="x" * (4 * 1024 * 1024)) + CHAT)
     assert answer.startswith(b"HTTP/1.1 431 ")
@@ -118,13 +129,7 @@ def test_a_client_gone_during_prefill_aborts_prefill_and_decode_never_starts(
     # A long prompt on a stalled prefill engine: the request waits in its prefill leg.
     stack.fault(stack.prefill[0], action="stall", seconds=60)
     body = {"model": MODEL, "prompt": LONG, "max_tokens": 50, "stream": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{stack.gateway.url}/v1/completions",
-            json=body,
-            headers={"Authorization": "Bearer k"},
-            timeout=httpx.Timeout(30, read=1),
-        )
+    leave_after_a_second(stack, body)
     eventually(
         lambda: (
             stack.gateway_metric("baton_gateway_requests_total", outcome="client_disconnect") == 1
@@ -138,13 +143,7 @@ def test_a_client_gone_during_prefill_aborts_prefill_and_decode_never_starts(
 
 def test_a_client_gone_from_a_non_streamed_request_aborts_its_decode(stack: Stack) -> None:
     body = {"model": MODEL, "prompt": "go on", "max_tokens": 100_000, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{stack.gateway.url}/v1/completions",
-            json=body,
-            headers={"Authorization": "Bearer k"},
-            timeout=httpx.Timeout(30, read=1),
-        )
+    leave_after_a_second(stack, body)
     eventually(
         lambda: (
             scrape(stack.decode.url, "vllm:request_success_total", finished_reason="abort") == 1

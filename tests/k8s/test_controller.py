@@ -4,14 +4,17 @@ whole cell, capacity problems, gang recovery of the decode group, prefill scalin
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
 from kubernetes import client
 
-from controller.observe import rfc3339
-from rigs.devcluster import mark_tray_not_ready, patch_model_deployment_spec
+from rigs.devcluster import (
+    fail_pod,
+    mark_tray_not_ready,
+    patch_model_deployment_spec,
+    record_tray_failures,
+)
 from rigs.processes import eventually
 from tests.k8s.helpers import (
     apply,
@@ -237,13 +240,8 @@ def test_a_tray_whose_pods_keep_failing_is_quarantined_and_its_group_moves(
     core = client.CoreV1Api(api)
     # Two earlier failures on record, within the last day; the engine on this tray now fails a
     # third time.
-    hour_ago = datetime.now(UTC) - timedelta(hours=1)
-    earlier = ",".join(rfc3339(hour_ago + timedelta(minutes=m)) for m in (0, 5))
-    core.patch_node(tray, {"metadata": {"annotations": {"baton.dev/tray-failures": earlier}}})
-    failing = core.read_namespaced_pod_status("dsv4-cell-0-decode-2", namespace)
-    assert failing.status is not None  # it was Running
-    failing.status.phase = "Failed"
-    core.replace_namespaced_pod_status("dsv4-cell-0-decode-2", namespace, failing)
+    earlier = record_tray_failures(api, tray, 2)
+    fail_pod(api, namespace, "dsv4-cell-0-decode-2")
 
     def quarantined_and_moved() -> bool:
         annotations = annotations_of(core.read_node(tray))

@@ -45,6 +45,7 @@ from rigs.devcluster import (
     ControlPlane,
     add_cpu_nodes,
     binaries_dir,
+    fail_pod,
     install_crd,
     patch_model_deployment_spec,
     remove_nodes,
@@ -271,15 +272,6 @@ def granted(release: list[dict], account: str) -> set[tuple[str, str, str]]:
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
-
-
-def fail_pod(api: client.ApiClient, namespace: str, name: str) -> None:
-    """The pod's engine exits for good: phase Failed, as a kubelet reports it."""
-    core = client.CoreV1Api(api)
-    failing = core.read_namespaced_pod_status(name, namespace)
-    assert failing.status is not None  # it was Running
-    failing.status.phase = "Failed"
-    core.replace_namespaced_pod_status(name, namespace, failing)
 
 
 def test_the_controllers_rbac_is_exactly_what_it_does_running_a_deployment_through_its_life(

@@ -33,8 +33,7 @@ from rigs.observability import (
     drill,
     start_prometheus,
 )
-from rigs.processes import eventually, free_port, stop_process
-from tests.helpers import scrape
+from rigs.processes import free_port, stop_process
 from tests.k8s.helpers import MODEL, controller_log, start_controller
 
 # What Grafana puts for its variables; five minutes spans the whole drill.
@@ -121,18 +120,7 @@ def observed(
                 prometheus.wait_for(series)
             controller_drill(api, namespace, MODEL)
             statuses = drill(stack)
-            # Prometheus has scraped the gateway's final counts, and evaluated the rules since.
-            served = scrape(stack.gateway, "baton_gateway_requests_total")
-            eventually(
-                lambda: (
-                    [
-                        float(s["value"][1])
-                        for s in prometheus.query("sum(baton_gateway_requests_total)")
-                    ]
-                    == [served]
-                ),
-                timeout=30,
-            )
+            prometheus.wait_caught_up(stack.gateway)
             yield Observed(prometheus, stack, statuses, f"http://127.0.0.1:{metrics}/metrics")
     finally:
         stop_process(controller)
