@@ -1,7 +1,8 @@
 """``baton bench NAME``: run a benchmark, print its table and save its JSON.
 
-Each benchmark is a module in ``bench/`` with ``run(args) -> dict``; results go to
-``bench/results/<name>.json`` unless ``--out`` says otherwise.
+Each benchmark is a module in ``bench/`` with ``run(quick) -> dict``; results go to
+``bench/results/<name>.json`` unless ``--out`` says otherwise. A benchmark with options of its
+own (``add_arguments(parser)``) takes them when run by name, and gets them as ``run(quick, args)``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ BENCHMARKS = {
     "eplb": "bench.eplb",
     "controller": "bench.controller",
     "observability": "bench.observability",
+    "agentx": "bench.agentx",
 }
 
 
@@ -35,12 +37,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="directory for the JSON results (default: bench/results)",
     )
     parser.add_argument("--quick", action="store_true", help="a shorter run, for smoke tests")
-    args = parser.parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in arguments if a in BENCHMARKS), None)
+    own = importlib.import_module(BENCHMARKS[chosen]) if chosen else None
+    if own is not None and hasattr(own, "add_arguments"):
+        own.add_arguments(parser)
+    args = parser.parse_args(arguments)
     names = list(BENCHMARKS) if args.name == "all" else [args.name]
     args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
         module = importlib.import_module(BENCHMARKS[name])
-        result = module.run(quick=args.quick)
+        if module is own and hasattr(module, "add_arguments"):
+            result = module.run(quick=args.quick, args=args)
+        else:
+            result = module.run(quick=args.quick)
         path = args.out / f"{name}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"saved {path}", file=sys.stderr)

@@ -6,8 +6,9 @@ long the step takes (the slowest rank sets the pace, MoE time follows expert bal
 that long in simulated time, then applies the step (tokens emitted, prompts advanced).
 
 Time: simulated seconds = wall seconds / ``time_scale``. Every figure the engine reports
-(metrics, usage timings) is in simulated seconds. If the host falls behind, steps stretch and
-``overruns`` counts it.
+(metrics, usage timings) is in simulated seconds. If the host falls behind, steps stretch:
+``overruns`` counts the steps that ended late and ``lag_s`` adds up by how much (wall seconds),
+so a benchmark can tell whether the simulator kept its timeline.
 """
 
 from __future__ import annotations
@@ -261,7 +262,9 @@ class DPGroup:
             rank: DPRank(rank, config, random.Random(config.seed * 1_000 + rank)) for rank in ranks
         }
         self.moe = MoERuntime(config) if config.enable_expert_parallel else None
+        self.steps = 0
         self.overruns = 0
+        self.lag_s = 0.0
         self.dead = False
         self.last_step: StepTime | None = None
         self.on_finished: list[Callable[[SimRequest], None]] = []
@@ -410,8 +413,10 @@ class DPGroup:
             start = max(start, self.clock.now() - _MAX_LAG_S)
             end = start + self.begin_step(start)
             delay = self.sim_clock.wall_deadline(end) - loop.time()
+            self.steps += 1
             if delay < 0:
                 self.overruns += 1
+                self.lag_s -= delay
             await asyncio.sleep(max(0.0, delay))
             self.end_step(end)
             start = end

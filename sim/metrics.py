@@ -141,6 +141,7 @@ class EngineCollector(Collector):
             lambda r: r.queue_time,
         )
         yield from self._nixl(ranks)
+        yield from self._timeline()
         if self.group.moe is not None:
             # The group's agent, not a rank: every API server of the group exposes the same count.
             dropped = CounterMetricFamily(
@@ -150,6 +151,26 @@ class EngineCollector(Collector):
             )
             dropped.add_metric([name], self.group.moe.load_subscribers_dropped)
             yield dropped
+
+    def _timeline(self) -> Iterator[Metric]:
+        # The group's, not a rank's: every API server of a group shows the same counts.
+        name = self.model_name
+        for metric, doc, value in (
+            ("baton:sim_steps", "Engine steps the simulated DP group ran.", self.group.steps),
+            (
+                "baton:sim_late_steps",
+                "Steps that ended after their modelled end: the host fell behind.",
+                self.group.overruns,
+            ),
+            (
+                "baton:sim_lag_seconds",
+                "Wall seconds by which late steps ended late, summed.",
+                self.group.lag_s,
+            ),
+        ):
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([name], value)
+            yield family
 
     def _nixl(self, ranks: list[tuple[str, DPRank]]) -> Iterator[Metric]:
         name = self.model_name

@@ -1,0 +1,52 @@
+"""``baton bench agentx`` end to end: a fresh simulated rack per router, the real routers in
+front of it, the sessions through them, and the figures saved."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_every_router_serves_the_same_sessions_and_affinity_keeps_the_cache(
+    tmp_path: Path,
+) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "baton.cli",
+        "bench",
+        "agentx",
+        "--quick",
+        "--concurrency",
+        "4",
+        "--warmup",
+        "1",
+        "--duration",
+        "6",
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "agentx.json").read_text())
+    points = {p["router"]: p for p in result["points"]}
+    assert set(points) == {"baton", "vllm-router", "round-robin"}
+    for point in points.values():
+        assert point["requests"] > 0 and point["errors"] == 0, point
+        assert point["gpus"] == 68  # 18 DEP2 prefill instances and a DEP32 decode group
+        assert point["tokens_per_s_per_gpu"] > point["output_per_s_per_gpu"] > 0
+    # Round robin scatters each session's turns over 18 prefill instances; Baton's affinity
+    # sends them back to the one holding their prefix.
+    assert (
+        points["baton"]["prefix_reuse_achieved"]
+        > 2 * points["round-robin"]["prefix_reuse_achieved"]
+    )
+    assert "| baton | 4 |" in done.stdout and "Baton / vllm-router" in done.stdout

@@ -1,0 +1,92 @@
+"""``baton bench agentx``'s figures, as AgentX defines them, from known records."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.agentx import Record, compare, summarize
+from bench.workload import Request, lane_sessions
+
+
+def _record(start: float, first: float, end: float, prompt: int, output: int) -> Record:
+    return Record("s", 1, False, 0, start, first, end, prompt, output)
+
+
+def test_figures_follow_the_agentx_definitions_in_simulated_time() -> None:
+    # Wall seconds at time scale 2: every figure halves them.
+    records = [
+        _record(0.0, 0.2, 2.2, 1000, 101),  # ITL (2.2 - 0.2) / 100 / 2 = 10 ms
+        _record(1.0, 1.4, 5.4, 3000, 201),  # ITL 4.0 / 200 / 2 = 10 ms
+        _record(2.0, 2.2, 2.4, 500, 11),  # ITL 0.2 / 10 / 2 = 10 ms
+    ]
+    session = next(lane_sessions(1, 0))
+    figures = summarize(
+        records,
+        [Request(session, 0)],
+        time_scale=2.0,
+        warmup_s=0.0,
+        gpus=4,
+        computed_prompt_tokens=900.0,
+        usd_per_gpu_hour=3.6,
+    )
+    assert figures["duration_s"] == pytest.approx(2.7)  # (5.4 - 0.0) / 2
+    total = 1000 + 3000 + 500 + 101 + 201 + 11
+    assert figures["tokens_per_s_per_gpu"] == pytest.approx(total / 2.7 / 4)
+    assert figures["output_per_s_per_gpu"] == pytest.approx(313 / 2.7 / 4)
+    assert figures["p90_tokens_per_s_per_user"] == pytest.approx(100.0)  # 1 / 10 ms
+    # TTFTs 0.2, 0.4, 0.2 s wall: 100, 200, 100 ms; nearest-rank percentiles
+    assert figures["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert figures["ttft_ms"]["p99"] == pytest.approx(200.0)
+    assert figures["prefix_reuse_achieved"] == pytest.approx(1 - 900 / 4500)
+    cached = figures["cached_input_per_s_per_gpu"] + figures["uncached_input_per_s_per_gpu"]
+    assert cached == pytest.approx(4500 / 2.7 / 4)
+    # $/M tokens = $/GPU-hour / (tokens/s/GPU x 3600 / 1e6)
+    per_gpu = figures["tokens_per_s_per_gpu"]
+    assert figures["usd_per_million_tokens"] == pytest.approx(3.6 / (per_gpu * 3600 / 1e6))
+
+
+def test_warmups_errors_and_requests_before_the_window_are_not_measured() -> None:
+    warm = Record("s", 0, True, 0, 5.0, 5.1, 5.2, 900, 1)
+    early = _record(0.5, 0.6, 1.6, 100, 11)
+    failed = Record("s", 2, False, 0, 6.0, error="HTTP 503")
+    kept = _record(4.0, 4.1, 5.1, 100, 11)
+    figures = summarize(
+        [warm, early, failed, kept],
+        [],
+        time_scale=1.0,
+        warmup_s=2.0,
+        gpus=None,
+        computed_prompt_tokens=None,
+        usd_per_gpu_hour=1.0,
+    )
+    assert figures["requests"] == 1 and figures["errors"] == 1
+    assert figures["error_kinds"] == ["HTTP 503"]
+    assert figures["duration_s"] == pytest.approx(1.1)
+    assert "tokens_per_s_per_gpu" not in figures  # no GPU count, no per-GPU figure
+    assert figures["prefix_reuse_achieved"] is None  # nobody reported cached tokens
+
+
+def test_baton_is_compared_at_each_concurrency_as_ratios() -> None:
+    def point(router: str, rate: float, user: float) -> dict[str, object]:
+        return {
+            "router": router,
+            "concurrency": 8,
+            "tokens_per_s_per_gpu": rate,
+            "p90_tokens_per_s_per_user": user,
+            "prefix_reuse_achieved": 0.9,
+            "prefix_reuse_theoretical": 0.96,
+        }
+
+    rows = compare([point("baton", 1200.0, 100.0), point("vllm-router", 1000.0, 80.0)])
+    assert rows == [
+        {
+            "concurrency": 8,
+            "against": "vllm-router",
+            "throughput_per_gpu_ratio": pytest.approx(1.2),
+            "p90_per_user_ratio": pytest.approx(1.25),
+            "baton_reuse_of_theoretical": pytest.approx(0.9 / 0.96),
+        }
+    ]
+    assert not math.isnan(rows[0]["throughput_per_gpu_ratio"])
