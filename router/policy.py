@@ -12,8 +12,14 @@ choice, so routing state never has to be shared between them.
    A completion prompt is keyed on its first :data:`PROMPT_KEY_BYTES` bytes.
 2. Rendezvous hashing of the key over healthy instances ranks them; the top two are the
    candidates (power of two choices).
-3. Load bound. The first candidate wins unless its outstanding uncached prompt tokens exceed the
-   second's by more than ``imbalance_tokens``; a hot session then spills over instead of queueing.
+3. Load bound, in uncached prompt tokens: what the engines will compute, since a prompt's
+   cached prefix costs an instance next to nothing (an agentic turn resends its whole history,
+   nearly all of it cached where the session's last turn ran). A candidate's load with the
+   request is its outstanding uncached tokens plus the request's uncached tokens there (its
+   estimated prompt tokens less what its key holds cached there: the whole prompt on any other
+   instance). The first candidate wins unless its load exceeds the second's by more than
+   ``imbalance_tokens``; a hot session then spills over instead of queueing. (``least_loaded``
+   takes the lowest such load of all, whatever the key.)
 
 **Decode** (one DP rank of the cell's decode group): the fewest in-flight requests among the
 cell's healthy ranks (request count is enough: the DeepSeek-V4.1-Flash GB300 study found decode
@@ -54,6 +60,7 @@ __all__ = [
     "choose_prefill",
     "estimate_prompt_tokens",
     "needs_prefill",
+    "uncached_tokens",
 ]
 
 # Session headers sent by agent harnesses and routers, in priority order: the generic names, then
@@ -76,7 +83,9 @@ class PrefillView:
     name: str  # stable identity: the instance's URL
     cell: str
     healthy: bool
-    outstanding_tokens: int  # uncached prompt tokens this gateway has in flight there
+    # uncached prompt tokens in flight there: this gateway's, plus other replicas' as estimated
+    outstanding_tokens: int
+    cached_tokens: int  # prompt tokens the request's affinity key holds cached there
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +102,7 @@ class DecodeRankView:
 class PrefillChoice:
     view: PrefillView
     spilled: bool  # the affinity choice was too loaded; the second choice took the request
+    uncached_tokens: int  # the request's estimate there: what it adds to the outstanding tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +192,12 @@ def needs_prefill(uncached_tokens: int, policy: RoutingPolicy) -> bool:
     return uncached_tokens >= policy.pd_threshold_tokens
 
 
+def uncached_tokens(view: PrefillView, prompt_tokens: int) -> int:
+    """The request's prompt tokens ``view``'s instance would compute: those its key has not
+    cached there."""
+    return max(0, prompt_tokens - view.cached_tokens)
+
+
 def _score(key: bytes, name: str) -> bytes:
     return _digest(key, name.encode())
 
@@ -193,10 +209,12 @@ def _ranked(key: bytes, names: Iterable[str]) -> list[str]:
 def choose_prefill(
     snapshot: PoolSnapshot,
     key: AffinityKey,
+    prompt_tokens: int,
     policy: RoutingPolicy,
     exclude: Sequence[str] = (),
 ) -> PrefillChoice | None:
-    """The prefill instance for ``key``, or None when no cell can take the request."""
+    """The prefill instance for ``key``'s request of ``prompt_tokens`` (estimated), or None when
+    no cell can take it."""
     serving_cells = {rank.cell for rank in snapshot.decode if rank.healthy}
     candidates = {
         view.name: view
@@ -205,16 +223,18 @@ def choose_prefill(
     }
     if not candidates:
         return None
-    ranked = _ranked(key.digest, candidates)
+    ranked = [candidates[name] for name in _ranked(key.digest, candidates)]
+
+    def load(view: PrefillView) -> int:  # the instance's uncached tokens with this request
+        return view.outstanding_tokens + uncached_tokens(view, prompt_tokens)
+
     if policy.prefill is PrefillPolicy.LEAST_LOADED:
-        view = min((candidates[name] for name in ranked), key=lambda v: v.outstanding_tokens)
-        return PrefillChoice(view, spilled=view.name != ranked[0])
-    first = candidates[ranked[0]]
-    if len(ranked) > 1:
-        second = candidates[ranked[1]]
-        if first.outstanding_tokens > second.outstanding_tokens + policy.imbalance_tokens:
-            return PrefillChoice(second, spilled=True)
-    return PrefillChoice(first, spilled=False)
+        view = min(ranked, key=load)
+    elif len(ranked) > 1 and load(ranked[0]) > load(ranked[1]) + policy.imbalance_tokens:
+        view = ranked[1]
+    else:
+        view = ranked[0]
+    return PrefillChoice(view, view is not ranked[0], uncached_tokens(view, prompt_tokens))
 
 
 def choose_decode_rank(
