@@ -47,12 +47,15 @@ from router.policy import (
     DecodeRankView,
     PrefillChoice,
     PrefillView,
+    PromptPrefix,
     RoutingPolicy,
     affinity_key,
     choose_decode_rank,
     choose_prefill,
     estimate_prompt_tokens,
     needs_prefill,
+    prompt_bytes,
+    prompt_prefix,
 )
 from router.pool import Pool
 from router.relay import DecodeRelay, Timing
@@ -105,6 +108,7 @@ class _Request:
     raw: bytes  # the client's exact bytes: what decode receives
     request_id: str
     key: AffinityKey
+    prompt: PromptPrefix  # what its prefill leaves cached
     timing: Timing
 
     @property
@@ -144,11 +148,13 @@ class Handoff:
         """Run the P/D sequence for one validated request body (``raw`` is its exact bytes)."""
         timing = Timing(started=time.perf_counter())
         key = affinity_key(headers, body, request_id)
-        request = _Request(route, body, raw, request_id, key, timing)
+        prompt = prompt_bytes(body)
+        request = _Request(route, body, raw, request_id, key, prompt_prefix(prompt), timing)
         prompt_tokens = estimate_prompt_tokens(body)
         choice = None
         if needs_prefill(prompt_tokens, self.policy):
-            choice = choose_prefill(self.pool.snapshot(key), key, prompt_tokens, self.policy)
+            snapshot = self.pool.snapshot(key, prompt)
+            choice = choose_prefill(snapshot, key, prompt_tokens, self.policy)
             if choice is not None:
                 self.metrics.child(
                     self.metrics.affinity, key.source.value, "miss" if choice.spilled else "hit"
@@ -208,7 +214,7 @@ class Handoff:
         if isinstance(prompt, int):
             # the prompt's KV stays in the instance's prefix cache (the decode output never
             # reaches it), whether or not decode can pull it
-            self.pool.prefix_cached(request.key, target.name, prompt)
+            self.pool.prefix_cached(request.key, target.name, prompt, request.prompt)
             if isinstance(cached, int):
                 self.metrics.cached_tokens.inc(cached)
                 self.metrics.uncached_tokens.inc(prompt - cached)

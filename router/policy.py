@@ -15,11 +15,12 @@ choice, so routing state never has to be shared between them.
 3. Load bound, in uncached prompt tokens: what the engines will compute, since a prompt's
    cached prefix costs an instance next to nothing (an agentic turn resends its whole history,
    nearly all of it cached where the session's last turn ran). A candidate's load with the
-   request is its outstanding uncached tokens plus the request's uncached tokens there (its
-   estimated prompt tokens less what its key holds cached there: the whole prompt on any other
-   instance). The first candidate wins unless its load exceeds the second's by more than
-   ``imbalance_tokens``; a hot session then spills over instead of queueing. (``least_loaded``
-   takes the lowest such load of all, whatever the key.)
+   request is its outstanding uncached tokens plus the request's uncached tokens there: its
+   estimated prompt tokens less what its key holds cached there, when the request continues the
+   prompt cached (:func:`continues`); the whole prompt on any other instance. The first
+   candidate wins unless its load exceeds the second's by more than ``imbalance_tokens``; a hot
+   session then spills over instead of queueing. (``least_loaded`` takes the lowest such load
+   of all, whatever the key.)
 
 **Decode** (one DP rank of the cell's decode group): the fewest in-flight requests among the
 cell's healthy ranks (request count is enough: the DeepSeek-V4.1-Flash GB300 study found decode
@@ -45,6 +46,7 @@ import orjson
 from baton.core.model import BYTES_PER_TOKEN
 
 __all__ = [
+    "PREFIX_SAMPLE_BYTES",
     "PROMPT_KEY_BYTES",
     "SESSION_HEADERS",
     "AffinityKey",
@@ -54,12 +56,16 @@ __all__ = [
     "PrefillChoice",
     "PrefillPolicy",
     "PrefillView",
+    "PromptPrefix",
     "RoutingPolicy",
     "affinity_key",
     "choose_decode_rank",
     "choose_prefill",
+    "continues",
     "estimate_prompt_tokens",
     "needs_prefill",
+    "prompt_bytes",
+    "prompt_prefix",
     "uncached_tokens",
 ]
 
@@ -76,6 +82,11 @@ SESSION_HEADERS = (
     "x-correlation-id",
 )
 PROMPT_KEY_BYTES = 4096
+# A prompt is taken to continue a cached one when it has the same length of bytes at the same
+# start and end: comparing both ends finds a different prompt under the same key (another
+# conversation of one user, completions sharing a head) without hashing a 200K-token history
+# on every request.
+PREFIX_SAMPLE_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +196,38 @@ def estimate_prompt_tokens(body: Mapping[str, object]) -> int:
     if isinstance(messages, list):
         return len(orjson.dumps(messages)) // BYTES_PER_TOKEN + 1
     return 0
+
+
+def prompt_bytes(body: Mapping[str, object]) -> bytes:
+    """The prompt as bytes that a later prompt continuing it starts with: the JSON of its
+    messages (or prompt) left open, a text without its closing quote, a list with a comma for its
+    closing bracket (so that ``[1,2,3`` is not taken to start ``[1,2,30]``); empty for neither."""
+    prompt = body.get("messages", body.get("prompt"))
+    if isinstance(prompt, str):
+        return orjson.dumps(prompt)[:-1]
+    if isinstance(prompt, list):
+        return orjson.dumps(prompt)[:-1] + b","
+    return b""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPrefix:
+    """A prompt's first ``length`` bytes, told apart by their ends (:data:`PREFIX_SAMPLE_BYTES`)."""
+
+    length: int
+    digest: bytes
+
+
+def prompt_prefix(text: bytes, length: int | None = None) -> PromptPrefix:
+    """The prefix of ``text`` of ``length`` bytes (all of it by default)."""
+    length = len(text) if length is None else length
+    head = text[: min(length, PREFIX_SAMPLE_BYTES)]
+    return PromptPrefix(length, _digest(head, text[max(0, length - PREFIX_SAMPLE_BYTES) : length]))
+
+
+def continues(text: bytes, prefix: PromptPrefix) -> bool:
+    """Whether the prompt ``text`` starts with the (non-empty) ``prefix``."""
+    return 0 < prefix.length <= len(text) and prompt_prefix(text, prefix.length) == prefix
 
 
 def needs_prefill(uncached_tokens: int, policy: RoutingPolicy) -> bool:

@@ -29,7 +29,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from baton.core.files import load_yaml_model
-from router.policy import AffinityKey, DecodeRankView, PoolSnapshot, PrefillView
+from router.policy import (
+    AffinityKey,
+    DecodeRankView,
+    PoolSnapshot,
+    PrefillView,
+    PromptPrefix,
+    continues,
+)
 
 __all__ = [
     "CACHED_KEYS",
@@ -51,7 +58,7 @@ log = logging.getLogger("baton.gateway.pool")
 # compute.
 ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 # Affinity keys whose cached prompt tokens the pool remembers: the most recently prefilled, in
-# about 25 MB. A DEP2 prefill instance caches about 135M tokens (2 GPUs, 60 GB of KV each at 890
+# under 40 MB. A DEP2 prefill instance caches about 135M tokens (2 GPUs, 60 GB of KV each at 890
 # bytes a token), a thousand or so agentic sessions of 100K tokens, so 100K keys cover what the
 # prefill instances of several racks can hold; an older key has mostly lost its KV to the
 # engines' own LRU, and counting its prompt whole is then the truth.
@@ -209,8 +216,9 @@ class Pool:
         self.stall_after_s = stall_after_s
         self._new_breaker = breaker
         self._cached_keys = cached_keys
-        # affinity key digest -> (prefill instance, prompt tokens cached there), oldest first
-        self._cached: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
+        # affinity key digest -> (prefill instance, prompt tokens cached there, that prompt),
+        # oldest first
+        self._cached: OrderedDict[bytes, tuple[str, int, PromptPrefix]] = OrderedDict()
         self._prefills = 0
         self._mean_uncached_tokens = 0.0
         self.prefill: dict[str, _Target] = {}
@@ -276,11 +284,15 @@ class Pool:
     def _target(self, name: str, url: str, cell: str) -> _Target:
         return _Target(name, url, cell, self._new_breaker())
 
-    def snapshot(self, key: AffinityKey | None = None) -> PoolSnapshot:
+    def snapshot(self, key: AffinityKey | None = None, prompt: bytes = b"") -> PoolSnapshot:
         """The targets as the policy sees them now; the prefill views carry what ``key`` holds
-        cached on each instance."""
+        cached on each instance for ``prompt`` (its ``policy.prompt_bytes``): nothing where the
+        prompt cached is not the start of this one."""
         now = time.monotonic()
-        cached_on, cached = self._cached.get(key.digest, ("", 0)) if key else ("", 0)
+        cached_on, cached = "", 0
+        entry = self._cached.get(key.digest) if key else None
+        if entry is not None and continues(prompt, entry[2]):
+            cached_on, cached = entry[0], entry[1]
         return PoolSnapshot(
             prefill=tuple(
                 PrefillView(
@@ -349,11 +361,13 @@ class Pool:
             target.in_flight -= 1
             target.outstanding_tokens -= uncached_tokens
 
-    def prefix_cached(self, key: AffinityKey, name: str, prompt_tokens: int) -> None:
-        """``key``'s prefill ran on ``name``: that instance now holds its ``prompt_tokens``
-        (the engine's count) in its prefix cache, and is the one place the key is counted as
-        cached."""
-        self._cached[key.digest] = (name, prompt_tokens)
+    def prefix_cached(
+        self, key: AffinityKey, name: str, prompt_tokens: int, prompt: PromptPrefix
+    ) -> None:
+        """``key``'s prefill of ``prompt`` ran on ``name``: that instance now holds its
+        ``prompt_tokens`` (the engine's count) in its prefix cache, and is the one place the key
+        is counted as cached."""
+        self._cached[key.digest] = (name, prompt_tokens, prompt)
         self._cached.move_to_end(key.digest)
         if len(self._cached) > self._cached_keys:
             self._cached.popitem(last=False)

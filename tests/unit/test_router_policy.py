@@ -11,6 +11,7 @@ import pytest
 
 from baton.core.model import BYTES_PER_TOKEN
 from router.policy import (
+    PREFIX_SAMPLE_BYTES,
     PROMPT_KEY_BYTES,
     SESSION_HEADERS,
     AffinityKey,
@@ -19,12 +20,16 @@ from router.policy import (
     PoolSnapshot,
     PrefillPolicy,
     PrefillView,
+    PromptPrefix,
     RoutingPolicy,
     affinity_key,
     choose_decode_rank,
     choose_prefill,
+    continues,
     estimate_prompt_tokens,
     needs_prefill,
+    prompt_bytes,
+    prompt_prefix,
     uncached_tokens,
 )
 
@@ -343,6 +348,50 @@ def test_uncached_tokens_are_never_negative() -> None:
     assert uncached_tokens(prefill("http://p0", cached=2_100), 2_000) == 0
     assert uncached_tokens(prefill("http://p0", cached=1_500), 2_000) == 500
     assert uncached_tokens(prefill("http://p0"), 2_000) == 2_000
+
+
+# ---- whether a prompt continues the one its key has cached
+
+
+def cached_prefix(body: dict[str, object]) -> PromptPrefix:
+    return prompt_prefix(prompt_bytes(body))
+
+
+def test_a_conversations_next_turn_continues_its_cached_prompt() -> None:
+    first = [SYSTEM, user("fix the bug in pool.py " * 500)]
+    second = [*first, assistant("done"), user("now add a test")]
+    assert continues(prompt_bytes({"messages": second}), cached_prefix({"messages": first}))
+    assert continues(prompt_bytes({"messages": first}), cached_prefix({"messages": first}))
+    # the earlier turn does not continue the later one
+    assert not continues(prompt_bytes({"messages": first}), cached_prefix({"messages": second}))
+
+
+def test_an_edited_history_or_another_conversation_does_not_continue_it() -> None:
+    first = [SYSTEM, user("fix the bug in pool.py"), assistant("done")]
+    edited = [SYSTEM, user("fix the bug in app.py"), assistant("done"), user("and test it")]
+    other = [SYSTEM, user("write the docs"), assistant("done"), user("and test them")]
+    for later in (edited, other):
+        assert not continues(prompt_bytes({"messages": later}), cached_prefix({"messages": first}))
+
+
+def test_completions_sharing_a_long_head_do_not_continue_each_other() -> None:
+    head = "x" * 3 * PREFIX_SAMPLE_BYTES  # the same key (PROMPT_KEY_BYTES) for both
+    one, two = head + "question one " * 100, head + "question two " * 100
+    assert affinity_key({}, {"prompt": one}, "r") == affinity_key({}, {"prompt": two}, "r")
+    assert not continues(prompt_bytes({"prompt": two}), cached_prefix({"prompt": one}))
+    assert continues(prompt_bytes({"prompt": one + " more"}), cached_prefix({"prompt": one}))
+
+
+def test_token_prompts_continue_by_their_ids() -> None:
+    cached = cached_prefix({"prompt": [1, 2, 3]})
+    assert continues(prompt_bytes({"prompt": [1, 2, 3, 4]}), cached)
+    assert not continues(prompt_bytes({"prompt": [1, 2, 30]}), cached)
+    assert not continues(prompt_bytes({"prompt": [1, 2]}), cached)
+
+
+def test_nothing_continues_an_empty_prompt() -> None:
+    assert prompt_bytes({}) == b""
+    assert not continues(prompt_bytes({"prompt": "anything"}), prompt_prefix(b""))
 
 
 # ---- choose_decode_rank

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from router.policy import AffinityKey, RoutingPolicy, affinity_key, choose_prefill
+from router.policy import (
+    AffinityKey,
+    RoutingPolicy,
+    affinity_key,
+    choose_prefill,
+    prompt_bytes,
+    prompt_prefix,
+)
 from router.pool import (
     Breaker,
     DecodeServerSpec,
@@ -209,6 +216,17 @@ def two_instances() -> Pool:
     return Pool(spec(("c0", (P0, P1), (ranks(D0, 0),))), probe_interval_s=2.0)
 
 
+def conversation(*contents: str) -> bytes:
+    """A chat prompt's bytes (``policy.prompt_bytes``): user and assistant messages in turn."""
+    roles = ("user", "assistant")
+    messages = [{"role": roles[i % 2], "content": text} for i, text in enumerate(contents)]
+    return prompt_bytes({"messages": messages})
+
+
+def cached(p: Pool, k: AffinityKey, prompt: bytes) -> dict[str, int]:
+    return {v.name: v.cached_tokens for v in p.snapshot(k, prompt).prefill}
+
+
 def test_a_cached_turn_in_flight_counts_its_uncached_tokens_and_keeps_the_next_session() -> None:
     """The agentic case end to end: a session with 195K tokens cached on its instance sends a
     200K-token turn; while it runs, a second session keyed to the same instance, with 60K of
@@ -216,13 +234,15 @@ def test_a_cached_turn_in_flight_counts_its_uncached_tokens_and_keeps_the_next_s
     on the instance and spilled the second session off its cache; counted uncached, both stay."""
     p = two_instances()
     first, second = keyed_to(p, P0, 2)
-    p.prefix_cached(first, P0, 195_000)
-    p.prefix_cached(second, P0, 60_000)
-    turn = choose_prefill(p.snapshot(first), first, 200_000, RoutingPolicy())
+    p.prefix_cached(first, P0, 195_000, prompt_prefix(conversation("first task")))
+    p.prefix_cached(second, P0, 60_000, prompt_prefix(conversation("second task")))
+    prompt = conversation("first task", "done", "next")
+    turn = choose_prefill(p.snapshot(first, prompt), first, 200_000, RoutingPolicy())
     assert turn is not None and turn.view.name == P0 and turn.uncached_tokens == 5_000
     p.begin_prefill(P0, turn.uncached_tokens)
     assert {v.name: v.outstanding_tokens for v in p.snapshot().prefill} == {P0: 5_000, P1: 0}
-    next_turn = choose_prefill(p.snapshot(second), second, 62_000, RoutingPolicy())
+    prompt = conversation("second task", "done", "next")
+    next_turn = choose_prefill(p.snapshot(second, prompt), second, 62_000, RoutingPolicy())
     assert next_turn is not None and next_turn.view.name == P0 and not next_turn.spilled
     assert next_turn.uncached_tokens == 2_000
 
@@ -230,27 +250,40 @@ def test_a_cached_turn_in_flight_counts_its_uncached_tokens_and_keeps_the_next_s
 def test_a_key_counts_as_cached_only_where_its_last_prefill_ran() -> None:
     p = two_instances()
     k = session("agent-7")
-    p.prefix_cached(k, P0, 10_000)
-    assert {v.name: v.cached_tokens for v in p.snapshot(k).prefill} == {P0: 10_000, P1: 0}
-    p.prefix_cached(k, P1, 12_000)  # its next turn spilled: the newest cache is there
-    assert {v.name: v.cached_tokens for v in p.snapshot(k).prefill} == {P0: 0, P1: 12_000}
+    p.prefix_cached(k, P0, 10_000, prompt_prefix(conversation("task")))
+    assert cached(p, k, conversation("task", "done", "next")) == {P0: 10_000, P1: 0}
+    # its next turn spilled: the newest cache is there
+    p.prefix_cached(k, P1, 12_000, prompt_prefix(conversation("task", "done", "next")))
+    assert cached(p, k, conversation("task", "done", "next", "ok", "go on")) == {P0: 0, P1: 12_000}
     # another key, or none, has nothing cached
-    for snap in (p.snapshot(session("other")), p.snapshot()):
-        assert {v.name: v.cached_tokens for v in snap.prefill} == {P0: 0, P1: 0}
+    assert cached(p, session("other"), conversation("task", "done", "next")) == {P0: 0, P1: 0}
+    assert {v.name: v.cached_tokens for v in p.snapshot().prefill} == {P0: 0, P1: 0}
+
+
+def test_a_key_counts_as_cached_only_for_a_prompt_continuing_the_cached_one() -> None:
+    """One key, several prompts (a user's conversations, an agent's subagents): only a prompt
+    that starts with the one cached finds it cached."""
+    p = two_instances()
+    k = affinity_key({}, {"user": "alice"}, "r")
+    p.prefix_cached(k, P0, 10_000, prompt_prefix(conversation("plan the trip")))
+    assert cached(p, k, conversation("plan the trip", "done", "book it"))[P0] == 10_000
+    assert cached(p, k, conversation("plan the trip"))[P0] == 10_000  # the same prompt again
+    assert cached(p, k, conversation("fix my code"))[P0] == 0  # another conversation
+    assert cached(p, k, conversation("plan the trip to Rome", "done"))[P0] == 0  # edited
+    assert cached(p, k, b"")[P0] == 0
 
 
 def test_the_pool_remembers_only_the_most_recently_prefilled_keys() -> None:
     p = Pool(spec(("c0", (P0, P1), (ranks(D0, 0),))), probe_interval_s=2.0, cached_keys=2)
     one, two, three = session("one"), session("two"), session("three")
-    p.prefix_cached(one, P0, 100)
-    p.prefix_cached(two, P0, 200)
-    p.prefix_cached(one, P0, 150)  # prefilled again: the newest now
-    p.prefix_cached(three, P1, 300)  # over the bound: the oldest, two, is forgotten
-
-    def cached(k: AffinityKey) -> int:
-        return sum(v.cached_tokens for v in p.snapshot(k).prefill)
-
-    assert (cached(one), cached(two), cached(three)) == (150, 0, 300)
+    prompt = conversation("task")
+    p.prefix_cached(one, P0, 100, prompt_prefix(prompt))
+    p.prefix_cached(two, P0, 200, prompt_prefix(prompt))
+    p.prefix_cached(one, P0, 150, prompt_prefix(prompt))  # prefilled again: the newest now
+    # over the bound: the oldest, two, is forgotten
+    p.prefix_cached(three, P1, 300, prompt_prefix(prompt))
+    totals = [sum(cached(p, k, prompt).values()) for k in (one, two, three)]
+    assert totals == [150, 0, 300]
 
 
 def engine_metrics(requests: dict[str, tuple[int, int]]) -> str:
