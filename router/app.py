@@ -399,12 +399,15 @@ class _Api:
         # rebuilt per scrape, so targets that left the pool leave the gauges too
         metrics.in_flight.clear()
         metrics.peer_in_flight.clear()
+        metrics.peer_outstanding_tokens.clear()
         metrics.healthy_targets.clear()
         for name, count in pool.in_flight().items():
             role = "prefill" if name in pool.prefill else "decode"
             metrics.in_flight.labels(role, name).set(count)
         for name, count in pool.peer_in_flight().items():
             metrics.peer_in_flight.labels(name).set(count)
+        for name, tokens in pool.peer_outstanding_tokens().items():
+            metrics.peer_outstanding_tokens.labels(name).set(tokens)
         for (role, cell), count in pool.healthy_targets().items():
             metrics.healthy_targets.labels(role, cell).set(count)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,7 +1,9 @@
 """The P/D sequence for one request, as vLLM's NIXL connector expects it, with its fallbacks.
 
 1. Choose a prefill instance (``policy.choose_prefill``) unless the P/D decider sends the prompt
-   straight to decode.
+   straight to decode. While the prefill runs, the request's uncached tokens there count as
+   outstanding on the instance; once it answers, the instance holds the prompt
+   (``usage.prompt_tokens``) cached for the request's affinity key.
 2. Prefill: the client's body with ``max_tokens=1`` (and ``max_completion_tokens=1`` when
    present), ``stream=false``, ``stream_options`` and ``min_tokens`` removed and
    ``kv_transfer_params={"do_remote_decode": true, ...}``, under the request's ``X-Request-Id``.
@@ -43,13 +45,17 @@ from router.metrics import GatewayMetrics
 from router.policy import (
     AffinityKey,
     DecodeRankView,
+    PrefillChoice,
     PrefillView,
+    PromptPrefix,
     RoutingPolicy,
     affinity_key,
     choose_decode_rank,
     choose_prefill,
     estimate_prompt_tokens,
     needs_prefill,
+    prompt_bytes,
+    prompt_prefix,
 )
 from router.pool import Pool
 from router.relay import DecodeRelay, Timing
@@ -102,6 +108,7 @@ class _Request:
     raw: bytes  # the client's exact bytes: what decode receives
     request_id: str
     key: AffinityKey
+    prompt: PromptPrefix  # what its prefill leaves cached
     timing: Timing
 
     @property
@@ -141,32 +148,34 @@ class Handoff:
         """Run the P/D sequence for one validated request body (``raw`` is its exact bytes)."""
         timing = Timing(started=time.perf_counter())
         key = affinity_key(headers, body, request_id)
-        request = _Request(route, body, raw, request_id, key, timing)
+        prompt = prompt_bytes(body)
+        request = _Request(route, body, raw, request_id, key, prompt_prefix(prompt), timing)
         prompt_tokens = estimate_prompt_tokens(body)
-        prefill = None
+        choice = None
         if needs_prefill(prompt_tokens, self.policy):
-            choice = choose_prefill(self.pool.snapshot(), key, self.policy)
+            snapshot = self.pool.snapshot(key, prompt)
+            choice = choose_prefill(snapshot, key, prompt_tokens, self.policy)
             if choice is not None:
-                prefill = choice.view
                 self.metrics.child(
                     self.metrics.affinity, key.source.value, "miss" if choice.spilled else "hit"
                 ).inc()
         prefilled: _Prefilled | None = None
-        if prefill is not None:
-            outcome = await self._prefill(prefill, request, prompt_tokens)
+        if choice is not None:
+            outcome = await self._prefill(choice, request)
             if isinstance(outcome, JsonReply):
                 return outcome  # prefill's 4xx, as the engine wrote it
             prefilled = outcome
         (self.metrics.pd_routes if prefilled else self.metrics.decode_only_routes).inc()
         timing.prefill_done = time.perf_counter()
-        return await self._decode(request, prefill.cell if prefill else None, prefilled)
+        return await self._decode(request, choice.view.cell if choice else None, prefilled)
 
     # ---- prefill
 
     async def _prefill(
-        self, target: PrefillView, request: _Request, tokens: int
+        self, choice: PrefillChoice, request: _Request
     ) -> _Prefilled | JsonReply | None:
-        self.pool.begin_prefill(target.name, tokens)
+        target = choice.view
+        self.pool.begin_prefill(target.name, choice.uncached_tokens)
         started = time.perf_counter()
         try:
             data, status = await self._call(
@@ -194,16 +203,21 @@ class Handoff:
             self._fall_back(target, "malformed", exc)
             return None
         finally:
-            self.pool.end_prefill(target.name, tokens)
+            self.pool.end_prefill(target.name, choice.uncached_tokens)
         self.pool.succeeded(target.name)
         self.metrics.prefill_seconds.observe(time.perf_counter() - started)
         params = reply.get("kv_transfer_params")
         usage = reply.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
-        if isinstance(cached, int) and isinstance(usage.get("prompt_tokens"), int):
-            self.metrics.cached_tokens.inc(cached)
-            self.metrics.uncached_tokens.inc(usage["prompt_tokens"] - cached)
+        prompt = usage.get("prompt_tokens")
+        if isinstance(prompt, int):
+            # the prompt's KV stays in the instance's prefix cache (the decode output never
+            # reaches it), whether or not decode can pull it
+            self.pool.prefix_cached(request.key, target.name, prompt, request.prompt)
+            if isinstance(cached, int):
+                self.metrics.cached_tokens.inc(cached)
+                self.metrics.uncached_tokens.inc(prompt - cached)
         if not isinstance(params, dict):
             log.warning(
                 "prefill %s answered without kv_transfer_params; decode prefills alone", target.name

@@ -187,6 +187,14 @@ class GatewayMetrics:
             ["target"],
             registry=r,
         )
+        self.peer_outstanding_tokens = Gauge(
+            "baton_gateway_peer_outstanding_tokens",
+            "Uncached prompt tokens other gateway replicas have in flight per prefill instance, "
+            "estimated at the last load sync: the engine's requests less this replica's, at this "
+            "replica's mean uncached tokens per prefill.",
+            ["target"],
+            registry=r,
+        )
         self.healthy_targets = Gauge(
             "baton_gateway_healthy_targets",
             "Targets this gateway would route to now (health check passed, circuit closed) per "

@@ -12,8 +12,15 @@ choice, so routing state never has to be shared between them.
    A completion prompt is keyed on its first :data:`PROMPT_KEY_BYTES` bytes.
 2. Rendezvous hashing of the key over healthy instances ranks them; the top two are the
    candidates (power of two choices).
-3. Load bound. The first candidate wins unless its outstanding uncached prompt tokens exceed the
-   second's by more than ``imbalance_tokens``; a hot session then spills over instead of queueing.
+3. Load bound, in uncached prompt tokens: what the engines will compute, since a prompt's
+   cached prefix costs an instance next to nothing (an agentic turn resends its whole history,
+   nearly all of it cached where the session's last turn ran). A candidate's load with the
+   request is its outstanding uncached tokens plus the request's uncached tokens there: its
+   estimated prompt tokens less what its key holds cached there, when the request continues the
+   prompt cached (:func:`continues`); the whole prompt on any other instance. The first
+   candidate wins unless its load exceeds the second's by more than ``imbalance_tokens``; a hot
+   session then spills over instead of queueing. (``least_loaded`` takes the lowest such load
+   of all, whatever the key.)
 
 **Decode** (one DP rank of the cell's decode group): the fewest in-flight requests among the
 cell's healthy ranks (request count is enough: the DeepSeek-V4.1-Flash GB300 study found decode
@@ -39,6 +46,7 @@ import orjson
 from baton.core.model import BYTES_PER_TOKEN
 
 __all__ = [
+    "PREFIX_SAMPLE_BYTES",
     "PROMPT_KEY_BYTES",
     "SESSION_HEADERS",
     "AffinityKey",
@@ -48,12 +56,17 @@ __all__ = [
     "PrefillChoice",
     "PrefillPolicy",
     "PrefillView",
+    "PromptPrefix",
     "RoutingPolicy",
     "affinity_key",
     "choose_decode_rank",
     "choose_prefill",
+    "continues",
     "estimate_prompt_tokens",
     "needs_prefill",
+    "prompt_bytes",
+    "prompt_prefix",
+    "uncached_tokens",
 ]
 
 # Session headers sent by agent harnesses and routers, in priority order: the generic names, then
@@ -69,6 +82,11 @@ SESSION_HEADERS = (
     "x-correlation-id",
 )
 PROMPT_KEY_BYTES = 4096
+# A prompt is taken to continue a cached one when it has the same length of bytes at the same
+# start and end: comparing both ends finds a different prompt under the same key (another
+# conversation of one user, completions sharing a head) without hashing a 200K-token history
+# on every request.
+PREFIX_SAMPLE_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +94,9 @@ class PrefillView:
     name: str  # stable identity: the instance's URL
     cell: str
     healthy: bool
-    outstanding_tokens: int  # uncached prompt tokens this gateway has in flight there
+    # uncached prompt tokens in flight there: this gateway's, plus other replicas' as estimated
+    outstanding_tokens: int
+    cached_tokens: int  # prompt tokens the request's affinity key holds cached there
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +113,7 @@ class DecodeRankView:
 class PrefillChoice:
     view: PrefillView
     spilled: bool  # the affinity choice was too loaded; the second choice took the request
+    uncached_tokens: int  # the request's estimate there: what it adds to the outstanding tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,9 +198,47 @@ def estimate_prompt_tokens(body: Mapping[str, object]) -> int:
     return 0
 
 
+def prompt_bytes(body: Mapping[str, object]) -> bytes:
+    """The prompt as bytes that a later prompt continuing it starts with: the JSON of its
+    messages (or prompt) left open, a text without its closing quote, a list with a comma for its
+    closing bracket (so that ``[1,2,3`` is not taken to start ``[1,2,30]``); empty for neither."""
+    prompt = body.get("messages", body.get("prompt"))
+    if isinstance(prompt, str):
+        return orjson.dumps(prompt)[:-1]
+    if isinstance(prompt, list):
+        return orjson.dumps(prompt)[:-1] + b","
+    return b""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPrefix:
+    """A prompt's first ``length`` bytes, told apart by their ends (:data:`PREFIX_SAMPLE_BYTES`)."""
+
+    length: int
+    digest: bytes
+
+
+def prompt_prefix(text: bytes, length: int | None = None) -> PromptPrefix:
+    """The prefix of ``text`` of ``length`` bytes (all of it by default)."""
+    length = len(text) if length is None else length
+    head = text[: min(length, PREFIX_SAMPLE_BYTES)]
+    return PromptPrefix(length, _digest(head, text[max(0, length - PREFIX_SAMPLE_BYTES) : length]))
+
+
+def continues(text: bytes, prefix: PromptPrefix) -> bool:
+    """Whether the prompt ``text`` starts with the (non-empty) ``prefix``."""
+    return 0 < prefix.length <= len(text) and prompt_prefix(text, prefix.length) == prefix
+
+
 def needs_prefill(uncached_tokens: int, policy: RoutingPolicy) -> bool:
     """The P/D decider: short uncached prompts are prefilled by the decode rank itself."""
     return uncached_tokens >= policy.pd_threshold_tokens
+
+
+def uncached_tokens(view: PrefillView, prompt_tokens: int) -> int:
+    """The request's prompt tokens ``view``'s instance would compute: those its key has not
+    cached there."""
+    return max(0, prompt_tokens - view.cached_tokens)
 
 
 def _score(key: bytes, name: str) -> bytes:
@@ -193,10 +252,12 @@ def _ranked(key: bytes, names: Iterable[str]) -> list[str]:
 def choose_prefill(
     snapshot: PoolSnapshot,
     key: AffinityKey,
+    prompt_tokens: int,
     policy: RoutingPolicy,
     exclude: Sequence[str] = (),
 ) -> PrefillChoice | None:
-    """The prefill instance for ``key``, or None when no cell can take the request."""
+    """The prefill instance for ``key``'s request of ``prompt_tokens`` (estimated), or None when
+    no cell can take it."""
     serving_cells = {rank.cell for rank in snapshot.decode if rank.healthy}
     candidates = {
         view.name: view
@@ -205,16 +266,18 @@ def choose_prefill(
     }
     if not candidates:
         return None
-    ranked = _ranked(key.digest, candidates)
+    ranked = [candidates[name] for name in _ranked(key.digest, candidates)]
+
+    def load(view: PrefillView) -> int:  # the instance's uncached tokens with this request
+        return view.outstanding_tokens + uncached_tokens(view, prompt_tokens)
+
     if policy.prefill is PrefillPolicy.LEAST_LOADED:
-        view = min((candidates[name] for name in ranked), key=lambda v: v.outstanding_tokens)
-        return PrefillChoice(view, spilled=view.name != ranked[0])
-    first = candidates[ranked[0]]
-    if len(ranked) > 1:
-        second = candidates[ranked[1]]
-        if first.outstanding_tokens > second.outstanding_tokens + policy.imbalance_tokens:
-            return PrefillChoice(second, spilled=True)
-    return PrefillChoice(first, spilled=False)
+        view = min(ranked, key=load)
+    elif len(ranked) > 1 and load(ranked[0]) > load(ranked[1]) + policy.imbalance_tokens:
+        view = ranked[1]
+    else:
+        view = ranked[0]
+    return PrefillChoice(view, view is not ranked[0], uncached_tokens(view, prompt_tokens))
 
 
 def choose_decode_rank(

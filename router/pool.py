@@ -2,8 +2,9 @@
 
 The pool owns every piece of mutable routing state: which targets are healthy (active checks of
 ``/health`` plus passive ejection by a circuit breaker), how many requests and uncached prompt
-tokens this gateway has in flight at each target, and every few seconds the decode load other
-gateway replicas put on each rank: the engines' own ``vllm:num_requests_running`` plus
+tokens this gateway has in flight at each target, where each affinity key's last prefill ran and
+how many prompt tokens that instance holds cached for it, and every few seconds the load other
+gateway replicas put on each target: the engines' own ``vllm:num_requests_running`` plus
 ``vllm:num_requests_waiting`` less this gateway's share (so several replicas converge on the same
 view while each keeps its own count exact). It hands out immutable :class:`PoolSnapshot` objects
 for the pure policy to choose over.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +29,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from baton.core.files import load_yaml_model
-from router.policy import DecodeRankView, PoolSnapshot, PrefillView
+from router.policy import (
+    AffinityKey,
+    DecodeRankView,
+    PoolSnapshot,
+    PrefillView,
+    PromptPrefix,
+    continues,
+)
 
 __all__ = [
+    "CACHED_KEYS",
     "ENGINE_LOAD_METRICS",
     "Breaker",
     "DecodeServerSpec",
@@ -43,9 +53,19 @@ __all__ = [
 
 log = logging.getLogger("baton.gateway.pool")
 
-# vLLM's per-engine gauges whose sum is the decode load a rank carries (the ``engine`` label is
-# its global DP rank).
+# vLLM's per-engine gauges whose sum is the load a rank carries (the ``engine`` label is its
+# global DP rank): requests, not tokens; vLLM exports no gauge of the prompt tokens it has yet to
+# compute.
 ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+# Affinity keys whose cached prompt tokens the pool remembers: the most recently prefilled, in
+# under 40 MB. A DEP2 prefill instance caches about 135M tokens (2 GPUs, 60 GB of KV each at 890
+# bytes a token), a thousand or so agentic sessions of 100K tokens, so 100K keys cover what the
+# prefill instances of several racks can hold; an older key has mostly lost its KV to the
+# engines' own LRU, and counting its prompt whole is then the truth.
+CACHED_KEYS = 100_000
+# This gateway's mean uncached tokens per prefill, which prices other replicas' prefills: the
+# plain mean of its first prefills, then a moving mean over about this many.
+_MEAN_PREFILLS = 1024
 # Counters that move with every step an engine makes on running requests.
 _PROGRESS_METRICS = ("vllm:prompt_tokens", "vllm:generation_tokens")
 
@@ -154,8 +174,8 @@ class _Target:
     breaker: Breaker
     up: bool = True  # the last active health check answered 200
     in_flight: int = 0  # this gateway's requests, exact
-    others: int = 0  # decode only: other replicas' requests, estimated at the last load sync
-    outstanding_tokens: int = 0
+    others: int = 0  # other replicas' requests, estimated at the last load sync
+    outstanding_tokens: int = 0  # prefill only: this gateway's uncached prompt tokens, exact
     dp_rank: int = -1  # decode only: the X-data-parallel-rank value, -1 for none
     stalled: bool = False  # decode only: its server runs requests but makes no progress
 
@@ -186,13 +206,21 @@ class Pool:
         probe_interval_s: float,
         stall_after_s: float = 30.0,
         breaker: Callable[[], Breaker] = Breaker,
+        cached_keys: int = CACHED_KEYS,
     ) -> None:
-        """``probe_interval_s``: seconds between health checks, and between decode load syncs;
+        """``probe_interval_s``: seconds between health checks, and between load syncs;
         ``stall_after_s``: seconds a decode server may run requests without counting a token
-        before it is routed around; ``breaker`` makes each target's circuit breaker."""
+        before it is routed around; ``breaker`` makes each target's circuit breaker;
+        ``cached_keys``: how many affinity keys' cached prompt tokens to remember."""
         self.probe_interval_s = probe_interval_s
         self.stall_after_s = stall_after_s
         self._new_breaker = breaker
+        self._cached_keys = cached_keys
+        # affinity key digest -> (prefill instance, prompt tokens cached there, that prompt),
+        # oldest first
+        self._cached: OrderedDict[bytes, tuple[str, int, PromptPrefix]] = OrderedDict()
+        self._prefills = 0
+        self._mean_uncached_tokens = 0.0
         self.prefill: dict[str, _Target] = {}
         self.decode: dict[str, _Target] = {}
         self._servers: dict[str, _Server] = {}
@@ -256,11 +284,24 @@ class Pool:
     def _target(self, name: str, url: str, cell: str) -> _Target:
         return _Target(name, url, cell, self._new_breaker())
 
-    def snapshot(self) -> PoolSnapshot:
+    def snapshot(self, key: AffinityKey | None = None, prompt: bytes = b"") -> PoolSnapshot:
+        """The targets as the policy sees them now; the prefill views carry what ``key`` holds
+        cached on each instance for ``prompt`` (its ``policy.prompt_bytes``): nothing where the
+        prompt cached is not the start of this one."""
         now = time.monotonic()
+        cached_on, cached = "", 0
+        entry = self._cached.get(key.digest) if key else None
+        if entry is not None and continues(prompt, entry[2]):
+            cached_on, cached = entry[0], entry[1]
         return PoolSnapshot(
             prefill=tuple(
-                PrefillView(t.name, t.cell, t.healthy(now), t.outstanding_tokens)
+                PrefillView(
+                    t.name,
+                    t.cell,
+                    t.healthy(now),
+                    t.outstanding_tokens + self._peer_tokens(t),
+                    cached if t.name == cached_on else 0,
+                )
                 for t in self.prefill.values()
             ),
             decode=tuple(
@@ -306,16 +347,30 @@ class Pool:
 
     # ---- load accounting (called by the handoff)
 
-    def begin_prefill(self, name: str, tokens: int) -> None:
+    def begin_prefill(self, name: str, uncached_tokens: int) -> None:
         target = self.prefill[name]
         target.in_flight += 1
-        target.outstanding_tokens += tokens
+        target.outstanding_tokens += uncached_tokens
+        self._prefills += 1
+        weight = min(self._prefills, _MEAN_PREFILLS)
+        self._mean_uncached_tokens += (uncached_tokens - self._mean_uncached_tokens) / weight
 
-    def end_prefill(self, name: str, tokens: int) -> None:
+    def end_prefill(self, name: str, uncached_tokens: int) -> None:
         target = self.prefill.get(name)
         if target is not None:
             target.in_flight -= 1
-            target.outstanding_tokens -= tokens
+            target.outstanding_tokens -= uncached_tokens
+
+    def prefix_cached(
+        self, key: AffinityKey, name: str, prompt_tokens: int, prompt: PromptPrefix
+    ) -> None:
+        """``key``'s prefill of ``prompt`` ran on ``name``: that instance now holds its
+        ``prompt_tokens`` (the engine's count) in its prefix cache, and is the one place the key
+        is counted as cached."""
+        self._cached[key.digest] = (name, prompt_tokens, prompt)
+        self._cached.move_to_end(key.digest)
+        if len(self._cached) > self._cached_keys:
+            self._cached.popitem(last=False)
 
     def begin_decode(self, name: str) -> None:
         self.decode[name].in_flight += 1
@@ -355,6 +410,17 @@ class Pool:
         """Requests other gateway replicas hold per decode rank, as of the last load sync."""
         return {t.name: t.others for t in self.decode.values()}
 
+    def peer_outstanding_tokens(self) -> dict[str, int]:
+        """Uncached prompt tokens other gateway replicas have in flight per prefill instance, as
+        estimated at the last load sync (see :meth:`_peer_tokens`)."""
+        return {t.name: self._peer_tokens(t) for t in self.prefill.values()}
+
+    def _peer_tokens(self, target: _Target) -> int:
+        """An estimate: the engines count requests, not the tokens left to compute, so other
+        replicas' requests on a prefill instance are priced at this gateway's mean uncached
+        tokens per prefill (none until it has run one)."""
+        return round(target.others * self._mean_uncached_tokens)
+
     # ---- background: health and load
 
     async def start(self, session: aiohttp.ClientSession) -> None:
@@ -363,7 +429,7 @@ class Pool:
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._every(self.probe_interval_s, self.check_health)),
-            loop.create_task(self._every(self.probe_interval_s, self.sync_decode_load)),
+            loop.create_task(self._every(self.probe_interval_s, self.sync_load)),
         ]
 
     async def stop(self) -> None:
@@ -420,12 +486,13 @@ class Pool:
             target.up = up
         server.up = up
 
-    async def sync_decode_load(self) -> None:
-        """Estimate the load other gateway replicas put on each decode rank from what the engines
-        report. The engines' count lags this gateway's (a request in handoff is not there yet), so
-        it only adds to this gateway's exact count, never replaces it. The same scrape tells a
-        stalled server (see :meth:`_judge_progress`)."""
-        urls = {t.url for t in self.decode.values() if t.up}
+    async def sync_load(self) -> None:
+        """Estimate the load other gateway replicas put on each target (decode rank, prefill
+        instance) from what the engines report. The engines' count lags this gateway's (a
+        request in handoff is not there yet), so it only adds to this gateway's exact count,
+        never replaces it. The same scrape tells a stalled decode server (see
+        :meth:`_judge_progress`)."""
+        urls = {t.url for t in [*self.prefill.values(), *self.decode.values()] if t.up}
         await asyncio.gather(*(self._sync_server(url) for url in urls))
 
     def _judge_progress(self, server: _Server, running: int, tokens: float) -> None:
@@ -460,14 +527,24 @@ class Pool:
                 text = await response.text()
         except (aiohttp.ClientError, TimeoutError):
             return
+        self.record_engine_load(url, text)
+
+    def record_engine_load(self, url: str, text: str) -> None:
+        """Take one scrape of a server's ``/metrics``: other replicas' requests on each of its
+        targets (a prefill instance's are all its ranks' requests) and a decode server's
+        progress."""
+        server = self._servers.get(url)
+        if server is None:
+            return
         load, running, tokens = _engine_load(text)
+        if any(t.name in self.decode for t in server.targets):
+            self._judge_progress(server, running, tokens)
         # Engines label global DP ranks; the header takes local indices: the n-th smallest label.
         ranks = sorted(load, key=int)
-        server = self._servers.get(url)
-        if server is not None:
-            self._judge_progress(server, running, tokens)
-        for target in server.targets if server is not None else ():
-            if target.name in self.decode and 0 <= target.dp_rank < len(ranks):
+        for target in server.targets:
+            if target.name in self.prefill:
+                target.others = max(0, sum(load.values()) - target.in_flight)
+            elif 0 <= target.dp_rank < len(ranks):
                 target.others = max(0, load[ranks[target.dp_rank]] - target.in_flight)
 
 

@@ -39,7 +39,7 @@ class GatewaySettings(BaseModel):
     imbalance_tokens: int = Field(
         _ROUTING.imbalance_tokens,
         ge=0,
-        description="outstanding-token gap at which affinity spills to the 2nd choice",
+        description="uncached-token gap at which affinity spills to the 2nd choice",
     )
     prefill_timeout_s: float = Field(
         _TIMEOUTS.prefill_s, gt=0, description="seconds for the prefill leg"

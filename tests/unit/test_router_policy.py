@@ -11,6 +11,7 @@ import pytest
 
 from baton.core.model import BYTES_PER_TOKEN
 from router.policy import (
+    PREFIX_SAMPLE_BYTES,
     PROMPT_KEY_BYTES,
     SESSION_HEADERS,
     AffinityKey,
@@ -19,20 +20,28 @@ from router.policy import (
     PoolSnapshot,
     PrefillPolicy,
     PrefillView,
+    PromptPrefix,
     RoutingPolicy,
     affinity_key,
     choose_decode_rank,
     choose_prefill,
+    continues,
     estimate_prompt_tokens,
     needs_prefill,
+    prompt_bytes,
+    prompt_prefix,
+    uncached_tokens,
 )
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent."}
 POLICY = RoutingPolicy(imbalance_tokens=1000)
+PROMPT = 2000  # a request's estimated prompt tokens, cached nowhere unless a test says so
 
 
-def prefill(name: str, cell: str = "c0", *, tokens: int = 0, healthy: bool = True) -> PrefillView:
-    return PrefillView(name, cell, healthy, tokens)
+def prefill(
+    name: str, cell: str = "c0", *, tokens: int = 0, cached: int = 0, healthy: bool = True
+) -> PrefillView:
+    return PrefillView(name, cell, healthy, tokens, cached)
 
 
 def rank(
@@ -54,7 +63,7 @@ def key(text: str) -> AffinityKey:
 
 
 def chosen(snap: PoolSnapshot, k: AffinityKey, policy: RoutingPolicy = POLICY, **kw) -> str:
-    choice = choose_prefill(snap, k, policy, **kw)
+    choice = choose_prefill(snap, k, PROMPT, policy, **kw)
     assert choice is not None
     return choice.view.name
 
@@ -196,7 +205,7 @@ def test_affinity_choice_holds_up_to_the_imbalance_bound() -> None:
     second = chosen(snapshot(FOUR), k, exclude=[first])
     loads = {first: 5000 + POLICY.imbalance_tokens, second: 5000}
     views = [replace(v, outstanding_tokens=loads.get(v.name, 0)) for v in FOUR]
-    choice = choose_prefill(snapshot(views), k, POLICY)
+    choice = choose_prefill(snapshot(views), k, PROMPT, POLICY)
     assert choice is not None and choice.view.name == first and not choice.spilled
 
 
@@ -207,7 +216,7 @@ def test_affinity_spills_to_the_second_rendezvous_choice_beyond_the_bound() -> N
     # the others are idle: the spill goes to the key's second choice, not the least loaded
     loads = {first: 5001 + POLICY.imbalance_tokens, second: 5000}
     views = [replace(v, outstanding_tokens=loads.get(v.name, 0)) for v in FOUR]
-    choice = choose_prefill(snapshot(views), k, POLICY)
+    choice = choose_prefill(snapshot(views), k, PROMPT, POLICY)
     assert choice is not None and choice.view.name == second and choice.spilled
 
 
@@ -228,10 +237,11 @@ def test_prefill_in_a_cell_without_healthy_decode_is_never_chosen() -> None:
 
 def test_no_prefill_choice_without_a_healthy_candidate() -> None:
     down = [replace(v, healthy=False) for v in FOUR]
-    assert choose_prefill(snapshot(down), key("s"), POLICY) is None
+    assert choose_prefill(snapshot(down), key("s"), PROMPT, POLICY) is None
     no_decode = snapshot(FOUR, [rank("http://d", 0, healthy=False)])
-    assert choose_prefill(no_decode, key("s"), POLICY) is None
-    assert choose_prefill(snapshot(FOUR), key("s"), POLICY, exclude=[v.name for v in FOUR]) is None
+    assert choose_prefill(no_decode, key("s"), PROMPT, POLICY) is None
+    everything = [v.name for v in FOUR]
+    assert choose_prefill(snapshot(FOUR), key("s"), PROMPT, POLICY, exclude=everything) is None
 
 
 def test_least_loaded_policy_takes_the_fewest_outstanding_tokens_whatever_the_key() -> None:
@@ -247,9 +257,141 @@ def test_least_loaded_policy_breaks_ties_by_the_keys_first_choice() -> None:
     policy = RoutingPolicy(prefill=PrefillPolicy.LEAST_LOADED)
     for i in range(20):
         k = key(f"s{i}")
-        choice = choose_prefill(snapshot(FOUR), k, policy)
+        choice = choose_prefill(snapshot(FOUR), k, PROMPT, policy)
         assert choice is not None
         assert choice.view.name == chosen(snapshot(FOUR), k) and not choice.spilled
+
+
+# ---- the load bound counts uncached tokens
+
+
+def candidates(k: AffinityKey) -> tuple[str, str]:
+    """The key's first and second rendezvous choices among FOUR."""
+    first = chosen(snapshot(FOUR), k)
+    return first, chosen(snapshot(FOUR), k, exclude=[first])
+
+
+def views_with(loads: dict[str, tuple[int, int]]) -> list[PrefillView]:
+    """FOUR with (outstanding, cached) tokens by instance name; the others idle, cached nothing."""
+    views = []
+    for view in FOUR:
+        outstanding, cached = loads.get(view.name, (0, 0))
+        views.append(replace(view, outstanding_tokens=outstanding, cached_tokens=cached))
+    return views
+
+
+def test_a_cached_turn_in_flight_does_not_push_another_cached_session_off_its_instance() -> None:
+    """The agentic case: a 200K-token turn with 195K of it cached runs on the key's first
+    choice, so 5K tokens are outstanding there; a session whose 60K history is cached there
+    sends its next turn, 62K tokens. Counting whole prompts (200K outstanding) spilled it; its
+    2K uncached tokens stay."""
+    policy = RoutingPolicy()  # the default allowance, 8192 tokens
+    k = key("second-session")
+    first, _ = candidates(k)
+    views = views_with({first: (5_000, 60_000)})
+    choice = choose_prefill(snapshot(views), k, 62_000, policy)
+    assert choice is not None and choice.view.name == first and not choice.spilled
+    assert choice.uncached_tokens == 2_000
+
+
+def test_the_bound_compares_each_candidates_load_with_the_request() -> None:
+    # 3K of a 5K prompt cached on the first choice: the request adds 2K there, 5K on the second
+    k = key("hot-session")
+    first, second = candidates(k)
+
+    def pick(first_outstanding: int) -> tuple[str, bool, int]:
+        views = views_with({first: (first_outstanding, 3_000)})
+        choice = choose_prefill(snapshot(views), k, 5_000, POLICY)
+        assert choice is not None
+        return choice.view.name, choice.spilled, choice.uncached_tokens
+
+    # 4K + 2K is the second's 0 + 5K plus the allowance (1K): still the first's
+    assert pick(4_000) == (first, False, 2_000)
+    # one token more spills, and the request's whole prompt is uncached on the second
+    assert pick(4_001) == (second, True, 5_000)
+
+
+def test_a_key_cached_on_its_second_choice_follows_its_cache_there() -> None:
+    # its last turn spilled: recomputing 50K on the idle first choice loses to 2K on the second
+    k = key("spilled-session")
+    _, second = candidates(k)
+    views = views_with({second: (0, 48_000)})
+    choice = choose_prefill(snapshot(views), k, 50_000, POLICY)
+    assert choice is not None and choice.view.name == second and choice.spilled
+    assert choice.uncached_tokens == 2_000
+
+
+def test_a_cache_elsewhere_than_the_two_candidates_does_not_count() -> None:
+    k = key("session-1")
+    first, second = candidates(k)
+    third = next(v.name for v in FOUR if v.name not in (first, second))
+    views = views_with({third: (0, 50_000)})
+    assert chosen(snapshot(views), k) == first
+
+
+def test_least_loaded_policy_counts_the_requests_uncached_tokens_on_each_instance() -> None:
+    policy = RoutingPolicy(prefill=PrefillPolicy.LEAST_LOADED)
+    k = key("session-1")
+    # p0 has more outstanding, but the request's 5K prompt is cached there but for 1K
+    views = [
+        prefill("http://p0", tokens=3_000, cached=4_000),
+        prefill("http://p1", tokens=1_000),
+        prefill("http://p2", tokens=2_000),
+    ]
+    choice = choose_prefill(snapshot(views), k, 5_000, policy)
+    assert choice is not None and choice.view.name == "http://p0"
+    assert choice.uncached_tokens == 1_000
+
+
+def test_uncached_tokens_are_never_negative() -> None:
+    # the engine counted more tokens than the estimate of the next turn: nothing to compute
+    assert uncached_tokens(prefill("http://p0", cached=2_100), 2_000) == 0
+    assert uncached_tokens(prefill("http://p0", cached=1_500), 2_000) == 500
+    assert uncached_tokens(prefill("http://p0"), 2_000) == 2_000
+
+
+# ---- whether a prompt continues the one its key has cached
+
+
+def cached_prefix(body: dict[str, object]) -> PromptPrefix:
+    return prompt_prefix(prompt_bytes(body))
+
+
+def test_a_conversations_next_turn_continues_its_cached_prompt() -> None:
+    first = [SYSTEM, user("fix the bug in pool.py " * 500)]
+    second = [*first, assistant("done"), user("now add a test")]
+    assert continues(prompt_bytes({"messages": second}), cached_prefix({"messages": first}))
+    assert continues(prompt_bytes({"messages": first}), cached_prefix({"messages": first}))
+    # the earlier turn does not continue the later one
+    assert not continues(prompt_bytes({"messages": first}), cached_prefix({"messages": second}))
+
+
+def test_an_edited_history_or_another_conversation_does_not_continue_it() -> None:
+    first = [SYSTEM, user("fix the bug in pool.py"), assistant("done")]
+    edited = [SYSTEM, user("fix the bug in app.py"), assistant("done"), user("and test it")]
+    other = [SYSTEM, user("write the docs"), assistant("done"), user("and test them")]
+    for later in (edited, other):
+        assert not continues(prompt_bytes({"messages": later}), cached_prefix({"messages": first}))
+
+
+def test_completions_sharing_a_long_head_do_not_continue_each_other() -> None:
+    head = "x" * 3 * PREFIX_SAMPLE_BYTES  # the same key (PROMPT_KEY_BYTES) for both
+    one, two = head + "question one " * 100, head + "question two " * 100
+    assert affinity_key({}, {"prompt": one}, "r") == affinity_key({}, {"prompt": two}, "r")
+    assert not continues(prompt_bytes({"prompt": two}), cached_prefix({"prompt": one}))
+    assert continues(prompt_bytes({"prompt": one + " more"}), cached_prefix({"prompt": one}))
+
+
+def test_token_prompts_continue_by_their_ids() -> None:
+    cached = cached_prefix({"prompt": [1, 2, 3]})
+    assert continues(prompt_bytes({"prompt": [1, 2, 3, 4]}), cached)
+    assert not continues(prompt_bytes({"prompt": [1, 2, 30]}), cached)
+    assert not continues(prompt_bytes({"prompt": [1, 2]}), cached)
+
+
+def test_nothing_continues_an_empty_prompt() -> None:
+    assert prompt_bytes({}) == b""
+    assert not continues(prompt_bytes({"prompt": "anything"}), prompt_prefix(b""))
 
 
 # ---- choose_decode_rank

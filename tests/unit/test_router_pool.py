@@ -6,6 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from router.policy import (
+    AffinityKey,
+    RoutingPolicy,
+    affinity_key,
+    choose_prefill,
+    prompt_bytes,
+    prompt_prefix,
+)
 from router.pool import (
     Breaker,
     DecodeServerSpec,
@@ -183,6 +191,136 @@ def test_target_moved_to_another_cell_keeps_its_load_in_the_new_cell() -> None:
     p.update(spec(("c0", (P0,), (ranks(D0, 0),)), ("c9", (P2,), (DecodeServerSpec(url=D1),))))
     view = {r.name: r for r in p.snapshot().decode}[D1]
     assert (view.cell, view.in_flight) == ("c9", 1)
+
+
+# ---- what each affinity key holds cached, and uncached tokens in flight
+
+
+def session(name: str) -> AffinityKey:
+    return affinity_key({"x-session-id": name}, {}, "r")
+
+
+def keyed_to(p: Pool, instance: str, count: int) -> list[AffinityKey]:
+    """``count`` session keys whose affinity choice in ``p`` is ``instance``."""
+    found = []
+    for index in range(64):  # half of them for each of two instances
+        k = session(f"s{index}")
+        choice = choose_prefill(p.snapshot(), k, 0, RoutingPolicy())
+        if choice is not None and choice.view.name == instance:
+            found.append(k)
+    assert len(found) >= count
+    return found[:count]
+
+
+def two_instances() -> Pool:
+    return Pool(spec(("c0", (P0, P1), (ranks(D0, 0),))), probe_interval_s=2.0)
+
+
+def conversation(*contents: str) -> bytes:
+    """A chat prompt's bytes (``policy.prompt_bytes``): user and assistant messages in turn."""
+    roles = ("user", "assistant")
+    messages = [{"role": roles[i % 2], "content": text} for i, text in enumerate(contents)]
+    return prompt_bytes({"messages": messages})
+
+
+def cached(p: Pool, k: AffinityKey, prompt: bytes) -> dict[str, int]:
+    return {v.name: v.cached_tokens for v in p.snapshot(k, prompt).prefill}
+
+
+def test_a_cached_turn_in_flight_counts_its_uncached_tokens_and_keeps_the_next_session() -> None:
+    """The agentic case end to end: a session with 195K tokens cached on its instance sends a
+    200K-token turn; while it runs, a second session keyed to the same instance, with 60K of
+    history cached there, sends a 62K-token turn. Counting whole prompts put 200K outstanding
+    on the instance and spilled the second session off its cache; counted uncached, both stay."""
+    p = two_instances()
+    first, second = keyed_to(p, P0, 2)
+    p.prefix_cached(first, P0, 195_000, prompt_prefix(conversation("first task")))
+    p.prefix_cached(second, P0, 60_000, prompt_prefix(conversation("second task")))
+    prompt = conversation("first task", "done", "next")
+    turn = choose_prefill(p.snapshot(first, prompt), first, 200_000, RoutingPolicy())
+    assert turn is not None and turn.view.name == P0 and turn.uncached_tokens == 5_000
+    p.begin_prefill(P0, turn.uncached_tokens)
+    assert {v.name: v.outstanding_tokens for v in p.snapshot().prefill} == {P0: 5_000, P1: 0}
+    prompt = conversation("second task", "done", "next")
+    next_turn = choose_prefill(p.snapshot(second, prompt), second, 62_000, RoutingPolicy())
+    assert next_turn is not None and next_turn.view.name == P0 and not next_turn.spilled
+    assert next_turn.uncached_tokens == 2_000
+
+
+def test_a_key_counts_as_cached_only_where_its_last_prefill_ran() -> None:
+    p = two_instances()
+    k = session("agent-7")
+    p.prefix_cached(k, P0, 10_000, prompt_prefix(conversation("task")))
+    assert cached(p, k, conversation("task", "done", "next")) == {P0: 10_000, P1: 0}
+    # its next turn spilled: the newest cache is there
+    p.prefix_cached(k, P1, 12_000, prompt_prefix(conversation("task", "done", "next")))
+    assert cached(p, k, conversation("task", "done", "next", "ok", "go on")) == {P0: 0, P1: 12_000}
+    # another key, or none, has nothing cached
+    assert cached(p, session("other"), conversation("task", "done", "next")) == {P0: 0, P1: 0}
+    assert {v.name: v.cached_tokens for v in p.snapshot().prefill} == {P0: 0, P1: 0}
+
+
+def test_a_key_counts_as_cached_only_for_a_prompt_continuing_the_cached_one() -> None:
+    """One key, several prompts (a user's conversations, an agent's subagents): only a prompt
+    that starts with the one cached finds it cached."""
+    p = two_instances()
+    k = affinity_key({}, {"user": "alice"}, "r")
+    p.prefix_cached(k, P0, 10_000, prompt_prefix(conversation("plan the trip")))
+    assert cached(p, k, conversation("plan the trip", "done", "book it"))[P0] == 10_000
+    assert cached(p, k, conversation("plan the trip"))[P0] == 10_000  # the same prompt again
+    assert cached(p, k, conversation("fix my code"))[P0] == 0  # another conversation
+    assert cached(p, k, conversation("plan the trip to Rome", "done"))[P0] == 0  # edited
+    assert cached(p, k, b"")[P0] == 0
+
+
+def test_the_pool_remembers_only_the_most_recently_prefilled_keys() -> None:
+    p = Pool(spec(("c0", (P0, P1), (ranks(D0, 0),))), probe_interval_s=2.0, cached_keys=2)
+    one, two, three = session("one"), session("two"), session("three")
+    prompt = conversation("task")
+    p.prefix_cached(one, P0, 100, prompt_prefix(prompt))
+    p.prefix_cached(two, P0, 200, prompt_prefix(prompt))
+    p.prefix_cached(one, P0, 150, prompt_prefix(prompt))  # prefilled again: the newest now
+    # over the bound: the oldest, two, is forgotten
+    p.prefix_cached(three, P1, 300, prompt_prefix(prompt))
+    totals = [sum(cached(p, k, prompt).values()) for k in (one, two, three)]
+    assert totals == [150, 0, 300]
+
+
+def engine_metrics(requests: dict[str, tuple[int, int]]) -> str:
+    """A vLLM ``/metrics`` page: (running, waiting) requests per ``engine`` label."""
+    lines = []
+    for name, column in (("vllm:num_requests_running", 0), ("vllm:num_requests_waiting", 1)):
+        lines.append(f"# TYPE {name} gauge")
+        lines += [
+            f'{name}{{engine="{engine}",model_name="dsv4"}} {counts[column]}'
+            for engine, counts in requests.items()
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def test_other_replicas_prefills_are_priced_at_this_gateways_mean_uncached_tokens() -> None:
+    p = two_instances()
+    p.record_engine_load(P0, engine_metrics({"0": (1, 1), "1": (1, 0)}))
+    # no prefill of its own yet: nothing to price the engine's three requests at
+    assert p.peer_outstanding_tokens() == {P0: 0, P1: 0}
+    p.begin_prefill(P1, 2_000)
+    p.end_prefill(P1, 2_000)
+    p.begin_prefill(P0, 4_000)  # mean 3K uncached tokens per prefill
+    # the engine's three requests (both ranks) less this gateway's one there: two, at 3K each
+    p.record_engine_load(P0, engine_metrics({"0": (1, 1), "1": (1, 0)}))
+    p.record_engine_load(P1, engine_metrics({"0": (0, 0), "1": (0, 0)}))
+    assert p.peer_outstanding_tokens() == {P0: 6_000, P1: 0}
+    assert {v.name: v.outstanding_tokens for v in p.snapshot().prefill} == {P0: 10_000, P1: 0}
+    assert p.in_flight()[P0] == 1  # its own count stays exact
+
+
+def test_an_engine_behind_this_gateways_own_count_means_no_peer_load() -> None:
+    p = two_instances()
+    p.begin_prefill(P0, 4_000)
+    p.begin_prefill(P0, 4_000)
+    # one of its two requests has not reached the engine yet: never a negative peer load
+    p.record_engine_load(P0, engine_metrics({"0": (1, 0)}))
+    assert p.peer_outstanding_tokens() == {P0: 0, P1: 0}
 
 
 # ---- load_pool_file

@@ -1,0 +1,168 @@
+"""``baton gateway``'s prefill spill on running processes: the load bound counts the prompt
+tokens the engines will compute (a session's cached history costs nothing), and a replica counts
+the prefills other replicas have in flight, as the engines report them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+import openai
+from openai.types.chat import ChatCompletionMessageParam
+
+from router.policy import (
+    DecodeRankView,
+    PoolSnapshot,
+    PrefillView,
+    RoutingPolicy,
+    affinity_key,
+    choose_prefill,
+    estimate_prompt_tokens,
+)
+from tests.helpers import SimHandle, cached_tokens_of, eventually, scrape, scrape_by
+from tests.integration.test_gateway import LONG, MODEL, Stack, start_engine
+
+# A stalled prefill instance holds a prefill in flight while the test routes the next request:
+# seconds more than that takes.
+STALL_S = 6.0
+
+
+def sessions_keyed_to(prefill: SimHandle, stack: Stack, count: int) -> list[str]:
+    """``count`` session ids whose affinity choice is ``prefill``, by the gateway's own policy."""
+    views = tuple(PrefillView(p.url, "default", True, 0, 0) for p in stack.prefill)
+    decode = (DecodeRankView("d", "http://d", "default", 0, True, 0),)
+    found: list[str] = []
+    for index in range(64):  # half the ids go to each of two instances
+        session = f"session-{index}"
+        key = affinity_key({"x-session-id": session}, {}, "r")
+        choice = choose_prefill(PoolSnapshot(views, decode), key, 0, RoutingPolicy())
+        if choice is not None and choice.view.name == prefill.url:
+            found.append(session)
+        if len(found) == count:
+            return found
+    raise AssertionError(f"no {count} sessions keyed to {prefill.url}")
+
+
+def history(session: str, blocks: int) -> list[ChatCompletionMessageParam]:
+    """A session's opening turn: about ``blocks`` x 560 tokens, its own from the first byte."""
+    return [{"role": "user", "content": f"{session} opens. " + LONG * blocks}]
+
+
+def ask(gateway: SimHandle, session: str, messages: list[ChatCompletionMessageParam]) -> Any:
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="k", max_retries=0)
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=4,
+        extra_headers={"X-Session-ID": session},
+        extra_body={"ignore_eos": True},
+    )
+
+
+def follow_up(
+    messages: list[ChatCompletionMessageParam], reply: Any
+) -> list[ChatCompletionMessageParam]:
+    """The next turn: the whole history, the reply, and about 1,100 new tokens."""
+    content = reply.choices[0].message.content
+    return [
+        *messages,
+        {"role": "assistant", "content": content},
+        {"role": "user", "content": LONG * 2},
+    ]
+
+
+def prefill_in_flight(gateway: SimHandle, prefill: SimHandle) -> float:
+    return scrape(
+        gateway.url, "baton_gateway_in_flight_requests", role="prefill", target=prefill.url
+    )
+
+
+def affinity(gateway: SimHandle, result: str) -> float:
+    return scrape(gateway.url, "baton_gateway_affinity_total", source="session", result=result)
+
+
+def served(prefill: SimHandle) -> float:
+    return scrape(prefill.url, "vllm:request_success_total")
+
+
+def stack_of(start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]) -> Stack:
+    prefill = [start_engine(start_sim) for _ in range(2)]
+    decode = start_engine(start_sim)
+    gateway = start_gateway(
+        "--api-key", "k", *(f"--prefill={p.url}" for p in prefill), f"--decode={decode.url}"
+    )
+    return Stack(gateway, prefill, decode)
+
+
+def test_cached_history_in_flight_does_not_push_sessions_off_their_instance(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
+) -> None:
+    """An agentic follow-up turn in flight (20K prompt tokens, all but 1K of them cached) on
+    the instance another session's history is cached on: that session's next turn stays there.
+    Counting each turn's whole prompt, the bound (8192 tokens) would have spilled it."""
+    stack = stack_of(start_sim, start_gateway)
+    home, other = stack.prefill
+    long_session, short_session = sessions_keyed_to(home, stack, 2)
+    turns = {long_session: history(long_session, 36), short_session: history(short_session, 22)}
+    for session, messages in turns.items():
+        turns[session] = follow_up(messages, ask(stack.gateway, session, messages))
+    assert served(home) == 2 and served(other) == 0
+    # The long session's follow-up waits on its instance for the whole test ...
+    stack.fault(home, action="stall", seconds=STALL_S)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        long_turn = pool.submit(ask, stack.gateway, long_session, turns[long_session])
+        eventually(lambda: prefill_in_flight(stack.gateway, home) == 1)
+        # ... when the other session's follow-up comes: it joins it there.
+        short_turn = pool.submit(ask, stack.gateway, short_session, turns[short_session])
+        eventually(lambda: affinity(stack.gateway, "hit") + affinity(stack.gateway, "miss") == 4)
+        assert affinity(stack.gateway, "miss") == 0
+        assert prefill_in_flight(stack.gateway, home) == 2
+        replies = {long_session: long_turn.result(), short_session: short_turn.result()}
+    assert served(other) == 0
+    for session, reply in replies.items():
+        # its whole history was found cached: all but the new turn, to a 16-token block
+        new_tokens = estimate_prompt_tokens({"messages": turns[session][-2:]})
+        assert cached_tokens_of(reply) >= reply.usage.prompt_tokens - new_tokens - 16, session
+    stack.assert_nothing_leaked()
+
+
+def test_a_replica_counts_the_prefills_other_replicas_have_in_flight(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
+) -> None:
+    """Replicas share no state: the second learns from the prefill engine's request count that
+    the first has a prefill in flight there, counts it at its own mean uncached tokens per
+    prefill, and spills a new session from that instance."""
+    stack = stack_of(start_sim, start_gateway)
+    home, other = stack.prefill
+    second = start_gateway(
+        "--api-key",
+        "k",
+        *(f"--prefill={p.url}" for p in stack.prefill),
+        f"--decode={stack.decode.url}",
+        "--health-interval",
+        "0.2",
+    )
+    first_session, second_session = sessions_keyed_to(home, stack, 2)
+    # The second replica's one prefill so far: its mean, 12K uncached tokens
+    warm = history("warm-up", 22)
+    ask(second, "warm-up", warm)
+    mean = estimate_prompt_tokens({"messages": warm})
+
+    def peers() -> dict[str, float]:
+        return scrape_by(second.url, "baton_gateway_peer_outstanding_tokens", "target")
+
+    assert peers() == {home.url: 0, other.url: 0}
+    stack.fault(home, action="stall", seconds=STALL_S)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(ask, stack.gateway, first_session, history(first_session, 36))
+        eventually(lambda: peers() == {home.url: mean, other.url: 0})
+        # A new session keyed to that instance: 12K peer tokens + 2K of its own there exceed
+        # the other instance's 2K by more than the bound.
+        before = served(other)
+        ask(second, second_session, history(second_session, 3))
+        assert affinity(second, "miss") == 1
+        assert served(other) == before + 1
+        held.result()
+    eventually(lambda: peers() == {home.url: 0, other.url: 0})
+    assert scrape(stack.gateway.url, "baton_gateway_in_flight_requests") == 0
