@@ -53,7 +53,7 @@ demo: $(STAMP) proto
 	$(BIN)/python -m bench.demo
 
 bench: $(STAMP) proto dev-bin
-	$(BIN)/baton bench all
+	$(BIN)/baton bench all --quick
 
 # Baton's image (Containerfile) with the first container builder found; none here: say so.
 # EXTRAS=serve adds Ray Serve (the chart's gateway.rayService) and appends -serve to the tag.

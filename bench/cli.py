@@ -24,6 +24,7 @@ BENCHMARKS = {
     "controller": "bench.controller",
     "observability": "bench.observability",
     "agentx": "bench.agentx",
+    "prefill-dp": "bench.prefill_dp",
 }
 
 

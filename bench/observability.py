@@ -180,10 +180,12 @@ def draw(data: dict[str, Any], directory: Path) -> list[Path]:
 def run(quick: bool = False) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="baton-bench-observability-") as tmp:
         data = _record(Path(tmp), quick)
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    (FIGURES / "observability.json").write_text(json.dumps(data, indent=1) + "\n")
-    for path in draw(data, FIGURES):
-        print(f"wrote {path.relative_to(ROOT)}", file=sys.stderr)
+    # The docs show a full run's pictures; a quick run (make bench) draws its own beside its JSON.
+    figures = Path("bench/results/observability") if quick else FIGURES
+    figures.mkdir(parents=True, exist_ok=True)
+    (figures / "observability.json").write_text(json.dumps(data, indent=1) + "\n")
+    for path in draw(data, figures):
+        print(f"wrote {path}", file=sys.stderr)
     return {
         "benchmark": "observability",
         "duration_s": data["duration_s"],

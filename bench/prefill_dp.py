@@ -1,0 +1,250 @@
+"""``baton bench prefill-dp``: what DP imbalance costs a DEP prefill instance (the study's way).
+
+The DeepSeek-V4-on-GB300 study replayed identical requests on every DP rank of a prefill
+instance, once all ranks at the same time ("mirror") and once with rank r starting r x 5 s later
+("lag"): wide-EP ranks step in lockstep, so in each step the busiest rank sets the pace and the
+others wait. It measured DEP2 138.7K tokens/s mirrored against 130.5K lagged (-5.9%) and DEP4
+267.6K against 231.1K (-13.6%): the wider instance loses more, one reason prefill runs on DEP2.
+
+Here one ``baton sim`` engine (``--data-parallel-size`` 2 or 4, expert parallel) takes, on each
+rank (``X-data-parallel-rank``), 8 (full steps) or 2 (a light load) closed-loop lanes of
+prefill-only requests (``max_tokens`` 1) walking the agentic sessions of ``bench.workload`` (the
+same sessions on every rank, so mirrored ranks get identical batches). Throughput is the
+engine's own count of prompt tokens computed
+(``vllm:prompt_tokens_by_source_total{source="local_compute"}``), sampled as the replay runs,
+over the window in which every rank of the lagged replay is busy (from the last rank's start to
+the end), the same window for both replays; per GPU and in simulated seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.procstat import pin
+from bench.workload import lane_sessions, new_messages
+from rigs.processes import free_port, stop_process, wait_healthy
+
+__all__ = ["counter_at", "run", "window_rate"]
+
+FIGURES = Path(__file__).resolve().parents[1] / "docs" / "figures"
+LAG_S = 5.0  # the study's lag between consecutive ranks
+LANES = 8  # closed-loop lanes per rank: enough to keep a rank's 8,192-token steps full
+LANES_SWEEP = (2, LANES)  # and a light load, where a rank's step is not always full
+STUDY = {2: (138.7e3, 130.5e3), 4: (267.6e3, 231.1e3)}  # DEP width -> (mirror, lag) tokens/s
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    ranks: int
+    mode: str  # mirror | lag
+    lanes: int  # per rank
+    duration_s: float  # simulated seconds each rank runs
+    time_scale: float
+    seed: int
+
+
+async def _lane(
+    http: aiohttp.ClientSession,
+    url: str,
+    rank: int,
+    lane: int,
+    replay: Replay,
+    begin: float,
+    stop: float,
+) -> None:
+    await asyncio.sleep(max(0.0, begin - time.perf_counter()))
+    for session in lane_sessions(replay.seed, lane):
+        chat: list[dict[str, str]] = []
+        for turn in range(len(session.turns)):
+            if time.perf_counter() >= stop:
+                return
+            chat += new_messages(session, turn)
+            body = {"model": "dsv4", "messages": chat, "max_tokens": 1}
+            async with http.post(
+                f"{url}/v1/chat/completions",
+                data=orjson.dumps(body),
+                headers={"Content-Type": "application/json", "X-data-parallel-rank": str(rank)},
+            ) as response:
+                await response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"rank {rank}: HTTP {response.status}")
+
+
+async def _counters(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Prompt tokens the engine computed, and its steps and late steps (did it keep time?)."""
+    async with http.get(f"{url}/metrics") as response:
+        text = await response.text()
+    counters = {"computed": 0.0, "steps": 0.0, "late_steps": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:prompt_tokens_by_source_total":
+                if sample.labels.get("source") == "local_compute":
+                    counters["computed"] += sample.value
+            elif sample.name == "baton:sim_steps_total":
+                counters["steps"] = sample.value
+            elif sample.name == "baton:sim_late_steps_total":
+                counters["late_steps"] = sample.value
+    return counters
+
+
+async def _replay(url: str, replay: Replay) -> dict[str, Any]:
+    scale = replay.time_scale
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_read=120 * scale),
+        connector=aiohttp.TCPConnector(limit=0),
+    ) as http:
+        started = time.perf_counter()
+        samples: list[tuple[float, float]] = []
+        offsets = [r * LAG_S if replay.mode == "lag" else 0.0 for r in range(replay.ranks)]
+        lanes = [
+            asyncio.create_task(
+                _lane(
+                    http,
+                    url,
+                    rank,
+                    lane,
+                    replay,
+                    started + offsets[rank] * scale,
+                    started + (offsets[rank] + replay.duration_s) * scale,
+                )
+            )
+            for rank in range(replay.ranks)
+            for lane in range(replay.lanes)
+        ]
+        running = asyncio.gather(*lanes)
+        while not running.done():
+            counters = await _counters(http, url)
+            samples.append(((time.perf_counter() - started) / scale, counters["computed"]))
+            await asyncio.wait({running}, timeout=0.25 * scale)
+        await running
+        counters = await _counters(http, url)
+    # Every rank of the lagged replay is busy from the last one's start to the first one's end.
+    window = ((replay.ranks - 1) * LAG_S, replay.duration_s)
+    return {
+        "samples": samples,
+        "window_s": window,
+        "steps": counters["steps"],
+        "late_steps": counters["late_steps"],
+        **window_rate(samples, window, replay.ranks),
+    }
+
+
+def counter_at(samples: list[tuple[float, float]], t: float) -> float:
+    """The counter at simulated time ``t``, interpolated between samples."""
+    for (t0, v0), (t1, v1) in itertools.pairwise(samples):
+        if t0 <= t <= t1:
+            return v0 + (v1 - v0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.0)
+    return samples[-1][1] if t > samples[-1][0] else samples[0][1]
+
+
+def window_rate(
+    samples: list[tuple[float, float]], window: tuple[float, float], gpus: int
+) -> dict[str, float]:
+    begin, end = window
+    per_s = (counter_at(samples, end) - counter_at(samples, begin)) / (end - begin)
+    return {"computed_tokens_per_s": per_s, "computed_tokens_per_s_per_gpu": per_s / gpus}
+
+
+def _engine(ranks: int, time_scale: float, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "baton.cli",
+        "sim",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "dsv4",
+        "--data-parallel-size",
+        str(ranks),
+        "--enable-expert-parallel",
+        "--time-scale",
+        str(time_scale),
+        "--log-level",
+        "warning",
+    ]
+    handle = log.open("ab")
+    process = subprocess.Popen(command, stdout=handle, stderr=handle)
+    pin(process.pid, 0)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process, timeout=60)
+    return process, url
+
+
+def run(quick: bool = False) -> dict[str, object]:
+    duration, scale = (20.0, 4.0) if quick else (30.0, 6.0)  # the lag window needs > 15 s
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="baton-bench-prefill-dp-") as tmp:
+        for lanes in (LANES,) if quick else LANES_SWEEP:
+            for ranks in (2, 4):
+                figures = {}
+                for mode in ("mirror", "lag"):
+                    # a fresh engine per replay: empty prefix caches, and ranks in step again
+                    log = Path(tmp, f"dep{ranks}-{mode}-{lanes}.log")
+                    process, url = _engine(ranks, scale, log)
+                    try:
+                        replay = Replay(ranks, mode, lanes, duration, scale, seed=2026)
+                        figures[mode] = asyncio.run(_replay(url, replay))
+                    finally:
+                        stop_process(process)
+                rows.append(_row(ranks, lanes, figures))
+    print(
+        "| instance | lanes per rank | mirror tokens/s (per GPU) | lag tokens/s (per GPU) "
+        "| lag cost | study | late steps |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        gpus = row["dep"]
+        print(
+            f"| DEP{gpus} | {row['lanes_per_rank']} | {row['mirror_tokens_per_s']:,.0f} "
+            f"({row['mirror_tokens_per_s'] / gpus:,.0f}) | {row['lag_tokens_per_s']:,.0f} "
+            f"({row['lag_tokens_per_s'] / gpus:,.0f}) | {row['lag_cost']:.1%} "
+            f"| {row['study_lag_cost']:.1%} | {row['late_steps']:.1%} |"
+        )
+    by = {(row["dep"], row["lanes_per_rank"]): row["lag_cost"] for row in rows}
+    result: dict[str, object] = {
+        "benchmark": "prefill-dp",
+        "duration_s": duration,
+        "time_scale": scale,
+        "rows": rows,
+        # the study's direction: the wider instance loses more to the lag, at every load
+        "direction_reproduced": all(
+            by[4, lanes] > by[2, lanes] for (_, lanes) in by if (4, lanes) in by
+        ),
+    }
+    if not quick:
+        FIGURES.mkdir(parents=True, exist_ok=True)
+        (FIGURES / "prefill_dp.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _row(ranks: int, lanes: int, figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    mirror = figures["mirror"]["computed_tokens_per_s"]
+    lag = figures["lag"]["computed_tokens_per_s"]
+    study_mirror, study_lag = STUDY[ranks]
+    steps = sum(f["steps"] for f in figures.values())
+    return {
+        "dep": ranks,
+        "lanes_per_rank": lanes,
+        "mirror_tokens_per_s": mirror,
+        "lag_tokens_per_s": lag,
+        "lag_cost": 1 - lag / mirror,
+        "study_lag_cost": 1 - study_lag / study_mirror,
+        "late_steps": sum(f["late_steps"] for f in figures.values()) / steps if steps else 0.0,
+        "window_s": figures["lag"]["window_s"],
+        "replays": figures,
+    }
