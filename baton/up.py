@@ -19,13 +19,17 @@ service discovery file (``file_sd_configs``), the engines labelled with their ce
 the chart's PodMonitor labels them, so Baton's dashboards and rules work on the local stack.
 ``--enable-fault-injection`` opens the engines' ``POST /sim/faults`` for failure drills.
 
-It prints the rack map and the URLs, and on Ctrl-C or SIGTERM stops every process it started
-and waits for them, so no process is orphaned and every port is freed.
+It starts the gateway once the EPLB service follows every decode group's agents (agent mode;
+in plugin mode once the service answers), so the first window boundary finds the service
+watching since before any load; then, the gateway ready, it prints the URLs. On Ctrl-C or
+SIGTERM it stops every process it started and waits for them, so no process is orphaned and
+every port is freed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -34,13 +38,15 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from baton.core.eplb_report import REPORT_URL_ENV, WHERE_ENV
@@ -53,7 +59,15 @@ from router.pool import DecodeServerSpec, PoolCell, PoolSpec
 from sim.cluster import ClusterSpec, DecodeGroupSpec, PrefillInstancesSpec
 from sim.config import EplbConfig
 
-__all__ = ["EplbMode", "StackLayout", "layout_stack", "main", "prometheus_targets"]
+__all__ = [
+    "EplbMode",
+    "StackLayout",
+    "layout_stack",
+    "main",
+    "prometheus_targets",
+    "unsynced_groups",
+    "wait_for_eplb",
+]
 
 EplbMode = Literal["agent", "plugin"]
 
@@ -188,6 +202,48 @@ def prometheus_targets(
     return groups
 
 
+def unsynced_groups(metrics: str, groups: Iterable[str]) -> list[str]:
+    """The groups of ``groups`` whose agents the EPLB service does not follow yet, from the
+    text of its /metrics (``baton_eplb_group_synced``)."""
+    synced = {
+        sample.labels["group"]
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name == "baton_eplb_group_synced" and sample.value == 1
+    }
+    return [group for group in groups if group not in synced]
+
+
+def wait_for_eplb(
+    metrics_url: str,
+    process: subprocess.Popen[bytes],
+    groups: Sequence[str],
+    stop: threading.Event,
+    timeout: float = 60,
+) -> bool:
+    """Wait until the EPLB service at ``metrics_url`` follows the agents of every group of
+    ``groups`` (plugin mode has none: until it answers): True, or False if ``stop`` is set
+    first. RuntimeError if the service exits, TimeoutError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    waiting: list[str] | None = None  # None: its metrics do not answer yet
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the EPLB service exited with {process.returncode}")
+        with contextlib.suppress(httpx.HTTPError):  # not serving yet
+            waiting = unsynced_groups(httpx.get(metrics_url, timeout=2).text, groups)
+        if waiting == []:
+            return True
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"the EPLB service did not answer at {metrics_url} within {timeout:.0f} s"
+                if waiting is None
+                else f"the EPLB service did not follow the agents of {', '.join(waiting)} "
+                f"within {timeout:.0f} s"
+            )
+        if stop.wait(0.2):
+            return False
+
+
 def _yaml(model: BaseModel) -> str:
     """A file's model as the YAML its reader loads (only what differs from its defaults)."""
     return yaml.safe_dump(model.model_dump(mode="json", by_alias=True, exclude_defaults=True))
@@ -309,22 +365,27 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
                 for url in [*pool_cell.prefill, *(d.url for d in pool_cell.decode)]:
                     wait_healthy(url, engines, timeout=120)
             eplb_metrics = args.eplb_metrics_port or free_port_block(1)
-            processes.append(
-                subprocess.Popen(
-                    [
-                        *python,
-                        "eplb",
-                        "--config",
-                        str(eplb_file),
-                        "--metrics-port",
-                        str(eplb_metrics),
-                        *reports,
-                        *service_token,
-                        "--log-level",
-                        "warning",
-                    ]
-                )
+            eplb_metrics_url = f"http://127.0.0.1:{eplb_metrics}/metrics"
+            eplb = subprocess.Popen(
+                [
+                    *python,
+                    "eplb",
+                    "--config",
+                    str(eplb_file),
+                    "--metrics-port",
+                    str(eplb_metrics),
+                    *reports,
+                    *service_token,
+                    "--log-level",
+                    "warning",
+                ]
             )
+            processes.append(eplb)
+            # A service that connects after the load starts finds its first window incomplete
+            # and skips that boundary: the gateway takes requests only once it follows.
+            groups = [group.name for group in layout.eplb.groups]
+            if not wait_for_eplb(eplb_metrics_url, eplb, groups, stop):
+                return 0
             gateway_url = f"http://127.0.0.1:{args.port}"
             gateway = subprocess.Popen(
                 [
@@ -343,7 +404,6 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
             while httpx.get(f"{gateway_url}/ready", timeout=5).status_code != 200:
                 if stop.wait(0.2):
                     return 0
-            eplb_metrics_url = f"http://127.0.0.1:{eplb_metrics}/metrics"
             if args.prometheus_targets is not None:
                 targets = prometheus_targets(layout, gateway_url, eplb_metrics_url)
                 # written whole, then renamed: Prometheus never reads a half-written file

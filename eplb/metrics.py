@@ -87,6 +87,13 @@ class EplbMetrics:
             (*labels, "reason"),
             registry=registry,
         )
+        self.group_synced = Gauge(
+            "baton_eplb_group_synced",
+            "1 while the service follows every agent of a group (synced: agents described, "
+            "windows open), 0 while it connects or reconnects after losing one (agent mode)",
+            ("group",),
+            registry=registry,
+        )
         self.window_restarts = Counter(
             "baton_eplb_window_restarts",
             "Group windows restarted: agent_lost, incarnation_changed",

@@ -137,6 +137,8 @@ class GroupRunner:
         self._incarnations: dict[str, str] = {}
         self._failing = False
         self.synced = asyncio.Event()
+        # exported too, so that a caller can wait for the group (baton up does)
+        self.metrics.group_synced.labels(spec.name).set(0)
 
     async def run(self) -> None:
         while True:
@@ -159,6 +161,7 @@ class GroupRunner:
             log.debug("group %s: %s; retrying", self.spec.name, exc)
         self._failing = True
         self.synced.clear()
+        self.metrics.group_synced.labels(self.spec.name).set(0)
 
     async def sync(self) -> None:
         """Step 1: describe the group and open fresh windows."""
@@ -215,6 +218,7 @@ class GroupRunner:
         )
         self._failing = False
         self.synced.set()
+        self.metrics.group_synced.labels(self.spec.name).set(1)
 
     async def _follow(self) -> None:
         """Step 2: read every agent's load stream until one breaks."""
@@ -553,3 +557,5 @@ class EplbService:
             await task
         for client in runner.clients:
             await client.close()
+        # a group gone is followed by nobody: no series of it is left to read as either
+        self.metrics.group_synced.remove(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from baton.core.model import SERVED_MODEL_NAME
-from tests.helpers import ROOT, eventually, free_port, stop_process
+from tests.helpers import ROOT, eventually, free_port, scrape_by, stop_process
 
 
 @contextlib.contextmanager
@@ -82,8 +83,46 @@ def test_sigterm_stops_every_process_and_frees_the_ports(stack) -> None:
         httpx.get(f"{url}/health", timeout=2)
 
 
+def test_once_ready_the_eplb_service_follows_the_agents_of_every_decode_group(
+    tmp_path: Path,
+) -> None:
+    eplb = free_port()
+    with baton_up(tmp_path, "--eplb-metrics-port", str(eplb)):
+        # scraped as soon as the gateway is ready: the first window boundary must find the
+        # service following the group since before any load
+        synced = scrape_by(f"http://127.0.0.1:{eplb}", "baton_eplb_group_synced", "group")
+    assert synced == {"dsv4-cell-0": 1.0}
+
+
+def test_baton_up_fails_clearly_when_the_eplb_service_exits_before_it_is_up(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "up.log"
+    # The service's metrics port, taken: it exits at start.
+    with socket.create_server(("127.0.0.1", free_port())) as taken:
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "baton.cli", "up", "--port", str(free_port())),
+                *("--eplb-metrics-port", str(taken.getsockname()[1])),
+            ],
+            cwd=ROOT,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            assert process.wait(timeout=180) == 1
+        finally:
+            stop_process(process)
+    output = log.read_text()
+    assert "baton up: error: the EPLB service exited" in output
+    assert "Baton is up" not in output
+
+
 def test_in_plugin_mode_the_eplb_service_takes_the_engines_reports(tmp_path: Path) -> None:
-    with baton_up(tmp_path, "--eplb-mode", "plugin") as (_, url, log):
+    eplb = free_port()
+    flags = ("--eplb-mode", "plugin", "--eplb-metrics-port", str(eplb))
+    with baton_up(tmp_path, *flags) as (_, url, log):
+        assert httpx.get(f"http://127.0.0.1:{eplb}/metrics", timeout=5).status_code == 200
         output = eventually(lambda: "EPLB reports" in log.read_text() and log.read_text())
         assert isinstance(output, str)
         reports = re.search(r"EPLB reports +(http://\S+)/v1/windows", output)

@@ -352,18 +352,21 @@ async def test_an_engine_restart_restarts_the_groups_windows(start_sim, tmp_path
     first = start_sim(*flags)
     agent = f"127.0.0.1:{agent_port}"
     runner = runner_for(agent, reconnect_seconds=0.2)
+    synced = runner.metrics.group_synced.labels("cell-0")
     task = asyncio.create_task(runner.run())
     await asyncio.wait_for(runner.synced.wait(), timeout=10)
+    assert synced._value.get() == 1
     before = runner.tracks["target"].window
     stop_process(first.process)
-    await asyncio.sleep(1.0)  # the stream breaks; the runner starts reconnecting
+    # Polled from a thread while the runner, on this loop, finds the stream broken.
+    await asyncio.to_thread(eventually, lambda: synced._value.get() == 0, 10)
     start_sim(*flags)
 
     def resynced() -> bool:
         return runner.synced.is_set() and runner.tracks["target"].window is not before
 
-    # Polled from a thread while the runner reconnects on this loop.
     await asyncio.to_thread(eventually, resynced, 20)
+    assert synced._value.get() == 1
     restarts = runner.metrics.window_restarts.labels("cell-0", "agent_lost")._value.get()
     assert restarts >= 1
     task.cancel()

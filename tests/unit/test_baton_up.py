@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton.up import layout_stack, prometheus_targets
+from baton.up import layout_stack, prometheus_targets, unsynced_groups
 from controller.placement import DeploymentShape, Plan, plan_placement
 from controller.topology import synthetic_topology
 
@@ -50,3 +50,16 @@ def test_prometheus_targets_list_every_metrics_endpoint_with_the_engines_cell_an
         ("prefill", cell.name): [url.removeprefix("http://") for url in cell.prefill],
         ("decode", cell.name): [s.url.removeprefix("http://") for s in cell.decode],
     }
+
+
+def test_a_group_is_unsynced_until_the_eplb_service_exports_it_synced() -> None:
+    metrics = (
+        "# HELP baton_eplb_group_synced 1 while the service follows every agent of a group\n"
+        "# TYPE baton_eplb_group_synced gauge\n"
+        'baton_eplb_group_synced{group="cell-0"} 1.0\n'
+        'baton_eplb_group_synced{group="cell-1"} 0.0\n'
+    )
+    # cell-2: the service has no runner for it yet
+    assert unsynced_groups(metrics, ["cell-0", "cell-1", "cell-2"]) == ["cell-1", "cell-2"]
+    assert unsynced_groups(metrics, ["cell-0"]) == []
+    assert unsynced_groups("", []) == []  # plugin mode: no groups to follow

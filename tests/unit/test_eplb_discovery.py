@@ -100,6 +100,24 @@ async def test_runners_follow_the_groups_their_source_lists() -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_the_synced_gauge_is_0_until_the_group_syncs_and_leaves_with_it() -> None:
+    registry = CollectorRegistry()
+    source = Groups((GroupSpec(name="cell-0", agents=("127.0.0.1:9",)),))  # nothing listens
+    config = EplbServiceConfig(reconnect_seconds=0.05)
+    service = EplbService(config, source, EplbMetrics(registry))
+    task = asyncio.create_task(service.run())
+
+    def synced() -> float | None:
+        return registry.get_sample_value("baton_eplb_group_synced", {"group": "cell-0"})
+
+    await until(lambda: synced() == 0)
+    source.set()
+    await until(lambda: not service.runners)
+    assert synced() is None  # a group gone leaves no series behind
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 def test_status_reports_each_models_worst_cell_and_the_last_rebalance() -> None:
     source = Groups(())
     service = EplbService(EplbServiceConfig(), source, EplbMetrics(CollectorRegistry()))
