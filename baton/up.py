@@ -290,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--enable-fault-injection",
         action="store_true",
-        help="the engines take POST /sim/faults (kill, stall, fail_requests, drop_kv) for drills",
+        help="the engines take POST /sim/faults (kill, stall, fail_requests, drop_kv, freeze) "
+        "for drills",
     )
     parser.add_argument(
         "--eplb-steps",

@@ -7,6 +7,9 @@ data for; older ones are skipped, never replayed.
 
 Decision at a boundary, for one model:
 
+0. No decision while the model's last committed switch has not reached its step: skip
+   (``switch_pending``). An agent holds one committed switch at a time and refuses a new
+   Prepare until it applies, and the window describes a placement about to be replaced.
 1. The window must be complete (every step of it reported by every rank); otherwise skip
    (``incomplete_window``): a partial window after a restart or a lost report would describe
    fewer steps than the policy promises.
@@ -79,6 +82,7 @@ class Outcome(StrEnum):
     REBALANCE = "rebalance"
     GAIN_TOO_SMALL = "gain_too_small"
     INCOMPLETE_WINDOW = "incomplete_window"
+    SWITCH_PENDING = "switch_pending"
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,19 +120,21 @@ def due_boundary(completed_end: int, last_boundary: int | None, policy: Policy) 
     return boundary
 
 
-def decide(window: Window, current: Placement, policy: Policy, boundary: int) -> Decision:
-    """Steps 1-3 of the module docstring for the window ending at ``boundary``."""
-    if not window.complete or window.steps == 0:
+def decide(
+    window: Window,
+    current: Placement,
+    policy: Policy,
+    boundary: int,
+    *,
+    switch_pending: bool = False,
+) -> Decision:
+    """Steps 0-3 of the module docstring for the window ending at ``boundary``."""
+    skip = Outcome.SWITCH_PENDING if switch_pending else None
+    if skip is None and (not window.complete or window.steps == 0):
+        skip = Outcome.INCOMPLETE_WINDOW
+    if skip is not None:
         return Decision(
-            boundary,
-            window.first_step,
-            window.end_step,
-            Outcome.INCOMPLETE_WINDOW,
-            current,
-            1.0,
-            1.0,
-            1.0,
-            0,
+            boundary, window.first_step, window.end_step, skip, current, 1.0, 1.0, 1.0, 0
         )
     num_redundant = current.phy2log.shape[1] - current.num_logical_experts
     candidate = rebalance(

@@ -37,6 +37,7 @@ class EplbMetrics:
         self.rebalances = Counter(
             "baton_eplb_rebalances",
             "Rebalance decisions by outcome: committed, gain_too_small, incomplete_window, "
+            "switch_pending, "
             "prepare_failed, prepare_timeout, commit_failed",
             (*labels, "outcome"),
             registry=registry,

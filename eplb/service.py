@@ -110,6 +110,7 @@ class _ModelTrack:
     window: LoadWindow
     last_boundary: int | None
     awaiting: list[_Achievement] = field(default_factory=list)
+    switch_step: int = -1  # the step the last committed switch applies at (-1: none since sync)
 
 
 class GroupRunner:
@@ -281,7 +282,11 @@ class GroupRunner:
         labels = (self.spec.name, track.name)
         started = time.perf_counter()
         # The algorithm takes tens of milliseconds: off the event loop, so streams keep flowing.
-        decision = await asyncio.to_thread(decide, window, track.placement, self.policy, boundary)
+        # reports show the engines' steps: before the last switch's step it is still pending
+        pending = track.window.completed_end < track.switch_step
+        decision = await asyncio.to_thread(
+            decide, window, track.placement, self.policy, boundary, switch_pending=pending
+        )
         self.metrics.decision_seconds.labels(*labels).observe(time.perf_counter() - started)
         if window.steps:
             self.metrics.step_balance.labels(*labels).set(window.step_balance)
@@ -344,7 +349,7 @@ class GroupRunner:
         round_trip = time.perf_counter() - started
         applied_at = max(step for step in committed if isinstance(step, int))
         track.placement, track.version = decision.placement, track.version + 1
-        self.last_rebalance_step[track.name] = applied_at
+        self.last_rebalance_step[track.name] = track.switch_step = applied_at
         track.awaiting.append(
             _Achievement(
                 switch_id, track.version, applied_at, decision.balance_after, decision.placement

@@ -282,6 +282,7 @@ class _Api:
             config.pool.cells if config.pool is not None else (),
             probe_interval_s=settings.health_interval_s,
             stall_after_s=settings.stall_after_s,
+            on_missed_probe=lambda url: self.metrics.missed_health_checks.labels(url).inc(),
         )
         self.handoff: Handoff | None = None
 

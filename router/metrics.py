@@ -187,6 +187,13 @@ class GatewayMetrics:
             ["target"],
             registry=r,
         )
+        self.missed_health_checks = Counter(
+            "baton_gateway_health_checks_missed",
+            "Health checks an engine API server left unanswered (timed out); three in a row "
+            "eject it.",
+            ["server"],
+            registry=r,
+        )
         self.peer_outstanding_tokens = Gauge(
             "baton_gateway_peer_outstanding_tokens",
             "Uncached prompt tokens other gateway replicas have in flight per prefill instance, "

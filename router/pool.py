@@ -41,6 +41,7 @@ from router.policy import (
 __all__ = [
     "CACHED_KEYS",
     "ENGINE_LOAD_METRICS",
+    "MISSED_PROBES",
     "Breaker",
     "DecodeServerSpec",
     "Pool",
@@ -193,9 +194,15 @@ class _Server:
     # each model's context length as the engine states it (vLLM's max_model_len), when it does
     context: dict[str, int] = field(default_factory=dict)
     up: bool = True  # the last active health check answered 200
+    missed: int = 0  # health checks in a row it left unanswered (timed out)
     tokens: float = -1.0  # prompt + generation tokens the engine has counted, at the last sync
     progressed_at: float = 0.0  # monotonic: when that count last moved, or the engine was idle
     stalled: bool = False
+
+
+# Health checks a server may leave unanswered in a row before it is ejected (Kubernetes' probe
+# default failureThreshold); an answer other than 200, or a refused connection, ejects at once.
+MISSED_PROBES = 3
 
 
 class Pool:
@@ -207,12 +214,15 @@ class Pool:
         stall_after_s: float = 30.0,
         breaker: Callable[[], Breaker] = Breaker,
         cached_keys: int = CACHED_KEYS,
+        on_missed_probe: Callable[[str], None] | None = None,
     ) -> None:
         """``probe_interval_s``: seconds between health checks, and between load syncs;
         ``stall_after_s``: seconds a decode server may run requests without counting a token
         before it is routed around; ``breaker`` makes each target's circuit breaker;
-        ``cached_keys``: how many affinity keys' cached prompt tokens to remember."""
+        ``cached_keys``: how many affinity keys' cached prompt tokens to remember;
+        ``on_missed_probe``: told the server's URL when a health check goes unanswered."""
         self.probe_interval_s = probe_interval_s
+        self._on_missed_probe = on_missed_probe
         self.stall_after_s = stall_after_s
         self._new_breaker = breaker
         self._cached_keys = cached_keys
@@ -475,14 +485,29 @@ class Pool:
                             for card in cards
                             if isinstance(card.get("max_model_len"), int)
                         }
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
-            up = False
+        except TimeoutError:
+            # Unanswered, not refused: a busy API server (a large prompt to tokenize, a long
+            # pause) misses a check now and then, and ejecting it at once would take every
+            # engine of a busy host out together. Only MISSED_PROBES in a row eject it.
+            server.missed += 1
+            if self._on_missed_probe is not None:
+                self._on_missed_probe(server.url)
+            up = server.up and server.missed < MISSED_PROBES
+        except (aiohttp.ClientError, ValueError, KeyError):
+            up = False  # refused, reset or nonsense: down now
+        else:
+            server.missed = 0
         for target in server.targets:
             if up and not target.up:
                 log.info("target %s is healthy again; readmitted", target.name)
                 target.breaker.success()
             elif not up and target.up:
-                log.warning("target %s failed its health check; ejected", target.name)
+                reason = (
+                    f"left {server.missed} health checks in a row unanswered"
+                    if server.missed >= MISSED_PROBES
+                    else "failed its health check"
+                )
+                log.warning("target %s %s; ejected", target.name, reason)
             target.up = up
         server.up = up
 

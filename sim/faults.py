@@ -10,10 +10,16 @@
   get ``code`` with vLLM's error body.
 - ``{"action": "drop_kv", "count": n}``: every KV block held for a remote decode now is lost,
   and so are the next n handoffs' blocks when their decode side comes to pull them.
+- ``{"action": "freeze", "seconds": s}``: right after answering, the API server's process
+  stops serving for s wall seconds (its event loop is busy), as an API server tokenizing a huge
+  prompt or paused by the host does: requests and health checks wait, nothing fails. In
+  ``--cluster`` mode every engine of the process freezes with it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Annotated, Literal
 
 from aiohttp import web
@@ -27,7 +33,7 @@ __all__ = ["FaultInjector"]
 
 
 class _Fault(BaseModel):
-    action: Literal["kill", "stall", "fail_requests", "drop_kv"]
+    action: Literal["kill", "stall", "fail_requests", "drop_kv", "freeze"]
     rank: int | None = None
     seconds: Annotated[float, Field(gt=0)] = 1.0
     count: Annotated[int, Field(ge=0)] | None = None  # fail_requests: 1; drop_kv: 0
@@ -66,6 +72,9 @@ class FaultInjector:
             self.group.kill()
         elif fault.action == "stall":
             self.group.ranks[rank].stalled_until = self.group.clock.now() + fault.seconds
+        elif fault.action == "freeze":
+            # after the answer is written: the caller learns the fault is on before it bites
+            asyncio.get_running_loop().call_later(0.05, time.sleep, fault.seconds)
         elif fault.action == "fail_requests":
             self._failures.extend([fault.status] * (1 if fault.count is None else fault.count))
         else:

@@ -226,6 +226,36 @@ def test_a_dead_decode_servers_other_ranks_are_not_tried_after_it_fails(
         assert stack.gateway_metric("baton_gateway_retries_total", phase="decode") - before <= 1
 
 
+def test_an_engine_too_busy_to_answer_one_health_check_stays_in_the_pool(
+    start_sim, start_gateway
+) -> None:
+    # Seen in baton bench agentx: the simulator's API servers, busy for a moment, missed one
+    # health check together; the gateway ejected every target at once and answered 503.
+    decode = start_engine(start_sim)
+    gateway = start_gateway("--api-key", "k", f"--decode={decode.url}")
+    stack = Stack(gateway, [], decode)
+    assert chat(stack, max_tokens=2).usage.completion_tokens == 2
+    missed_before = stack.gateway_metric("baton_gateway_health_checks_missed_total")
+    stack.fault(decode, action="freeze", seconds=1.6)  # one probe (1 s timeout) goes unanswered
+    eventually(
+        lambda: stack.gateway_metric("baton_gateway_health_checks_missed_total") > missed_before,
+        timeout=10,
+    )
+    assert chat(stack, max_tokens=2).usage.completion_tokens == 2
+    assert "ejected" not in gateway.log()
+
+
+def test_an_engine_that_stays_silent_is_ejected_after_three_missed_health_checks(
+    start_sim, start_gateway
+) -> None:
+    decode = start_engine(start_sim)
+    gateway = start_gateway("--api-key", "k", f"--decode={decode.url}")
+    stack = Stack(gateway, [], decode)
+    stack.fault(decode, action="freeze", seconds=6)
+    eventually(lambda: "ejected" in gateway.log(), timeout=15)
+    assert stack.gateway_metric("baton_gateway_health_checks_missed_total") >= 3
+
+
 def test_with_one_decode_target_a_lost_kv_is_decoded_alone_on_it(start_sim, start_gateway) -> None:
     prefill, decode = start_engine(start_sim), start_engine(start_sim)
     gateway = start_gateway("--api-key", "k", f"--prefill={prefill.url}", f"--decode={decode.url}")

@@ -89,6 +89,19 @@ def test_an_incomplete_window_is_not_decided_on() -> None:
     assert decision.placement is current
 
 
+def test_no_boundary_is_decided_while_the_last_switch_waits_for_its_step() -> None:
+    # Seen in make demo: the boundary at step 1000 came while the switch decided at 500 waited
+    # for step 1075; the agents refused the new Prepare and the service counted prepare_failed.
+    current = Placement.contiguous(4, 64, 16)
+    current = Placement.from_phy2log(
+        np.concatenate([current.phy2log, current.phy2log[:, :16]], axis=1), 16, 64
+    )
+    decision = decide(skewed_window(), current, POLICY, 300, switch_pending=True)
+    assert decision.outcome is Outcome.SWITCH_PENDING
+    assert decision.placement is current
+    assert decision.moved_experts == 0
+
+
 def test_sampling_noise_lowers_the_predicted_balance_of_a_fitted_placement() -> None:
     window = skewed_window(scale=10.0)  # few tokens: noise is a large share of rank load
     placement = rebalance(window.load, 16, 16)
