@@ -54,7 +54,13 @@ from baton.core.model import MODEL, SERVED_MODEL_NAME
 from controller.placement import DeploymentShape, Plan, plan_placement
 from controller.topology import synthetic_topology
 from eplb.config import EplbServiceConfig, GroupSpec
-from rigs.processes import free_port_block, stop_process, wait_healthy
+from rigs.processes import (
+    ProcessExited,
+    eventually,
+    free_port_block,
+    stop_process,
+    wait_healthy,
+)
 from router.pool import DecodeServerSpec, PoolCell, PoolSpec
 from sim.cluster import ClusterSpec, DecodeGroupSpec, PrefillInstancesSpec
 from sim.config import EplbConfig
@@ -402,9 +408,15 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
             )
             processes.append(gateway)
             wait_healthy(gateway_url, gateway, timeout=60)
-            while httpx.get(f"{gateway_url}/ready", timeout=5).status_code != 200:
-                if stop.wait(0.2):
-                    return 0
+
+            def ready() -> bool:
+                if gateway.poll() is not None:
+                    raise ProcessExited(f"the gateway exited with {gateway.returncode}")
+                return stop.is_set() or httpx.get(f"{gateway_url}/ready").status_code == 200
+
+            eventually(ready, timeout=60, interval=0.2)
+            if stop.is_set():
+                return 0
             if args.prometheus_targets is not None:
                 targets = prometheus_targets(layout, gateway_url, eplb_metrics_url)
                 # written whole, then renamed: Prometheus never reads a half-written file

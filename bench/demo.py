@@ -29,7 +29,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.core.model import SERVED_MODEL_NAME
-from rigs.processes import eventually, free_port, stop_process
+from rigs.processes import ProcessExited, eventually, free_port, stop_process
 
 SESSIONS = 32
 TURNS = 6
@@ -293,12 +293,14 @@ def main() -> int:
         ]
     )
     gateway = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if up.poll() is not None:
+            raise ProcessExited(f"baton up exited with {up.returncode}")
+        return httpx.get(f"{gateway}/ready").status_code == 200
+
     try:
-        eventually(
-            lambda: up.poll() is None and httpx.get(f"{gateway}/ready").status_code == 200,
-            timeout=180,
-            interval=0.5,
-        )
+        eventually(ready, timeout=180, interval=0.5)
         print(
             f"\nRunning {SESSIONS} agentic sessions x {TURNS} turns through {gateway}/v1 ...\n",
             flush=True,

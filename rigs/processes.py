@@ -16,6 +16,7 @@ from typing import TypeVar
 import httpx
 
 __all__ = [
+    "ProcessExited",
     "eventually",
     "free_port",
     "free_port_block",
@@ -73,8 +74,13 @@ def free_port() -> int:
     return free_port_block(1)
 
 
+class ProcessExited(RuntimeError):
+    """A process being waited on has exited: no point in waiting longer."""
+
+
 def eventually(check: Callable[[], T], timeout: float = 20.0, interval: float = 0.05) -> T:
-    """Poll ``check`` until it returns a truthy value (returned) or raise with its last error."""
+    """Poll ``check`` until it returns a truthy value (returned) or raise with its last error;
+    a :class:`ProcessExited` from ``check`` ends the wait at once."""
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while time.monotonic() < deadline:
@@ -82,6 +88,8 @@ def eventually(check: Callable[[], T], timeout: float = 20.0, interval: float = 
             value = check()
             if value:
                 return value
+        except ProcessExited:
+            raise
         except Exception as exc:
             last = exc
         time.sleep(interval)
@@ -96,7 +104,7 @@ def wait_healthy(
     def healthy() -> bool:
         if process.poll() is not None:
             output = log_path.read_text() if log_path is not None else ""
-            raise RuntimeError(f"process exited with {process.returncode}:\n{output}")
+            raise ProcessExited(f"process exited with {process.returncode}:\n{output}")
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
 
     eventually(healthy, timeout=timeout)
