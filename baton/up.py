@@ -11,7 +11,9 @@
    serves one; agents and service share a fresh token in a file of the stack's private
    directory, since an agent without one refuses switches); ``plugin`` has every decode group
    rebalance in-engine with Baton's vLLM plugin (``baton sim --eplb-policy-plugin baton``) and
-   report each window to the service.
+   report each window to the service. Two more modes run no service, for comparisons:
+   ``vllm``, the engines' own EPLB with vLLM's default policy (``--enable-eplb``, 32
+   redundant experts), and ``off``, no EPLB.
 5. ``baton gateway`` on 127.0.0.1:8000 (``--port``) with a pool file of the placed cells.
 
 ``--prometheus-targets FILE`` writes every ``/metrics`` endpoint as a Prometheus file-based
@@ -75,7 +77,7 @@ __all__ = [
     "wait_for_eplb",
 ]
 
-EplbMode = Literal["agent", "plugin"]
+EplbMode = Literal["agent", "plugin", "vllm", "off"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +89,7 @@ class StackLayout:
 
     cluster: ClusterSpec
     pool: PoolSpec
-    eplb: EplbServiceConfig
+    eplb: EplbServiceConfig | None  # None: no EPLB service (modes vllm and off)
     report_port: int | None = None
 
 
@@ -125,8 +127,10 @@ def layout_stack(
                 eplb_agent_port=agent_port,
                 eplb_agent_token_file=eplb_token_file if agent_port is not None else None,
                 eplb_policy_plugin="baton" if eplb_mode == "plugin" else None,
+                enable_eplb=eplb_mode != "off",
                 eplb=EplbConfig(
-                    num_redundant_experts=32, **(cadence if eplb_mode == "plugin" else {})
+                    num_redundant_experts=32,
+                    **(cadence if eplb_mode in ("plugin", "vllm") else {}),
                 ),
             )
         )
@@ -171,6 +175,8 @@ def layout_stack(
             pool=PoolSpec(cells=tuple(cells)),
             eplb=EplbServiceConfig(groups=tuple(eplb_groups), **cadence),
         )
+    if eplb_mode in ("vllm", "off"):
+        return StackLayout(cluster=cluster, pool=PoolSpec(cells=tuple(cells)), eplb=None)
     return StackLayout(
         cluster=cluster,
         pool=PoolSpec(cells=tuple(cells)),
@@ -180,19 +186,20 @@ def layout_stack(
 
 
 def prometheus_targets(
-    layout: StackLayout, gateway_url: str, eplb_metrics_url: str
+    layout: StackLayout, gateway_url: str, eplb_metrics_url: str | None
 ) -> list[dict[str, Any]]:
     """Every ``/metrics`` endpoint of the stack as Prometheus' file-based discovery lists
-    targets: the gateway, the EPLB service and each engine API server, with its cell and
-    role."""
+    targets: the gateway, the EPLB service (when one runs) and each engine API server, with its
+    cell and role."""
 
     def hostport(url: str) -> str:
         return url.removeprefix("http://").removesuffix("/metrics")
 
     groups: list[dict[str, Any]] = [
-        {"targets": [hostport(gateway_url)], "labels": {"job": "baton-gateway"}},
-        {"targets": [hostport(eplb_metrics_url)], "labels": {"job": "baton-eplb"}},
+        {"targets": [hostport(gateway_url)], "labels": {"job": "baton-gateway"}}
     ]
+    if eplb_metrics_url is not None:
+        groups.append({"targets": [hostport(eplb_metrics_url)], "labels": {"job": "baton-eplb"}})
     for cell in layout.pool.cells:
         for role, urls in (
             ("prefill", cell.prefill),
@@ -282,10 +289,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000, help="the gateway's port")
     parser.add_argument(
         "--eplb-mode",
-        choices=["agent", "plugin"],
+        choices=["agent", "plugin", "vllm", "off"],
         default="agent",
         help="agent: the EPLB service switches every decode group through its agent; plugin: "
-        "the engines rebalance in-engine with Baton's vLLM plugin and report to the service",
+        "the engines rebalance in-engine with Baton's vLLM plugin and report to the service; "
+        "vllm: the engines' own EPLB with vLLM's policy, no service; off: no EPLB",
     )
     parser.add_argument(
         "--prometheus-targets",
@@ -304,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=None,
         help="rebalance every this many decode steps from the load of as many (default: "
-        "vLLM's 3000 / 1000 in plugin mode, the service's 500 / 500 in agent mode)",
+        "vLLM's 3000 / 1000 in plugin and vllm modes, the service's 500 / 500 in agent mode)",
     )
     parser.add_argument(
         "--eplb-metrics-port",
@@ -355,7 +363,6 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
         eplb_file = Path(workdir, "eplb.yaml")
         cluster_file.write_text(_yaml(layout.cluster))
         pool_file.write_text(_yaml(layout.pool))
-        eplb_file.write_text(_yaml(layout.eplb))
         python = [sys.executable, "-m", "baton.cli"]
         reports: list[str] = []
         engine_env = dict(os.environ)
@@ -371,28 +378,32 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
             for pool_cell in layout.pool.cells:
                 for url in [*pool_cell.prefill, *(d.url for d in pool_cell.decode)]:
                     wait_healthy(url, engines, timeout=120)
-            eplb_metrics = args.eplb_metrics_port or free_port_block(1)
-            eplb_metrics_url = f"http://127.0.0.1:{eplb_metrics}/metrics"
-            eplb = subprocess.Popen(
-                [
-                    *python,
-                    "eplb",
-                    "--config",
-                    str(eplb_file),
-                    "--metrics-port",
-                    str(eplb_metrics),
-                    *reports,
-                    *service_token,
-                    "--log-level",
-                    "warning",
-                ]
-            )
-            processes.append(eplb)
-            # A service that connects after the load starts finds its first window incomplete
-            # and skips that boundary: the gateway takes requests only once it follows.
-            groups = [group.name for group in layout.eplb.groups]
-            if not wait_for_eplb(eplb_metrics_url, eplb, groups, stop):
-                return 0
+            eplb_metrics_url = None
+            if layout.eplb is not None:
+                eplb_file.write_text(_yaml(layout.eplb))
+                eplb_metrics = args.eplb_metrics_port or free_port_block(1)
+                eplb_metrics_url = f"http://127.0.0.1:{eplb_metrics}/metrics"
+                eplb = subprocess.Popen(
+                    [
+                        *python,
+                        "eplb",
+                        "--config",
+                        str(eplb_file),
+                        "--metrics-port",
+                        str(eplb_metrics),
+                        *reports,
+                        *service_token,
+                        "--log-level",
+                        "warning",
+                    ]
+                )
+                processes.append(eplb)
+                # A service that connects after the load starts finds its first window
+                # incomplete and skips that boundary: the gateway takes requests only once it
+                # follows.
+                groups = [group.name for group in layout.eplb.groups]
+                if not wait_for_eplb(eplb_metrics_url, eplb, groups, stop):
+                    return 0
             gateway_url = f"http://127.0.0.1:{args.port}"
             gateway = subprocess.Popen(
                 [
@@ -451,10 +462,15 @@ def _report_env(deployment: str, port: int) -> dict[str, str]:
     }
 
 
-def _print_urls(layout: StackLayout, gateway_url: str, eplb_metrics: str) -> None:
+def _print_urls(layout: StackLayout, gateway_url: str, eplb_metrics: str | None) -> None:
     print(f"\nBaton is up: OpenAI API at {gateway_url}/v1 (model {SERVED_MODEL_NAME})")
     print(f"  gateway metrics   {gateway_url}/metrics")
-    print(f"  EPLB metrics      {eplb_metrics}")
+    if eplb_metrics is not None:
+        print(f"  EPLB metrics      {eplb_metrics}")
+    elif layout.cluster.decode_groups and layout.cluster.decode_groups[0].enable_eplb:
+        print("  EPLB              the engines' own, vLLM's policy (no EPLB service)")
+    else:
+        print("  EPLB              off")
     if layout.report_port is not None:
         print(
             f"  EPLB reports      http://127.0.0.1:{layout.report_port}/v1/windows "

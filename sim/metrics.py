@@ -15,6 +15,7 @@ from prometheus_client.core import (
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
+    SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
 
@@ -151,6 +152,15 @@ class EngineCollector(Collector):
             )
             dropped.add_metric([name], self.group.moe.load_subscribers_dropped)
             yield dropped
+            balance = SummaryMetricFamily(
+                "baton:sim_expert_balance",
+                "Expert balance of the group's decode steps (mean / max rank load, vLLM's "
+                "balancedness), per MoE model: _sum over _count is the mean over an interval.",
+                labels=["model_name", "moe_model"],
+            )
+            for moe_model, state in self.group.moe.models.items():
+                balance.add_metric([name, moe_model], state.balance_steps, state.balance_sum)
+            yield balance
 
     def _timeline(self) -> Iterator[Metric]:
         # The group's, not a rank's: every API server of a group shows the same counts.

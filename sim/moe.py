@@ -175,6 +175,9 @@ class ModelState:
     window: np.ndarray | None = None  # logical load summed since the window opened
     staged: StagedSwitch | None = None
     last_balance: float = 1.0
+    # every routed step's balance added up, and the steps: a mean over any interval, as a metric
+    balance_sum: float = 0.0
+    balance_steps: int = 0
 
     def route(self, tokens: int) -> tuple[np.ndarray, float]:
         """One step's logical load and its balance under the current placement."""
@@ -182,6 +185,8 @@ class ModelState:
         per_rank = rank_load(logical, self.placement)
         peak = per_rank.max(axis=1).sum()
         self.last_balance = float(per_rank.mean(axis=1).sum() / peak) if peak else 1.0
+        self.balance_sum += self.last_balance
+        self.balance_steps += 1
         return logical, self.last_balance
 
 

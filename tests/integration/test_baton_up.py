@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import signal
 import socket
@@ -131,3 +132,33 @@ def test_in_plugin_mode_the_eplb_service_takes_the_engines_reports(tmp_path: Pat
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         answer = client.completions.create(model=SERVED_MODEL_NAME, prompt="hi", max_tokens=4)
         assert answer.usage is not None and answer.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [
+        ("vllm", "the engines' own, vLLM's policy (no EPLB service)"),
+        ("off", "EPLB              off"),
+    ],
+)
+def test_the_comparison_modes_serve_without_an_eplb_service(
+    tmp_path: Path, mode: str, says: str
+) -> None:
+    targets = tmp_path / "targets.json"
+    flags = ("--eplb-mode", mode, "--prometheus-targets", str(targets))
+    with baton_up(tmp_path, *flags) as (process, url, log):
+        output = eventually(lambda: says in log.read_text() and log.read_text())
+        assert isinstance(output, str) and "EPLB metrics" not in output
+        commands = [" ".join(p.cmdline()) for p in psutil.Process(process.pid).children()]
+        assert not any("baton.cli eplb" in command for command in commands)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        answer = client.completions.create(model=SERVED_MODEL_NAME, prompt="hi", max_tokens=8)
+        assert answer.usage is not None and answer.usage.completion_tokens == 8
+        decode = next(
+            group["targets"][0]
+            for group in json.loads(targets.read_text())
+            if group["labels"].get("role") == "decode"
+        )
+        # the simulator's own balance series, whichever EPLB runs: decode steps were routed
+        steps = scrape_by(f"http://{decode}", "baton:sim_expert_balance_count", "moe_model")
+        assert steps["target"] > 0

@@ -178,9 +178,8 @@ METRICS_DOC = ROOT / "docs" / "metrics.md"
 
 def documented() -> dict[str, tuple[str, set[str]]]:
     """docs/metrics.md's tables: each metric's type and labels."""
-    rows = re.findall(
-        r"^\| `([^`]+)` \| (counter|gauge|histogram) \|([^|]*)\|", METRICS_DOC.read_text(), re.M
-    )
+    kinds = "counter|gauge|histogram|summary"
+    rows = re.findall(rf"^\| `([^`]+)` \| ({kinds}) \|([^|]*)\|", METRICS_DOC.read_text(), re.M)
     table = {
         name: (kind, {label.strip() for label in labels.split(",") if label.strip()})
         for name, kind, labels in rows

@@ -1,4 +1,4 @@
-"""``baton up``'s layout: the files its processes read, in either EPLB mode."""
+"""``baton up``'s layout: the files its processes read, in each EPLB mode."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def test_agent_mode_gives_every_decode_group_an_agent_the_service_drives() -> No
     layout = layout_stack(plan(), time_scale=1.0)
     [group] = layout.cluster.decode_groups
     assert group.eplb_agent_port is not None and group.eplb_policy_plugin is None
+    assert layout.eplb is not None
     [service_group] = layout.eplb.groups
     assert service_group.agents == (f"127.0.0.1:{group.eplb_agent_port}",)
     assert layout.report_port is None
@@ -27,8 +28,26 @@ def test_plugin_mode_has_the_engines_rebalance_with_batons_plugin_and_report() -
     [group] = layout.cluster.decode_groups
     assert group.eplb_agent_port is None and group.eplb_policy_plugin == "baton"
     assert group.enable_eplb and group.eplb.num_redundant_experts == 32
-    assert layout.eplb.groups == ()
+    assert layout.eplb is not None and layout.eplb.groups == ()
     assert layout.report_port is not None
+
+
+def test_vllm_mode_has_the_engines_rebalance_with_vllms_own_policy_and_no_service() -> None:
+    layout = layout_stack(plan(), time_scale=1.0, eplb_mode="vllm", eplb_steps=400)
+    [group] = layout.cluster.decode_groups
+    assert group.eplb_agent_port is None and group.eplb_policy_plugin is None
+    assert group.enable_eplb and group.eplb.num_redundant_experts == 32
+    assert (group.eplb.window_size, group.eplb.step_interval) == (400, 400)
+    assert layout.eplb is None and layout.report_port is None
+
+
+def test_off_mode_runs_no_eplb_at_all() -> None:
+    layout = layout_stack(plan(), time_scale=1.0, eplb_mode="off")
+    [group] = layout.cluster.decode_groups
+    assert not group.enable_eplb and group.eplb_agent_port is None
+    assert layout.eplb is None
+    jobs = {g["labels"]["job"] for g in prometheus_targets(layout, "http://127.0.0.1:8000", None)}
+    assert jobs == {"baton-gateway", "baton-engines"}
 
 
 def test_prometheus_targets_list_every_metrics_endpoint_with_the_engines_cell_and_role() -> None:
