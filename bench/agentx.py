@@ -47,7 +47,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,10 @@ class Settings:
     usd_per_gpu_hour: float
     url: str | None = None
     gpus: int | None = None
+    # the EPLB comparison: Baton's gateway at one concurrency under each baton up EPLB mode
+    eplb_modes: tuple[str, ...] = ()
+    eplb_concurrency: int = 192
+    eplb_duration_s: float = 45.0
 
 
 @dataclass(slots=True)
@@ -210,9 +214,16 @@ async def _send(load: _Load, request: Request, chat: list[dict[str, str]]) -> No
 
 
 async def _drive(
-    url: str, model: str, settings: Settings, concurrency: int, label: str
-) -> tuple[list[Record], list[Request], float]:
-    """Run ``concurrency`` lanes for the warmup and the measurement; drain what is in flight."""
+    url: str,
+    model: str,
+    settings: Settings,
+    concurrency: int,
+    label: str,
+    balance_of: str | None = None,
+) -> tuple[list[Record], list[Request], float, list[dict[str, float]]]:
+    """Run ``concurrency`` lanes for the warmup and the measurement; drain what is in flight.
+    With ``balance_of`` (a decode API server) the decode group's expert balance is sampled
+    every simulated second: the mean of each model's steps since the last sample."""
     scale = settings.time_scale
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300 * scale)
     connector = aiohttp.TCPConnector(limit=0)
@@ -227,6 +238,12 @@ async def _drive(
             http,
         )
         load.progress = tqdm(desc=label, unit=" req", leave=False, file=sys.stderr)
+        timeline: list[dict[str, float]] = []
+        sampler = (
+            asyncio.create_task(_sample_balance(http, balance_of, load, timeline))
+            if balance_of
+            else None
+        )
         try:
             lanes = [asyncio.create_task(_lane(load, settings.seed, i)) for i in range(concurrency)]
             # In flight at the end: drained, within a bound (a stuck request must not hang).
@@ -241,7 +258,36 @@ async def _drive(
                 task.result()
         finally:
             load.progress.close()
-    return load.records, load.requests, time.perf_counter() - started
+            if sampler is not None:
+                sampler.cancel()
+                await asyncio.gather(sampler, return_exceptions=True)
+    return load.records, load.requests, time.perf_counter() - started, timeline
+
+
+async def _sample_balance(
+    http: aiohttp.ClientSession, url: str, load: _Load, timeline: list[dict[str, float]]
+) -> None:
+    last: dict[str, tuple[float, float]] = {}
+    while True:
+        await asyncio.sleep(load.time_scale)  # one simulated second
+        async with http.get(f"{url}/metrics") as response:
+            text = await response.text()
+        now: dict[str, list[float]] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name != "baton:sim_expert_balance":
+                continue
+            for sample in family.samples:
+                model = sample.labels["moe_model"]
+                kind = sample.name.rsplit("_", 1)[1]  # sum or count
+                now.setdefault(model, [0.0, 0.0])[kind == "count"] = sample.value
+        point = {"t_s": (time.perf_counter() - load.started) / load.time_scale}
+        for model, (total, steps) in now.items():
+            before = last.get(model, (0.0, 0.0))
+            if steps > before[1]:
+                point[model] = (total - before[0]) / (steps - before[1])
+            last[model] = (total, steps)
+        point["steps"] = max((steps for _, steps in now.values()), default=0.0)
+        timeline.append(point)
 
 
 # ---- figures
@@ -341,9 +387,9 @@ class _Stack:
 
 
 @contextmanager
-def _stack(directory: Path, time_scale: float) -> Iterator[_Stack]:
-    """A fresh ``baton up`` (one rack) and where its engines are, from the targets file it
-    writes for Prometheus."""
+def _stack(directory: Path, time_scale: float, eplb: str) -> Iterator[_Stack]:
+    """A fresh ``baton up`` (one rack, ``--eplb-mode eplb``) and where its engines are, from the
+    targets file it writes for Prometheus."""
     port, targets = free_port(), directory / "targets.json"
     targets.unlink(missing_ok=True)
     log = (directory / "baton-up.log").open("ab")
@@ -359,6 +405,8 @@ def _stack(directory: Path, time_scale: float) -> Iterator[_Stack]:
             str(time_scale),
             "--prometheus-targets",
             str(targets),
+            "--eplb-mode",
+            eplb,
         ],
         stdout=log,
         stderr=log,
@@ -455,11 +503,16 @@ def _model(url: str) -> str:
     return str(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"])
 
 
-def _point(settings: Settings, router: str, concurrency: int, directory: Path) -> dict[str, Any]:
-    label = f"{router} c={concurrency}"
-    with _stack(directory, settings.time_scale) as stack, _router(router, stack, directory) as url:
-        records, requests, wall_s = asyncio.run(
-            _drive(url, _model(url), settings, concurrency, label)
+def _point(
+    settings: Settings, router: str, concurrency: int, directory: Path, eplb: str = "agent"
+) -> dict[str, Any]:
+    label = f"{router} c={concurrency}" + (f" EPLB {eplb}" if eplb != "agent" else "")
+    with (
+        _stack(directory, settings.time_scale, eplb) as stack,
+        _router(router, stack, directory) as url,
+    ):
+        records, requests, wall_s, timeline = asyncio.run(
+            _drive(url, _model(url), settings, concurrency, label, balance_of=stack.decode[0])
         )
         counters = _engine_counters(stack)
         gpus = stack.gpus
@@ -473,10 +526,18 @@ def _point(settings: Settings, router: str, concurrency: int, directory: Path) -
         usd_per_gpu_hour=settings.usd_per_gpu_hour,
     )
     late = counters["late_steps"] / counters["steps"] if counters["steps"] else 0.0
+    measured = [p for p in timeline if p["t_s"] >= settings.warmup_s]
     return {
         "router": router,
         "concurrency": concurrency,
+        "eplb": eplb,
         "wall_s": wall_s,
+        "balance": {
+            model: statistics.mean(p[model] for p in measured if model in p)
+            for model in ("target", "draft")
+            if any(model in p for p in measured)
+        },
+        "balance_timeline": timeline,
         "late_steps": late,
         # wall ms a late step ended late, on average: small against the step is harmless
         "late_step_lag_ms": counters["lag_s"] / counters["late_steps"] * 1000
@@ -490,7 +551,7 @@ def _point(settings: Settings, router: str, concurrency: int, directory: Path) -
 def _external(settings: Settings, concurrency: int) -> dict[str, Any]:
     assert settings.url is not None
     url = settings.url.rstrip("/").removesuffix("/v1")
-    records, requests, wall_s = asyncio.run(
+    records, requests, wall_s, _ = asyncio.run(
         _drive(url, _model(url), settings, concurrency, f"{url} c={concurrency}")
     )
     figures = summarize(
@@ -519,6 +580,43 @@ def sweep(settings: Settings) -> list[dict[str, Any]]:
                 print(_row(point), file=sys.stderr)
                 points.append(point)
     return points
+
+
+def eplb_comparison(settings: Settings) -> list[dict[str, Any]]:
+    """Baton's gateway at ``eplb_concurrency`` under each EPLB mode: the service (agent), the
+    engines' own vLLM policy, none; long enough for vLLM's first rebalance at step 3,000."""
+    longer = replace(settings, duration_s=settings.eplb_duration_s)
+    points = []
+    with tempfile.TemporaryDirectory(prefix="baton-bench-agentx-eplb-") as tmp:
+        for mode in settings.eplb_modes:
+            point = _point(longer, "baton", settings.eplb_concurrency, Path(tmp), eplb=mode)
+            print(_eplb_row(point), file=sys.stderr)
+            points.append(point)
+    return points
+
+
+def _eplb_row(point: dict[str, Any]) -> str:
+    balance = point.get("balance", {})
+    steps = max((p.get("steps", 0.0) for p in point.get("balance_timeline", [])), default=0.0)
+    return (
+        f"| {EPLB_NAMES.get(point['eplb'], point['eplb'])} "
+        f"| {_fmt(balance.get('target'), '.3f')} / {_fmt(balance.get('draft'), '.3f')} "
+        f"| {steps:,.0f} | {_fmt(point.get('tokens_per_s_per_gpu'), ',.0f')} "
+        f"| {_fmt(point.get('output_per_s_per_gpu'), ',.0f')} "
+        f"| {_fmt(point.get('p90_tokens_per_s_per_user'), '.1f')} "
+        f"| {point['errors']} | {_fmt(point.get('late_steps', math.nan) * 100, '.1f')}% |"
+    )
+
+
+EPLB_NAMES = {
+    "agent": "Baton's EPLB service (minimal moves, 500 / 500)",
+    "vllm": "vLLM's in-engine EPLB (3,000 / 1,000)",
+    "off": "no EPLB",
+}
+EPLB_HEADER = (
+    "| EPLB | mean balance, target / draft | decode steps | tokens/s/GPU | output/s/GPU "
+    "| P90 tok/s/user | errors | late steps |\n|---|---|---|---|---|---|---|---|"
+)
 
 
 # ---- report
@@ -668,6 +766,37 @@ def plot(points: Sequence[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_eplb(points: Sequence[dict[str, Any]], path: Path) -> None:
+    """Each EPLB mode's expert balance over time (target and draft), and its throughput."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (target, draft, rate) = plt.subplots(
+        1, 3, figsize=(16, 4.6), gridspec_kw={"width_ratios": [2, 2, 1]}
+    )
+    for point in points:
+        name = EPLB_NAMES.get(point["eplb"], point["eplb"])
+        for axis, model in ((target, "target"), (draft, "draft")):
+            timeline = [p for p in point["balance_timeline"] if model in p]
+            axis.plot([p["t_s"] for p in timeline], [p[model] for p in timeline], label=name)
+    for axis, model in ((target, "target"), (draft, "draft")):
+        axis.set(
+            xlabel="simulated seconds",
+            ylabel="expert balance per step (mean / max)",
+            ylim=(0, 1),
+            title=f"{model} model",
+        )
+        axis.legend(fontsize=7, loc="lower right")
+    names = [point["eplb"] for point in points]
+    rate.bar(names, [point.get("tokens_per_s_per_gpu", 0.0) for point in points])
+    rate.set(ylabel="tokens/s per GPU", title="Throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ---- command line
 
 
@@ -701,6 +830,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--seed", type=int, help="the workload's seed (default 2026)")
     group.add_argument(
+        "--eplb-modes",
+        help="EPLB modes to compare with Baton's gateway, comma-separated, '' for none "
+        "(agent, vllm, off; default: all three; quick: none)",
+    )
+    group.add_argument(
+        "--eplb-concurrency",
+        type=int,
+        help="sessions of the EPLB comparison (default: the sweep's largest)",
+    )
+    group.add_argument(
+        "--eplb-duration",
+        type=float,
+        help="simulated seconds measured per EPLB mode (default 45: vLLM's policy first "
+        "rebalances at decode step 3,000)",
+    )
+    group.add_argument(
         "--usd-per-gpu-hour",
         type=float,
         help="GPU price for $/M tokens (default 3.00, an assumption, not a quote)",
@@ -733,6 +878,12 @@ def _settings(args: argparse.Namespace, quick: bool) -> Settings:
             f"baton bench agentx: --routers: unknown {unknown}; choose from {list(ROUTERS)}"
         )
     url = given.get("url")
+    eplb_modes = tuple(m for m in pick("eplb_modes", ",".join(EPLB_NAMES), "").split(",") if m)
+    unknown = sorted(set(eplb_modes) - set(EPLB_NAMES))
+    if unknown:
+        raise SystemExit(
+            f"baton bench agentx: --eplb-modes: unknown {unknown}; choose from {list(EPLB_NAMES)}"
+        )
     return Settings(
         routers=routers,
         concurrency=concurrency,
@@ -743,6 +894,9 @@ def _settings(args: argparse.Namespace, quick: bool) -> Settings:
         usd_per_gpu_hour=float(pick("usd_per_gpu_hour", 3.0, 3.0)),
         url=url,
         gpus=given.get("gpus"),
+        eplb_modes=eplb_modes,
+        eplb_concurrency=int(pick("eplb_concurrency", max(concurrency), max(concurrency))),
+        eplb_duration_s=float(pick("eplb_duration", 45.0, 45.0)),
     )
 
 
@@ -750,17 +904,23 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
     settings = _settings(args or argparse.Namespace(), quick)
     started = time.time()
     points = sweep(settings)
+    eplb = eplb_comparison(settings) if settings.url is None else []
     result: dict[str, object] = {
         "benchmark": "agentx",
         "settings": asdict(settings),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "points": points,
         "comparison": compare(points),
+        "eplb": eplb,
         "targets": {"throughput_per_gpu_ratio_min": 1.15, "reuse_of_theoretical_min": 0.9},
     }
     print(HEADER)
     for point in points:
         print(_row(point))
+    if eplb:
+        print(EPLB_HEADER)
+        for point in eplb:
+            print(_eplb_row(point))
     for row in result["comparison"]:  # type: ignore[attr-defined]
         print(
             f"c={row['concurrency']}: Baton / {row['against']}: throughput per GPU "
@@ -772,5 +932,7 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
         FIGURES.mkdir(parents=True, exist_ok=True)
         (FIGURES / "agentx.json").write_text(json.dumps(result, indent=1) + "\n")
         plot(points, FIGURES / "agentx.png")
-        print(f"wrote {FIGURES.relative_to(ROOT)}/agentx.json and agentx.png", file=sys.stderr)
+        if eplb:
+            plot_eplb(eplb, FIGURES / "agentx_eplb.png")
+        print(f"wrote {FIGURES.relative_to(ROOT)}/agentx.json and its plots", file=sys.stderr)
     return result

@@ -31,6 +31,10 @@ def test_every_router_serves_the_same_sessions_and_affinity_keeps_the_cache(
         "1",
         "--duration",
         "6",
+        "--eplb-modes",
+        "vllm",
+        "--eplb-duration",
+        "4",
         "--out",
         str(tmp_path),
     ]
@@ -50,3 +54,8 @@ def test_every_router_serves_the_same_sessions_and_affinity_keeps_the_cache(
         > 2 * points["round-robin"]["prefix_reuse_achieved"]
     )
     assert "| baton | 4 |" in done.stdout and "Baton / vllm-router" in done.stdout
+    # the EPLB comparison's point: the engines' own EPLB, its balance followed over time
+    [eplb] = result["eplb"]
+    assert eplb["eplb"] == "vllm" and eplb["errors"] == 0
+    assert 0 < eplb["balance"]["target"] <= 1
+    assert eplb["balance_timeline"][-1]["steps"] > 0
