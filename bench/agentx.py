@@ -105,7 +105,6 @@ class Record:
     session: str
     turn: int
     warmup: bool
-    theoretical_cached: int
     start: float
     first: float | None = None
     end: float | None = None
@@ -172,11 +171,7 @@ async def _send(load: _Load, request: Request, chat: list[dict[str, str]]) -> No
         "ignore_eos": True,
     }
     record = Record(
-        request.session.name,
-        request.turn,
-        request.warmup,
-        request.cached_prefix_tokens,
-        time.perf_counter() - load.started,
+        request.session.name, request.turn, request.warmup, time.perf_counter() - load.started
     )
     load.records.append(record)
     load.requests.append(request)
@@ -928,11 +923,10 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
             f"P90 per-user {row['p90_per_user_ratio']:.2f}x; "
             f"Baton's reuse {row['baton_reuse_of_theoretical']:.1%} of the theoretical"
         )
-    if not quick and settings.url is None:
+    if not quick and settings.url is None:  # the docs' plots, beside the JSON baton bench saves
         FIGURES.mkdir(parents=True, exist_ok=True)
-        (FIGURES / "agentx.json").write_text(json.dumps(result, indent=1) + "\n")
         plot(points, FIGURES / "agentx.png")
         if eplb:
             plot_eplb(eplb, FIGURES / "agentx_eplb.png")
-        print(f"wrote {FIGURES.relative_to(ROOT)}/agentx.json and its plots", file=sys.stderr)
+        print(f"wrote {FIGURES.relative_to(ROOT)}/agentx*.png", file=sys.stderr)
     return result

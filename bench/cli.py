@@ -1,8 +1,11 @@
 """``baton bench NAME``: run a benchmark, print its table and save its JSON.
 
-Each benchmark is a module in ``bench/`` with ``run(quick) -> dict``; results go to
-``bench/results/<name>.json`` unless ``--out`` says otherwise. A benchmark with options of its
-own (``add_arguments(parser)``) takes them when run by name, and gets them as ``run(quick, args)``.
+Each benchmark is a module in ``bench/`` with ``run(quick) -> dict``. A full run's results go
+to ``docs/figures/<name>.json``, beside the plots it draws there: the record every figure of
+docs/benchmarks.md comes from, committed with it. A quick run (``--quick``, ``make bench``)
+goes to ``bench/results/`` (not committed); ``--out`` chooses another directory. A benchmark
+with options of its own (``add_arguments(parser)``) takes them when run by name, and gets them
+as ``run(quick, args)``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["main"]
+
+FIGURES = Path(__file__).resolve().parents[1] / "docs" / "figures"
+QUICK_RESULTS = Path("bench/results")
 
 BENCHMARKS = {
     "sim": "bench.sim_capacity",
@@ -34,8 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path("bench/results"),
-        help="directory for the JSON results (default: bench/results)",
+        default=None,
+        help="directory for the JSON results (default: docs/figures, quick: bench/results)",
     )
     parser.add_argument("--quick", action="store_true", help="a shorter run, for smoke tests")
     arguments = list(sys.argv[1:] if argv is None else argv)
@@ -45,14 +51,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         own.add_arguments(parser)
     args = parser.parse_args(arguments)
     names = list(BENCHMARKS) if args.name == "all" else [args.name]
-    args.out.mkdir(parents=True, exist_ok=True)
+    out: Path = args.out or (QUICK_RESULTS if args.quick else FIGURES)
+    out.mkdir(parents=True, exist_ok=True)
     for name in names:
         module = importlib.import_module(BENCHMARKS[name])
         if module is own and hasattr(module, "add_arguments"):
             result = module.run(quick=args.quick, args=args)
         else:
             result = module.run(quick=args.quick)
-        path = args.out / f"{name}.json"
+        path = out / f"{name}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"saved {path}", file=sys.stderr)
     return 0

@@ -29,7 +29,8 @@
 4. Prepare -> Commit round trip at DEP32 on loopback: real gRPC against a ``baton sim`` with a
    32-rank group, the placement a real decision would send.
 
-A plot of balance over steps with and without EPLB goes to ``bench/results/eplb_balance.png``.
+A plot of balance over steps with and without EPLB goes to ``docs/figures/eplb_balance.png``
+(``bench/results/`` for a quick run).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ SERVICE_DELAY = 100 + TARGET.layers + 50
 # The decode step the costs are weighed against: 72 requests per GPU, 1 + 5 tokens each.
 _BATCH = RankBatch(72, 72 * 6, 72 * 6 * 128 * 1024)
 _RESULTS = Path("bench/results")
+_FIGURES = Path(__file__).resolve().parents[1] / "docs" / "figures"
 
 
 def _service(load: np.ndarray, current: Placement, boundary: int) -> Placement | None:
@@ -357,7 +359,9 @@ def _round_trip(count: int) -> dict[str, float]:
     }
 
 
-def _plot(series: dict[str, dict[str, np.ndarray]], rows: dict, steps: int) -> str | None:
+def _plot(
+    series: dict[str, dict[str, np.ndarray]], rows: dict, steps: int, directory: Path
+) -> str | None:
     try:
         import matplotlib
 
@@ -384,8 +388,8 @@ def _plot(series: dict[str, dict[str, np.ndarray]], rows: dict, steps: int) -> s
     axes[0].set_ylabel("balance (mean / max rank load, per step)")
     axes[0].legend(loc="lower right", fontsize=8)
     figure.tight_layout()
-    _RESULTS.mkdir(parents=True, exist_ok=True)
-    path = _RESULTS / "eplb_balance.png"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "eplb_balance.png"
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return str(path)
@@ -457,6 +461,7 @@ def run(quick: bool = False) -> dict:
         "moves_and_time": _moves_and_time(3 if quick else 12),
         "round_trip": _round_trip(5 if quick else 30),
     }
-    result["plot"] = _plot(series, rows, steps)
+    # a full run's plot is the docs' (docs/figures); a quick run's stays with its results
+    result["plot"] = _plot(series, rows, steps, _RESULTS if quick else _FIGURES)
     _print(result)
     return result

@@ -180,14 +180,10 @@ def draw(data: dict[str, Any], directory: Path) -> list[Path]:
 def run(quick: bool = False) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="baton-bench-observability-") as tmp:
         data = _record(Path(tmp), quick)
-    # The docs show a full run's pictures; a quick run (make bench) draws its own beside its JSON.
+    # The docs show a full run's pictures (baton bench saves the data beside them); a quick
+    # run (make bench) draws its own apart.
     figures = Path("bench/results/observability") if quick else FIGURES
     figures.mkdir(parents=True, exist_ok=True)
-    (figures / "observability.json").write_text(json.dumps(data, indent=1) + "\n")
     for path in draw(data, figures):
         print(f"wrote {path}", file=sys.stderr)
-    return {
-        "benchmark": "observability",
-        "duration_s": data["duration_s"],
-        "statuses": data["statuses"],
-    }
+    return data

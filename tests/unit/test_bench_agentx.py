@@ -11,7 +11,7 @@ from bench.workload import Request, lane_sessions
 
 
 def _record(start: float, first: float, end: float, prompt: int, output: int) -> Record:
-    return Record("s", 1, False, 0, start, first, end, prompt, output)
+    return Record("s", 1, False, start, first, end, prompt, output)
 
 
 def test_figures_follow_the_agentx_definitions_in_simulated_time() -> None:
@@ -48,9 +48,9 @@ def test_figures_follow_the_agentx_definitions_in_simulated_time() -> None:
 
 
 def test_warmups_errors_and_requests_before_the_window_are_not_measured() -> None:
-    warm = Record("s", 0, True, 0, 5.0, 5.1, 5.2, 900, 1)
+    warm = Record("s", 0, True, 5.0, 5.1, 5.2, 900, 1)
     early = _record(0.5, 0.6, 1.6, 100, 11)
-    failed = Record("s", 2, False, 0, 6.0, error="HTTP 503")
+    failed = Record("s", 2, False, 6.0, error="HTTP 503")
     kept = _record(4.0, 4.1, 5.1, 100, 11)
     figures = summarize(
         [warm, early, failed, kept],
