@@ -19,6 +19,7 @@ __all__ = ["main"]
 BENCHMARKS = {
     "sim": "bench.sim_capacity",
     "gateway": "bench.gateway",
+    "gateway-workers": "bench.gateway_workers",
     "placement": "bench.placement",
     "eplb": "bench.eplb",
     "controller": "bench.controller",
