@@ -25,6 +25,7 @@ QUICK_RESULTS = Path("bench/results")
 BENCHMARKS = {
     "sim": "bench.sim_capacity",
     "gateway": "bench.gateway",
+    "gateway-workers": "bench.gateway_workers",
     "placement": "bench.placement",
     "eplb": "bench.eplb",
     "controller": "bench.controller",

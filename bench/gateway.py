@@ -42,7 +42,7 @@ from bench.procstat import cpu_seconds, pin
 from rigs.processes import free_port, free_port_block, stop_process, wait_healthy
 from sim.profile import load_profile
 
-__all__ = ["run"]
+__all__ = ["MODEL", "PROMPT", "Scenario", "instant_profile", "run", "start_engine", "stream_load"]
 
 MODEL = "dsv4"
 NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
@@ -75,7 +75,7 @@ SCENARIOS = (
 )
 
 
-def _profile(directory: Path, token_delay_s: float) -> str:
+def instant_profile(directory: Path, token_delay_s: float) -> str:
     """The instant profile, with a decode step of ``token_delay_s`` when given."""
     profile = load_profile("instant").model_dump()
     if token_delay_s:
@@ -85,22 +85,29 @@ def _profile(directory: Path, token_delay_s: float) -> str:
     return str(path)
 
 
-def _spawn(
-    command: list[str], core: int, env: dict[str, str] | None = None, url: str | None = None
+def spawn(
+    command: list[str],
+    core: int | None,
+    env: dict[str, str] | None = None,
+    url: str | None = None,
 ) -> subprocess.Popen[bytes]:
+    """``command`` started quietly, pinned to ``core`` unless None, healthy at ``url`` if given."""
     process = subprocess.Popen(
         command,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
     )
-    pin(process.pid, core)
+    if core is not None:
+        pin(process.pid, core)
     if url is not None:
         wait_healthy(url, process, timeout=60)
     return process
 
 
-def _engine(profile: str, role: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_engine(profile: str, core: int | None = 0) -> tuple[subprocess.Popen[bytes], str]:
+    """A ``baton sim`` engine on ``profile``, pinned to ``core`` unless None: its process and
+    URL."""
     port = free_port()
     command = [
         sys.executable,
@@ -122,7 +129,7 @@ def _engine(profile: str, role: str) -> tuple[subprocess.Popen[bytes], str]:
     ]
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_block(2))}
     url = f"http://127.0.0.1:{port}"
-    return _spawn(command, 0, env, url), url
+    return spawn(command, core, env, url), url
 
 
 async def _one(
@@ -151,7 +158,7 @@ async def _one(
     return events
 
 
-async def _load(url: str, scenario: Scenario) -> tuple[float, int, list[tuple[int, float]]]:
+async def stream_load(url: str, scenario: Scenario) -> tuple[float, int, list[tuple[int, float]]]:
     """Elapsed seconds, SSE events received, and (turn, TTFT) per request: turn 0 is each
     stream's first request (the burst), later turns start as earlier streams end."""
     ttfts: list[tuple[int, float]] = []
@@ -176,7 +183,7 @@ def _measure(
 ) -> _Row:
     before = cpu_seconds(process.pid) if process is not None else 0.0
     phases_before = _baton_phases(url) if target == "baton" else {}
-    elapsed, events, turns = asyncio.run(_load(url, scenario))
+    elapsed, events, turns = asyncio.run(stream_load(url, scenario))
     cpu = cpu_seconds(process.pid) - before if process is not None else 0.0
     ttfts = sorted(ttft for _, ttft in turns)
     first = [ttft for turn, ttft in turns if turn == 0]
@@ -254,18 +261,18 @@ def _routers(prefill: str, decode: str) -> dict[str, tuple[subprocess.Popen[byte
     ]
     baton_url, vllm_url = f"http://127.0.0.1:{baton_port}", f"http://127.0.0.1:{vllm_port}"
     return {
-        "baton": (_spawn(baton, 1, url=baton_url), baton_url),
-        "vllm-router": (_spawn(vllm, 1, url=vllm_url), vllm_url),
+        "baton": (spawn(baton, 1, url=baton_url), baton_url),
+        "vllm-router": (spawn(vllm, 1, url=vllm_url), vllm_url),
     }
 
 
 def _scenario(directory: Path, scenario: Scenario, rounds: int) -> list[_Row]:
-    profile = _profile(directory, scenario.token_delay_s)
+    profile = instant_profile(directory, scenario.token_delay_s)
     processes: list[subprocess.Popen[bytes]] = []
     rows: list[_Row] = []
     try:
-        prefill_process, prefill = _engine(profile, "prefill")
-        decode_process, decode = _engine(profile, "decode")
+        prefill_process, prefill = start_engine(profile)
+        decode_process, decode = start_engine(profile)
         processes += [prefill_process, decode_process]
         routers = _routers(prefill, decode)
         processes += [process for process, _ in routers.values()]

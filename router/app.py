@@ -94,9 +94,9 @@ class Gateway:
         await response(scope, receive, send)
 
 
-def create_gateway(config: GatewayConfig) -> Gateway:
+def create_gateway(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> Gateway:
     """The app ``baton gateway`` serves (see :class:`Gateway`)."""
-    api = _Api(config, GatewayMetrics(), None)
+    api = _Api(config, metrics or GatewayMetrics(), None)
     return Gateway(
         _fastapi(api), {CHAT_ROUTE: api.chat_completions, COMPLETIONS_ROUTE: api.completions}
     )
@@ -309,9 +309,15 @@ class _Api:
             if self.config.model_deployment is not None:
                 deployment = DeploymentWatch(self.config.model_deployment, self.pool, loop)
                 deployment.start()
+            publisher = None
+            if self.metrics.multiprocess:
+                # A scrape reaches one worker: each keeps its pool's gauges current in its file.
+                publisher = loop.create_task(self._publish_pool_gauges())
             try:
                 yield
             finally:
+                if publisher is not None:
+                    publisher.cancel()
                 if watcher is not None:
                     watcher.cancel()
                 if deployment is not None:
@@ -395,23 +401,15 @@ class _Api:
             status["prefill"] = f"0 of {total} healthy; decode serves alone"
         return Response(orjson.dumps(status), media_type="application/json")
 
+    async def _publish_pool_gauges(self) -> None:
+        while True:
+            self.metrics.set_pool_gauges(self.pool)
+            await asyncio.sleep(self.config.settings.health_interval_s)
+
     async def prometheus(self) -> Response:
-        metrics, pool = self.metrics, self.pool
-        # rebuilt per scrape, so targets that left the pool leave the gauges too
-        metrics.in_flight.clear()
-        metrics.peer_in_flight.clear()
-        metrics.peer_outstanding_tokens.clear()
-        metrics.healthy_targets.clear()
-        for name, count in pool.in_flight().items():
-            role = "prefill" if name in pool.prefill else "decode"
-            metrics.in_flight.labels(role, name).set(count)
-        for name, count in pool.peer_in_flight().items():
-            metrics.peer_in_flight.labels(name).set(count)
-        for name, tokens in pool.peer_outstanding_tokens().items():
-            metrics.peer_outstanding_tokens.labels(name).set(tokens)
-        for (role, cell), count in pool.healthy_targets().items():
-            metrics.healthy_targets.labels(role, cell).set(count)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # set per scrape, so targets that left the pool leave the gauges too
+        self.metrics.set_pool_gauges(self.pool)
+        return Response(generate_latest(self.metrics.exposed), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _gateway_error(_: Request, exc: Exception) -> Response:

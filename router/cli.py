@@ -11,19 +11,20 @@ to an engine.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import uvicorn
+
 from baton.core.follow import DeploymentRef
 from baton.core.secrets import read_token
 from router.app import create_gateway
 from router.pool import PoolCell, PoolSpec, load_pool_file, parse_decode_flag
-from router.server import gateway_http_protocol
 from router.settings import GatewayConfig, GatewaySettings
+from router.workers import LOG_FORMAT, serve_workers, tune_gc, uvicorn_options
 
 __all__ = ["config_from_args", "main"]
 
@@ -32,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton gateway", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway processes serving the port, a core each (default: 1; docs/gateway.md)",
+    )
     parser.add_argument(
         "--prefill",
         action="append",
@@ -138,27 +146,18 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
+        if args.workers < 1:
+            raise ValueError(f"--workers: at least 1 (got {args.workers})")
         config = config_from_args(args)
     except ValueError as exc:
         print(f"baton gateway: error: {exc}", file=sys.stderr)
         return 2
-    import uvicorn
-
-    # The cyclic GC took ~5% of the gateway's CPU under load (perf), rescanning long-lived
-    # objects for cycles the relay never makes: freeze what startup built, collect less often.
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
+    if args.workers > 1:
+        return serve_workers(config, args.host, args.port, args.workers, args.log_level)
+    tune_gc()
     uvicorn.run(
-        create_gateway(config),
-        host=args.host,
-        port=args.port,
-        loop="uvloop",
-        http=gateway_http_protocol(config.settings),
-        log_level="warning",
-        access_log=False,
+        create_gateway(config), host=args.host, port=args.port, **uvicorn_options(config.settings)
     )
     return 0

@@ -2,6 +2,12 @@
 
 No per-request or per-session labels. Per-target gauges are labelled by target and role only
 (a cell has a few dozen targets). Handlers bind label children once per request, never per chunk.
+
+Under ``baton gateway --workers N`` each worker records into prometheus_client's multiprocess
+files (``router/workers.py``) and a scrape answered by any worker reads them all: counters and
+histograms add up, and each gauge says how its workers' values combine (``multiprocess_mode``,
+ignored by one process). The per-target gauges come from each worker's pool, which only that
+worker sees, so every worker writes them on the pool's interval as well as when it is scraped.
 """
 
 from __future__ import annotations
@@ -11,6 +17,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from router.pool import Pool
 
 __all__ = ["CHAT_ROUTE", "COMPLETIONS_ROUTE", "GatewayMetrics"]
 
@@ -100,10 +109,19 @@ PHASE_BUCKETS = (
 
 
 class GatewayMetrics:
-    """Every metric the gateway exports, in its own registry."""
+    """Every metric the gateway exports, in its own registry; ``multiprocess``: a worker's, whose
+    values prometheus_client keeps in ``PROMETHEUS_MULTIPROC_DIR`` with every other worker's."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, multiprocess: bool = False
+    ) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.multiprocess = multiprocess
+        # what /metrics serves: this registry, or every worker's files
+        self.exposed = self.registry
+        if multiprocess:
+            self.exposed = CollectorRegistry()
+            MultiProcessCollector(self.exposed)
         r = self.registry
         self.requests = Counter(
             "baton_gateway_requests",
@@ -174,18 +192,24 @@ class GatewayMetrics:
         self.output_tokens = Counter(
             "baton_gateway_output_tokens", "Generated tokens returned.", registry=r
         )
+        # Workers: the gateway's requests are the sum of each worker's exact count; those of a
+        # worker that died went with it.
         self.in_flight = Gauge(
             "baton_gateway_in_flight_requests",
             "Requests this gateway has in flight per target.",
             ["role", "target"],
             registry=r,
+            multiprocess_mode="livesum",
         )
+        # Workers: each counts its sibling workers among the other replicas, so each estimate is
+        # high by its siblings' requests; the smallest is the nearest to other gateways' load.
         self.peer_in_flight = Gauge(
             "baton_gateway_peer_in_flight_requests",
             "Requests other gateway replicas hold per decode rank, estimated from the engines'"
             " metrics at the last load sync.",
             ["target"],
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.missed_health_checks = Counter(
             "baton_gateway_health_checks_missed",
@@ -201,14 +225,20 @@ class GatewayMetrics:
             "replica's mean uncached tokens per prefill.",
             ["target"],
             registry=r,
+            multiprocess_mode="livemin",
         )
+        # Workers: each checks health on its own; the one that sees the most healthy targets, as
+        # the alerts take the replica that sees the most (deploy/prometheus/baton-rules.yaml).
         self.healthy_targets = Gauge(
             "baton_gateway_healthy_targets",
             "Targets this gateway would route to now (health check passed, circuit closed) per "
             "role and cell; 0 for a cell whose targets are all down.",
             ["role", "cell"],
             registry=r,
+            multiprocess_mode="livemax",
         )
+        # label values set on the pool gauges so far (workers only: see set_pool_gauges)
+        self._pool_series: dict[Gauge, set[tuple[str, ...]]] = {}
         # children bound once: handlers never look labels up on the hot path
         self.cached_tokens = self.prompt_tokens.labels("cached")
         self.uncached_tokens = self.prompt_tokens.labels("uncached")
@@ -235,6 +265,34 @@ class GatewayMetrics:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def set_pool_gauges(self, pool: Pool) -> None:
+        """The per-target gauges as ``pool`` has them now. One process: rebuilt, so targets that
+        left the pool leave the gauges. A worker: prometheus_client cannot delete a series from
+        its file, so a target that left is set to 0 instead."""
+        series: dict[Gauge, dict[tuple[str, ...], float]] = {
+            self.in_flight: {
+                ("prefill" if name in pool.prefill else "decode", name): count
+                for name, count in pool.in_flight().items()
+            },
+            self.peer_in_flight: {(name,): count for name, count in pool.peer_in_flight().items()},
+            self.peer_outstanding_tokens: {
+                (name,): tokens for name, tokens in pool.peer_outstanding_tokens().items()
+            },
+            self.healthy_targets: {
+                labels: count for labels, count in pool.healthy_targets().items()
+            },
+        }
+        for gauge, values in series.items():
+            if self.multiprocess:
+                seen = self._pool_series.setdefault(gauge, set())
+                for labels in seen - values.keys():
+                    gauge.labels(*labels).set(0)
+                seen.update(values)
+            else:
+                gauge.clear()
+            for labels, value in values.items():
+                gauge.labels(*labels).set(value)
 
     def stream_ended(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ if TYPE_CHECKING:  # for annotations only: most tests never load openai
 
 ROOT = Path(__file__).resolve().parent.parent
 NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+METRICS_DOC = ROOT / "docs" / "metrics.md"
 
 
 @dataclass
@@ -59,6 +61,41 @@ def scrape(url: str, sample_name: str, **labels: str) -> float:
     return total
 
 
+def documented() -> dict[str, tuple[str, set[str]]]:
+    """docs/metrics.md's tables: each metric's type and labels."""
+    kinds = "counter|gauge|histogram|summary"
+    rows = re.findall(rf"^\| `([^`]+)` \| ({kinds}) \|([^|]*)\|", METRICS_DOC.read_text(), re.M)
+    table = {
+        name: (kind, {label.strip() for label in labels.split(",") if label.strip()})
+        for name, kind, labels in rows
+    }
+    assert len(table) == len(rows), "a metric documented twice"
+    return table
+
+
+def served(url: str) -> dict[str, tuple[str, set[str] | None]]:
+    """One scrape: each family's name (counters with _total, as stored), type and labels
+    (None for a labelled family with no series yet)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, tuple[str, set[str] | None]] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        name = f"{family.name}_total" if family.type == "counter" else family.name
+        samples = [s for s in family.samples if not s.name.endswith("_created")]
+        labels = {label for s in samples for label in s.labels} - {"le"} if samples else None
+        families[name] = (family.type, labels)
+    # prometheus_client's creation time of each counter and histogram, which its text format
+    # serves as a gauge family of its own: the client's, not a Baton metric
+    return {
+        name: value
+        for name, value in families.items()
+        if not (
+            name.endswith("_created")
+            and {f"{name.removesuffix('_created')}{end}" for end in ("", "_total")} & set(families)
+        )
+    }
+
+
 class _Answer(Protocol):
     @property
     def usage(self) -> CompletionUsage | None: ...
@@ -97,16 +134,19 @@ def keep_decoding(url: str, requests: int = 64, max_tokens: int = 200_000, ranks
 
 
 __all__ = [
+    "METRICS_DOC",
     "NIXL",
     "ROOT",
     "SimHandle",
     "cached_tokens_of",
+    "documented",
     "eventually",
     "free_port",
     "free_port_block",
     "keep_decoding",
     "scrape",
     "scrape_by",
+    "served",
     "stop_process",
     "usage_of",
     "wait_healthy",

@@ -108,6 +108,7 @@ def test_chart_lints_and_names_its_required_value() -> None:
         ("controller.replicas=two", "at '/controller/replicas': got string, want integer"),
         ("gateway.polcy=affinity", "additional properties 'polcy' not allowed"),
         ("gateway.policy=random", "at '/gateway/policy'"),
+        ("gateway.workers=0", "at '/gateway/workers'"),
         ("gateway.modelDeployment=dsv4", "at '/gateway/modelDeployment'"),
         ("eplb.reportPort=70000", "at '/eplb/reportPort'"),
         ("image.pullPolicy=Sometimes", "at '/image/pullPolicy'"),
@@ -171,6 +172,23 @@ def render(*args: str) -> list[dict]:
     rendered = helm("template", *args[:1], str(CHART), *args[1:])
     assert rendered.returncode == 0, rendered.stderr
     return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+
+
+def test_the_gateways_workers_value_is_its_workers_flag() -> None:
+    objects = render("b", "--set", "gateway.modelDeployment=serving/dsv4,gateway.workers=4")
+    [gateway] = [
+        o
+        for o in objects
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "b-baton-gateway"
+    ]
+    [container] = gateway["spec"]["template"]["spec"]["containers"]
+    assert "--workers=4" in container["args"]
+    assert gateway_parser().parse_args(container["args"]).workers == 4
+    # where the workers' metrics files go: the root filesystem is read-only
+    assert container["securityContext"]["readOnlyRootFilesystem"]
+    [tmp] = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
+    volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
+    assert "emptyDir" in volumes[tmp["name"]]
 
 
 @contextlib.contextmanager

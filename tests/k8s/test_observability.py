@@ -16,14 +16,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 from kubernetes import client
-from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.grafana.dashboards import DASHBOARDS, GPU_HOUR_PRICE, GPU_HOUR_PRICE_DEFAULT
-from rigs.devcluster import ROOT, ControlPlane, add_trays, binaries_dir, install_crd, remove_nodes
+from rigs.devcluster import ControlPlane, add_trays, binaries_dir, install_crd, remove_nodes
 from rigs.observability import (
     RULES,
     BatonUp,
@@ -34,6 +32,7 @@ from rigs.observability import (
     start_prometheus,
 )
 from rigs.processes import free_port, stop_process
+from tests.helpers import documented, served
 from tests.k8s.helpers import MODEL, controller_log, start_controller
 
 # What Grafana puts for its variables; five minutes spans the whole drill.
@@ -173,40 +172,6 @@ def test_every_panel_query_of_the_dashboard_returns_data(observed: Observed, uid
 # Documented, and not served by the drill's processes: the EPLB service exports it only with
 # perLayerMetrics: true.
 NOT_SERVED = {"baton_eplb_layer_balance"}
-METRICS_DOC = ROOT / "docs" / "metrics.md"
-
-
-def documented() -> dict[str, tuple[str, set[str]]]:
-    """docs/metrics.md's tables: each metric's type and labels."""
-    kinds = "counter|gauge|histogram|summary"
-    rows = re.findall(rf"^\| `([^`]+)` \| ({kinds}) \|([^|]*)\|", METRICS_DOC.read_text(), re.M)
-    table = {
-        name: (kind, {label.strip() for label in labels.split(",") if label.strip()})
-        for name, kind, labels in rows
-    }
-    assert len(table) == len(rows), "a metric documented twice"
-    return table
-
-
-def served(url: str) -> dict[str, tuple[str, set[str] | None]]:
-    """One scrape: each family's name (counters with _total, as stored), type and labels
-    (None for a labelled family with no series yet)."""
-    families: dict[str, tuple[str, set[str] | None]] = {}
-    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
-        name = f"{family.name}_total" if family.type == "counter" else family.name
-        samples = [s for s in family.samples if not s.name.endswith("_created")]
-        labels = {label for s in samples for label in s.labels} - {"le"} if samples else None
-        families[name] = (family.type, labels)
-    # prometheus_client's creation time of each counter and histogram, which its text format
-    # serves as a gauge family of its own: the client's, not a Baton metric
-    return {
-        name: value
-        for name, value in families.items()
-        if not (
-            name.endswith("_created")
-            and {f"{name.removesuffix('_created')}{end}" for end in ("", "_total")} & set(families)
-        )
-    }
 
 
 def test_docs_metrics_lists_every_served_metric_with_its_type_and_labels(

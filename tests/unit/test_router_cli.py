@@ -51,6 +51,7 @@ def test_defaults_are_the_settings_defaults() -> None:
         ("--prefill-timeout=0", "--prefill-timeout"),
         ("--max-body-bytes=-1", "--max-body-bytes"),
         ("--health-interval=-2", "--health-interval"),
+        ("--workers=0", "--workers"),
     ],
 )
 def test_an_out_of_range_value_is_refused_naming_its_flag(
