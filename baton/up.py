@@ -19,7 +19,8 @@
 ``--prometheus-targets FILE`` writes every ``/metrics`` endpoint as a Prometheus file-based
 service discovery file (``file_sd_configs``), the engines labelled with their cell and role as
 the chart's PodMonitor labels them, so Baton's dashboards and rules work on the local stack.
-``--enable-fault-injection`` opens the engines' ``POST /sim/faults`` for failure drills.
+``--fault-injection-token-file FILE`` opens the engines' ``POST /sim/faults`` for failure drills,
+to callers with the token in that file.
 
 It starts the gateway once the EPLB service follows every decode group's agents (agent mode;
 in plugin mode once the service answers), so the first window boundary finds the service
@@ -99,7 +100,7 @@ def layout_stack(
     time_scale: float,
     eplb_mode: EplbMode = "agent",
     gpus_per_tray: int = 4,
-    enable_fault_injection: bool = False,
+    fault_injection_token_file: str | None = None,
     eplb_steps: int | None = None,
     eplb_token_file: str | None = None,
 ) -> StackLayout:
@@ -165,7 +166,7 @@ def layout_stack(
         served_model_name=SERVED_MODEL_NAME,
         host="127.0.0.1",
         time_scale=time_scale,
-        enable_fault_injection=enable_fault_injection,
+        fault_injection_token_file=fault_injection_token_file,
         decode_groups=decode_groups,
         prefill=prefill,
     )
@@ -302,10 +303,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write every /metrics endpoint to this file for Prometheus' file_sd_configs",
     )
     parser.add_argument(
-        "--enable-fault-injection",
-        action="store_true",
-        help="the engines take POST /sim/faults (kill, stall, fail_requests, drop_kv, freeze) "
-        "for drills",
+        "--fault-injection-token-file",
+        type=Path,
+        default=None,
+        help="the engines take POST /sim/faults (kill, stall, slow, freeze, fail_requests, "
+        "drop_kv) from callers with the bearer token in this file, for drills",
     )
     parser.add_argument(
         "--eplb-steps",
@@ -354,7 +356,9 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
             plan,
             time_scale=args.time_scale,
             eplb_mode=args.eplb_mode,
-            enable_fault_injection=args.enable_fault_injection,
+            fault_injection_token_file=str(args.fault_injection_token_file)
+            if args.fault_injection_token_file
+            else None,
             eplb_steps=args.eplb_steps,
             eplb_token_file=str(token_file),
         )

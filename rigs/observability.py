@@ -32,6 +32,7 @@ from rigs.devcluster import (
     read_model_deployment,
     record_tray_failures,
 )
+from rigs.faults import FaultInjection
 from rigs.processes import eventually, free_port, stop_process
 
 __all__ = [
@@ -156,6 +157,7 @@ def start_prometheus(
 class BatonUp:
     gateway: str
     targets: Path
+    faults: FaultInjection
 
     def engines(self, role: str) -> list[str]:
         """The engine API servers of ``role``, as ``baton up`` listed them."""
@@ -174,6 +176,7 @@ def baton_up(directory: Path) -> Iterator[BatonUp]:
     port = free_port()
     targets = directory / "targets.json"
     log = directory / "up.log"
+    faults = FaultInjection(directory)
     process = subprocess.Popen(
         [
             sys.executable,
@@ -184,7 +187,8 @@ def baton_up(directory: Path) -> Iterator[BatonUp]:
             str(port),
             "--eplb-mode",
             "plugin",
-            "--enable-fault-injection",
+            "--fault-injection-token-file",
+            str(faults.token_file),
             # windows a short drill completes (vLLM's default is one per 3000 steps)
             "--eplb-steps",
             "100",
@@ -203,7 +207,7 @@ def baton_up(directory: Path) -> Iterator[BatonUp]:
             return targets.exists()
 
         eventually(up, timeout=180, interval=0.5)
-        yield BatonUp(f"http://127.0.0.1:{port}", targets)
+        yield BatonUp(f"http://127.0.0.1:{port}", targets, faults)
     finally:
         stop_process(process)
 
@@ -224,10 +228,6 @@ def _chat(gateway: str, words: int, max_tokens: int) -> int:
         return reply.status_code
 
 
-def _fault(engine: str, **fault: object) -> None:
-    httpx.post(f"{engine}/sim/faults", json=fault, timeout=10).raise_for_status()
-
-
 def drill(stack: BatonUp, *, rounds: int = 3, requests: int = 48) -> dict[int, int]:
     """Traffic through the gateway, long prompts (prefill, then decode) and short ones (decode
     alone), with a failure drill in each round: prefill answers 500 (fallback to decode alone),
@@ -245,13 +245,17 @@ def drill(stack: BatonUp, *, rounds: int = 3, requests: int = 48) -> dict[int, i
 
     for round_ in range(rounds):
         burst()
-        _fault(prefill[round_ % len(prefill)], action="fail_requests", count=2, status=500)
-        _fault(decode[round_ % len(decode)], action="fail_requests", count=2, status=503)
-        _fault(prefill[(round_ + 1) % len(prefill)], action="drop_kv", count=2)
+        stack.faults.inject(
+            prefill[round_ % len(prefill)], action="fail_requests", count=2, status=500
+        )
+        stack.faults.inject(
+            decode[round_ % len(decode)], action="fail_requests", count=2, status=503
+        )
+        stack.faults.inject(prefill[(round_ + 1) % len(prefill)], action="drop_kv", count=2)
         burst()
         time.sleep(2)  # a few scrapes between rounds: the rates have points to join
     for engine in decode:  # more failures than the gateway has attempts: every request fails
-        _fault(engine, action="fail_requests", count=4, status=500)
+        stack.faults.inject(engine, action="fail_requests", count=4, status=500)
     for _ in range(4):
         status = _chat(stack.gateway, 600, 8)
         statuses[status] = statuses.get(status, 0) + 1

@@ -127,7 +127,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _flag(sim, "--eplb-agent-tls-cert", default=None, help="PEM certificate: serve on TLS")
     _flag(sim, "--eplb-agent-tls-key", default=None, help="PEM key of --eplb-agent-tls-cert")
-    _flag(sim, "--enable-fault-injection", action="store_true")
+    _flag(
+        sim,
+        "--enable-fault-injection",
+        action="store_true",
+        help="serve POST /sim/faults (kill, stall, slow, freeze, fail_requests, drop_kv) to "
+        "callers with the token of --fault-injection-token-file: tests and failure drills only",
+    )
+    _flag(
+        sim,
+        "--fault-injection-token-file",
+        default=None,
+        help="file holding the bearer token POST /sim/faults requires",
+    )
     _flag(sim, "--cluster", default=None, help="YAML: many engines in this one process")
     _flag(sim, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -169,7 +181,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     kv = _json_flag("--kv-transfer-config", args.kv_transfer_config, KVTransferConfig)
     eplb = _json_flag("--eplb-config", args.eplb_config, EplbConfig)
     spec = _json_flag("--speculative-config", args.speculative_config, SpeculativeConfig)
-    _check_agent_security(args)
+    _check_secrets(args)
     plugin = args.eplb_policy_plugin
     if plugin is not None and plugin not in policy_plugins():
         raise CliError(
@@ -206,11 +218,13 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         api_keys=tuple(k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k),
         time_scale=args.time_scale,
         seed=args.seed,
-        enable_fault_injection=args.enable_fault_injection,
+        fault_injection_token_file=args.fault_injection_token_file
+        if args.enable_fault_injection
+        else None,
     )
 
 
-def _check_agent_security(args: argparse.Namespace) -> None:
+def _check_secrets(args: argparse.Namespace) -> None:
     if (args.eplb_agent_tls_cert is None) != (args.eplb_agent_tls_key is None):
         raise CliError(
             "--eplb-agent-tls-cert and --eplb-agent-tls-key go together; pass both or neither"
@@ -224,6 +238,16 @@ def _check_agent_security(args: argparse.Namespace) -> None:
             read_token(args.eplb_agent_token_file)
         except ValueError as exc:
             raise CliError(f"--eplb-agent-token-file: {exc}") from exc
+    if args.enable_fault_injection != (args.fault_injection_token_file is not None):
+        raise CliError(
+            "--enable-fault-injection and --fault-injection-token-file go together: POST "
+            "/sim/faults answers only callers with the token in that file; pass both or neither"
+        )
+    if args.fault_injection_token_file is not None:
+        try:
+            read_token(args.fault_injection_token_file)
+        except ValueError as exc:
+            raise CliError(f"--fault-injection-token-file: {exc}") from exc
     for flag, path in (
         ("--eplb-agent-tls-cert", args.eplb_agent_tls_cert),
         ("--eplb-agent-tls-key", args.eplb_agent_tls_key),

@@ -108,7 +108,8 @@ class ClusterSpec(_Spec):
     seed: int = 0
     profile: str | None = None
     max_model_len: int = Field(default=1_048_576, ge=16)
-    enable_fault_injection: bool = False
+    # POST /sim/faults on every engine, for the holders of the token in this file
+    fault_injection_token_file: str | None = None
     decode_groups: list[DecodeGroupSpec] = Field(default_factory=list)
     prefill: list[PrefillInstancesSpec] = Field(default_factory=list)
 
@@ -129,7 +130,7 @@ def engine_configs(spec: ClusterSpec) -> Iterator[tuple[EngineConfig, list[int],
         max_model_len=spec.max_model_len,
         side_channel_host=spec.host,
         time_scale=spec.time_scale,
-        enable_fault_injection=spec.enable_fault_injection,
+        fault_injection_token_file=spec.fault_injection_token_file,
     )
     for index, group in enumerate(spec.decode_groups):
         per_server = group.data_parallel_size // group.api_servers

@@ -94,7 +94,8 @@ class EngineConfig:
     eplb_agent_tls_key: str | None = None
     time_scale: float = 1.0
     seed: int = 0
-    enable_fault_injection: bool = False
+    # POST /sim/faults, for the holders of the token in this file (None: no such route)
+    fault_injection_token_file: str | None = None
 
     @property
     def local_ranks(self) -> range:

@@ -266,6 +266,9 @@ class DPGroup:
         self.overruns = 0
         self.lag_s = 0.0
         self.dead = False
+        # Fault: every step takes ``slow_factor`` times as long until ``slow_until``.
+        self.slow_factor = 1.0
+        self.slow_until = 0.0
         self.last_step: StepTime | None = None
         self.on_finished: list[Callable[[SimRequest], None]] = []
         self._wakeup = asyncio.Event()
@@ -389,7 +392,8 @@ class DPGroup:
         )
         self.last_step = step
         stall = max(rank.stalled_until for rank in self.ranks.values()) - now
-        return step.total_s + max(0.0, stall)
+        slow = self.slow_factor if now < self.slow_until else 1.0
+        return step.total_s * slow + max(0.0, stall)
 
     def end_step(self, now: float) -> None:
         """Apply the step begun last: tokens emitted, prompts advanced, requests finished."""

@@ -1,6 +1,9 @@
-"""Fault injection for tests and failure drills (only with ``--enable-fault-injection``).
+"""Fault injection for tests and failure drills.
 
-``POST /sim/faults`` with one of:
+``POST /sim/faults`` exists only with ``--enable-fault-injection``, which needs
+``--fault-injection-token-file FILE``: every call must carry ``Authorization: Bearer <token>``
+(compared in constant time; else 401), so an engine reachable by others cannot be killed by
+them. The body is one of:
 
 - ``{"action": "kill", "rank": r}``: rank r dies; a wide-EP group cannot lose a rank, so the
   whole group fails its requests and ``/health`` answers 503 (vLLM's EngineDeadError).
@@ -14,11 +17,15 @@
   stops serving for s wall seconds (its event loop is busy), as an API server tokenizing a huge
   prompt or paused by the host does: requests and health checks wait, nothing fails. In
   ``--cluster`` mode every engine of the process freezes with it.
+- ``{"action": "slow", "factor": f, "seconds": s}``: for s simulated seconds every step of the
+  group takes f times as long (a throttled or degraded GPU): requests progress, slowly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import time
 from typing import Annotated, Literal
 
@@ -33,25 +40,42 @@ __all__ = ["FaultInjector"]
 
 
 class _Fault(BaseModel):
-    action: Literal["kill", "stall", "fail_requests", "drop_kv", "freeze"]
+    action: Literal["kill", "stall", "fail_requests", "drop_kv", "freeze", "slow"]
     rank: int | None = None
     seconds: Annotated[float, Field(gt=0)] = 1.0
+    factor: Annotated[float, Field(ge=1)] = 10.0  # slow
     count: Annotated[int, Field(ge=0)] | None = None  # fail_requests: 1; drop_kv: 0
     status: Annotated[int, Field(ge=400, le=599)] = 500
 
 
 class FaultInjector:
-    def __init__(self, group: DPGroup, nixl: NixlSide, local_ranks: range) -> None:
+    def __init__(self, group: DPGroup, nixl: NixlSide, local_ranks: range, token: str) -> None:
         self.group = group
         self.nixl = nixl
         self.local_ranks = local_ranks
+        self._token_digest = hashlib.sha256(token.encode()).digest()
         self._failures: list[int] = []
+
+    def _authorized(self, http: web.Request) -> bool:
+        scheme, _, presented = http.headers.get("Authorization", "").partition(" ")
+        digest = hashlib.sha256(presented.encode()).digest()
+        return scheme.lower() == "bearer" and hmac.compare_digest(digest, self._token_digest)
 
     def take_failure(self) -> int | None:
         """The status to fail the next request with, if a failure is queued."""
         return self._failures.pop(0) if self._failures else None
 
     async def handle(self, http: web.Request) -> web.Response:
+        if not self._authorized(http):
+            return web.Response(
+                status=401,
+                content_type="application/json",
+                body=error_body(
+                    401,
+                    "POST /sim/faults needs 'Authorization: Bearer <token>' with the token of "
+                    "--fault-injection-token-file",
+                ),
+            )
         try:
             fault = _Fault.model_validate_json(await http.read())
         except ValidationError as exc:
@@ -75,6 +99,9 @@ class FaultInjector:
         elif fault.action == "freeze":
             # after the answer is written: the caller learns the fault is on before it bites
             asyncio.get_running_loop().call_later(0.05, time.sleep, fault.seconds)
+        elif fault.action == "slow":
+            self.group.slow_factor = fault.factor
+            self.group.slow_until = self.group.clock.now() + fault.seconds
         elif fault.action == "fail_requests":
             self._failures.extend([fault.status] * (1 if fault.count is None else fault.count))
         else:

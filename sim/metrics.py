@@ -207,6 +207,14 @@ class EngineCollector(Collector):
             for engine, stat in stats:
                 counter.add_metric([name, engine], getattr(stat, field))
             yield counter
+        held = GaugeMetricFamily(
+            "baton:sim_kv_held_blocks",
+            "KV blocks held for remote decodes, not yet pulled, freed or expired.",
+            labels=_LABELS,
+        )
+        for engine, _ in ranks:
+            held.add_metric([name, engine], self.nixl.held_blocks(int(engine)))
+        yield held
         for metric, doc, field in (
             ("vllm:nixl_xfer_time_seconds", "NIXL KV transfer time.", "xfer_time"),
             ("vllm:nixl_bytes_transferred", "Bytes per NIXL KV transfer.", "bytes_transferred"),

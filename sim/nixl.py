@@ -160,9 +160,13 @@ class NixlSide:
             self.group.ranks[request.dp_rank].cache.free(allocation)
         request.kv_block_ids = []
 
-    def held_blocks(self) -> int:
-        """Blocks pinned for remote decodes (what a leak test checks is zero)."""
-        return sum(len(lease.request.kv_block_ids) for lease in self._leases.values())
+    def held_blocks(self, rank: int) -> int:
+        """Blocks rank ``rank`` pins for remote decodes, not yet pulled, freed or expired."""
+        return sum(
+            len(lease.request.kv_block_ids)
+            for lease in self._leases.values()
+            if lease.request.dp_rank == rank
+        )
 
     def drop_all(self) -> None:
         """Fault: forget every held lease, as if the KV were lost."""

@@ -24,6 +24,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
+from baton.core.secrets import read_token
 from sim.config import EngineConfig
 from sim.engine import DPGroup
 from sim.faults import FaultInjector
@@ -89,7 +90,13 @@ class ApiServer:
         self.host = host
         self.port = port
         self.nixl = NixlSide(config, group, local_ranks)
-        self.faults = FaultInjector(group, self.nixl, local_ranks)
+        self.faults = (
+            FaultInjector(
+                group, self.nixl, local_ranks, read_token(config.fault_injection_token_file)
+            )
+            if config.fault_injection_token_file
+            else None
+        )
         self.registry = engine_registry(
             EngineCollector(config.served_model_names[0], group, local_ranks, self.nixl)
         )
@@ -108,7 +115,7 @@ class ApiServer:
         app.router.add_get("/load", self._load)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/version", self._version)
-        if self.config.enable_fault_injection:
+        if self.faults is not None:
             app.router.add_post("/sim/faults", self.faults.handle)
         return app
 
@@ -170,7 +177,7 @@ class ApiServer:
         return await self._generate(http, chat=True)
 
     async def _generate(self, http: web.Request, *, chat: bool) -> web.StreamResponse:
-        injected = self.faults.take_failure()
+        injected = self.faults.take_failure() if self.faults is not None else None
         if injected is not None:
             return _error(injected, "injected failure (baton sim fault injection)")
         try:

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from rigs.faults import FaultInjection
 from tests.helpers import (
     NIXL,
     ROOT,
     SimHandle,
+    fault_injection,
     free_port,
     free_port_block,
     stop_process,
@@ -54,6 +56,12 @@ class _Launcher:
             stop_process(handle.process)
 
 
+@pytest.fixture(scope="session")
+def faults() -> FaultInjection:
+    """The token engines started with ``faults.flags`` want on ``POST /sim/faults``."""
+    return fault_injection()
+
+
 @pytest.fixture
 def start_sim(tmp_path: Path) -> Iterator[Callable[..., SimHandle]]:
     """Start ``baton sim`` with extra flags on a free port; every process is stopped after."""
@@ -67,7 +75,7 @@ def start_sim(tmp_path: Path) -> Iterator[Callable[..., SimHandle]]:
 
 
 @pytest.fixture
-def start_pd(start_sim) -> Callable[..., tuple[SimHandle, SimHandle]]:
+def start_pd(start_sim, faults: FaultInjection) -> Callable[..., tuple[SimHandle, SimHandle]]:
     """A prefill and a decode simulator wired for NIXL, each with its own side channel."""
 
     def start(
@@ -76,14 +84,14 @@ def start_pd(start_sim) -> Callable[..., tuple[SimHandle, SimHandle]]:
         prefill = start_sim(
             "--kv-transfer-config",
             prefill_kv,
-            "--enable-fault-injection",
+            *faults.flags,
             *flags,
             env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_block(2))},
         )
         decode = start_sim(
             "--kv-transfer-config",
             decode_kv,
-            "--enable-fault-injection",
+            *faults.flags,
             *flags,
             env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_block(2))},
         )

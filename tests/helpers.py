@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import re
+import shutil
 import subprocess
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
+from rigs.faults import FaultInjection
 from rigs.processes import eventually, free_port, free_port_block, stop_process, wait_healthy
 
 if TYPE_CHECKING:  # for annotations only: most tests never load openai
@@ -31,6 +36,15 @@ class SimHandle:
 
     def log(self) -> str:
         return self.log_path.read_text()
+
+
+@functools.cache
+def fault_injection() -> FaultInjection:
+    """This test run's fault-injection token: engines started with its ``flags`` take
+    ``POST /sim/faults`` from its ``inject``."""
+    directory = Path(tempfile.mkdtemp(prefix="baton-test-faults-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return FaultInjection(directory)
 
 
 def scrape_by(url: str, sample_name: str, label: str) -> dict[str, float]:
@@ -141,6 +155,7 @@ __all__ = [
     "cached_tokens_of",
     "documented",
     "eventually",
+    "fault_injection",
     "free_port",
     "free_port_block",
     "keep_decoding",

@@ -44,7 +44,6 @@ DEP32_FLAGS = (
     f'{{"num_redundant_experts":32,"window_size":{WINDOW},"step_interval":{INTERVAL}}}',
     "--speculative-config",
     '{"method":"mtp","num_speculative_tokens":3}',
-    "--enable-fault-injection",
 )
 
 
@@ -235,7 +234,7 @@ async def version_of(agent: str, model: str) -> int:
 
 
 @pytest.fixture
-def guarded_sim(start_sim, tmp_path: Path):
+def guarded_sim(start_sim, faults, tmp_path: Path):
     """A DEP32 group whose agent wants ``TOKEN``; returns (handle, agent address)."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -246,18 +245,19 @@ def guarded_sim(start_sim, tmp_path: Path):
         str(agent_port),
         "--eplb-agent-token-file",
         str(token_file),
+        *faults.flags,
     )
     return sim, f"127.0.0.1:{agent_port}"
 
 
 async def test_a_rank_killed_during_prepare_aborts_everywhere_and_nothing_switches(
-    guarded_sim,
+    guarded_sim, faults
 ) -> None:
     sim, agent = guarded_sim
     runner = runner_for(agent)
     await runner.sync()
     model, decision = skewed_decision(runner)
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=faults.headers) as http:
         # A stalled rank cannot stage weights: the Prepare waits for it...
         stall = {"action": "stall", "rank": 5, "seconds": 60}
         assert (await http.post(f"{sim.url}/sim/faults", json=stall)).status_code == 200
@@ -274,12 +274,12 @@ async def test_a_rank_killed_during_prepare_aborts_everywhere_and_nothing_switch
         await client.close()
 
 
-async def test_a_prepare_that_times_out_is_aborted_and_never_staged(guarded_sim) -> None:
+async def test_a_prepare_that_times_out_is_aborted_and_never_staged(guarded_sim, faults) -> None:
     sim, agent = guarded_sim
     runner = runner_for(agent, prepare_timeout_seconds=1.0)
     await runner.sync()
     model, decision = skewed_decision(runner)
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=faults.headers) as http:
         stall = {"action": "stall", "rank": 7, "seconds": 3}
         assert (await http.post(f"{sim.url}/sim/faults", json=stall)).status_code == 200
     record = await runner.switch(model, decision)

@@ -21,6 +21,7 @@ from tests.helpers import (
     SimHandle,
     cached_tokens_of,
     eventually,
+    fault_injection,
     free_port_block,
     scrape,
     scrape_by,
@@ -43,7 +44,7 @@ class Stack:
         )
 
     def fault(self, engine: SimHandle, **fault: object) -> None:
-        assert httpx.post(f"{engine.url}/sim/faults", json=fault).status_code == 200
+        fault_injection().inject(engine.url, **fault)
 
     def gateway_metric(self, name: str, **labels: str) -> float:
         return scrape(self.gateway.url, name, **labels)
@@ -65,7 +66,7 @@ def start_engine(start_sim, *flags: str) -> SimHandle:
         MODEL,
         "--kv-transfer-config",
         NIXL,
-        "--enable-fault-injection",
+        *fault_injection().flags,
         *flags,
         env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_block(4))},
     )

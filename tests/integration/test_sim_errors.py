@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -11,7 +12,7 @@ from tests.helpers import scrape
 
 
 @pytest.fixture
-def sim(start_sim):
+def sim(start_sim, faults):
     return start_sim(
         "--served-model-name",
         "dsv4",
@@ -19,7 +20,7 @@ def sim(start_sim):
         "4096",
         "--data-parallel-size",
         "4",
-        "--enable-fault-injection",
+        *faults.flags,
     )
 
 
@@ -152,8 +153,8 @@ def test_without_header_requests_spread_over_ranks_least_loaded_first(sim) -> No
     assert per_rank == [2, 2, 2, 2]
 
 
-def test_injected_failures_answer_with_the_requested_status(sim) -> None:
-    post(sim.url, "/sim/faults", json={"action": "fail_requests", "count": 2, "status": 503})
+def test_injected_failures_answer_with_the_requested_status(sim, faults) -> None:
+    faults.inject(sim.url, action="fail_requests", count=2, status=503)
     assert_vllm_error(post(sim.url, "/v1/completions", json={"prompt": "x"}), 503)
     assert_vllm_error(post(sim.url, "/v1/completions", json={"prompt": "x"}), 503)
     assert (
@@ -161,9 +162,9 @@ def test_injected_failures_answer_with_the_requested_status(sim) -> None:
     )
 
 
-def test_killed_rank_takes_the_group_down_and_health_says_503(sim) -> None:
+def test_killed_rank_takes_the_group_down_and_health_says_503(sim, faults) -> None:
     assert httpx.get(f"{sim.url}/health").status_code == 200
-    post(sim.url, "/sim/faults", json={"action": "kill", "rank": 2})
+    faults.inject(sim.url, action="kill", rank=2)
     assert httpx.get(f"{sim.url}/health").status_code == 503
     assert_vllm_error(post(sim.url, "/v1/completions", json={"prompt": "x"}), 500)
 
@@ -173,14 +174,24 @@ def test_fault_endpoint_is_absent_without_the_flag(start_sim) -> None:
     assert post(sim.url, "/sim/faults", json={"action": "kill"}).status_code in (404, 405)
 
 
-def test_unknown_vllm_flags_are_accepted_with_a_warning(start_sim) -> None:
-    sim = start_sim(
-        "--all2all-backend",
-        "deepep_low_latency",
-        "--async-scheduling",
-        "--compilation_config",
-        '{"cudagraph_mode":"FULL_DECODE_ONLY"}',
-    )
-    assert "ignoring vLLM flags the simulator does not model" in sim.log()
-    models = httpx.get(f"{sim.url}/v1/models").json()["data"]
-    assert models[0]["id"] == "deepseek-ai/DeepSeek-V4.1-Flash"
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", "Basic x"])
+def test_fault_endpoint_refuses_callers_without_its_token(sim, authorization) -> None:
+    headers = {"Authorization": authorization} if authorization else {}
+    response = post(sim.url, "/sim/faults", json={"action": "kill"}, headers=headers)
+    assert "fault-injection-token-file" in str(assert_vllm_error(response, 401)["message"])
+    assert httpx.get(f"{sim.url}/health").status_code == 200  # nothing was applied
+
+
+def test_slowed_engine_takes_longer_per_step_until_the_fault_ends(sim, faults) -> None:
+    def latency() -> float:
+        """The simulated seconds one 40-token request takes."""
+        before = scrape(sim.url, "vllm:e2e_request_latency_seconds_sum")
+        body = {"prompt": "x", "max_tokens": 40, "ignore_eos": True}
+        assert post(sim.url, "/v1/completions", json=body).status_code == 200
+        return scrape(sim.url, "vllm:e2e_request_latency_seconds_sum") - before
+
+    normal = latency()
+    faults.inject(sim.url, action="slow", factor=10, seconds=1.5)
+    assert latency() > 5 * normal
+    time.sleep(1.5)  # the fault's simulated seconds at time scale 1
+    assert latency() < 3 * normal

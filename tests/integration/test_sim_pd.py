@@ -103,12 +103,12 @@ def test_second_pull_of_the_same_blocks_fails_as_vllm_fails(start_pd) -> None:
     )  # the failed request freed its blocks
 
 
-def test_recompute_policy_prefills_locally_when_the_pull_fails(start_pd) -> None:
+def test_recompute_policy_prefills_locally_when_the_pull_fails(start_pd, faults) -> None:
     prefill, decode = start_pd(
         decode_kv='{"kv_connector":"NixlConnector","kv_load_failure_policy":"recompute"}'
     )
     params = run_prefill(prefill.url)["kv_transfer_params"]
-    httpx.post(f"{prefill.url}/sim/faults", json={"action": "drop_kv"}, timeout=5)
+    faults.inject(prefill.url, action="drop_kv")
     response = httpx.post(
         f"{decode.url}/v1/completions",
         timeout=30,
@@ -126,15 +126,17 @@ def test_unpulled_lease_expires_frees_blocks_and_counts(start_pd) -> None:
     )  # 30 simulated seconds pass in 0.6 s
     run_prefill(prefill.url)
     assert scrape(prefill.url, "vllm:kv_cache_usage_perc") > 0
+    assert scrape(prefill.url, "baton:sim_kv_held_blocks") > 0
     eventually(lambda: scrape(prefill.url, "vllm:nixl_num_kv_expired_reqs_total") == 1, timeout=10)
     assert scrape(prefill.url, "vllm:kv_cache_usage_perc") == 0
+    assert scrape(prefill.url, "baton:sim_kv_held_blocks") == 0
 
 
-def test_decode_heartbeats_keep_the_lease_while_the_pull_waits(start_pd) -> None:
+def test_decode_heartbeats_keep_the_lease_while_the_pull_waits(start_pd, faults) -> None:
     prefill, decode = start_pd(flags=("--time-scale", "0.02"))
     params = run_prefill(prefill.url)["kv_transfer_params"]
     # Stall decode for 60 simulated seconds, twice the lease: only heartbeats keep the KV.
-    httpx.post(f"{decode.url}/sim/faults", json={"action": "stall", "seconds": 60}, timeout=5)
+    faults.inject(decode.url, action="stall", seconds=60)
     response = httpx.post(
         f"{decode.url}/v1/completions",
         timeout=30,

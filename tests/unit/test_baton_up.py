@@ -51,8 +51,8 @@ def test_off_mode_runs_no_eplb_at_all() -> None:
 
 
 def test_prometheus_targets_list_every_metrics_endpoint_with_the_engines_cell_and_role() -> None:
-    layout = layout_stack(plan(), time_scale=1.0, enable_fault_injection=True)
-    assert layout.cluster.enable_fault_injection
+    layout = layout_stack(plan(), time_scale=1.0, fault_injection_token_file="/run/token")
+    assert layout.cluster.fault_injection_token_file == "/run/token"
     groups = prometheus_targets(layout, "http://127.0.0.1:8000", "http://127.0.0.1:9090/metrics")
     by_job: dict[str, list[dict[str, Any]]] = {}
     for group in groups:

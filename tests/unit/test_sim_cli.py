@@ -45,6 +45,14 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
             ["--eplb-agent-token-file", "/nonexistent-token", "--eplb-agent-insecure"],
             "--eplb-agent-insecure and --eplb-agent-token-file contradict each other",
         ),
+        (
+            ["--enable-fault-injection"],
+            "--enable-fault-injection and --fault-injection-token-file go together",
+        ),
+        (
+            ["--enable-fault-injection", "--fault-injection-token-file", "/nonexistent-token"],
+            "--fault-injection-token-file: /nonexistent-token: cannot read the token file",
+        ),
     ],
     ids=[
         "json",
@@ -56,6 +64,8 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
         "token-file-missing",
         "tls-half",
         "token-and-insecure",
+        "faults-without-token",
+        "faults-token-missing",
     ],
 )
 def test_bad_flag_exits_2_naming_the_flag(capsys, argv: list[str], needle: str) -> None:
