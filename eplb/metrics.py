@@ -95,6 +95,14 @@ class EplbMetrics:
             ("group",),
             registry=registry,
         )
+        self.switches_recovered = Counter(
+            "baton_eplb_switches_recovered",
+            "Switches an earlier service left, settled at sync: aborted (staged, never "
+            "committed), committed (committed on some agents only), reunified (agents switched "
+            "back to the group's newest placement)",
+            ("group", "action"),
+            registry=registry,
+        )
         self.window_restarts = Counter(
             "baton_eplb_window_restarts",
             "Group windows restarted: agent_lost, incarnation_changed",

@@ -22,6 +22,10 @@ For every decode group (from a :class:`~eplb.config.GroupSource`) a
    ends (2): the group's windows are discarded and the runner syncs again after
    ``reconnectSeconds``.
 
+Before (1) opens any window, the switches an earlier service left on the agents (it was killed
+during Prepare or Commit, or stayed down past a switch's step) are finished or aborted, and
+agents left on different placements are brought back to one (``eplb.recovery``).
+
 Every decision and switch is logged, counted (``eplb.metrics``) and kept in
 ``GroupRunner.records`` (and the achieved balances in ``GroupRunner.achieved``).
 """
@@ -53,6 +57,7 @@ from eplb.errors import (
     GroupMismatch,
 )
 from eplb.metrics import EplbMetrics
+from eplb.recovery import AgentState, Pending, plan_recovery
 from eplb.window import LoadWindow, Verdict
 
 __all__ = ["EplbService", "GroupRunner", "SwitchRecord"]
@@ -191,6 +196,7 @@ class GroupRunner:
         states = await asyncio.gather(
             *(client.get_placement(_DESCRIBE_DEADLINE_S) for client in self.clients)
         )
+        await self._recover(states, num_ranks, logical)
         in_force = _agreed_placements(self.spec.name, states)
         step = max(info.current_step for info in infos)
         capacity = self.policy.window_size + 4 * self.config.steps_per_report
@@ -220,6 +226,93 @@ class GroupRunner:
         self._failing = False
         self.synced.set()
         self.metrics.group_synced.labels(self.spec.name).set(1)
+
+    async def _recover(
+        self, states: list[pb.PlacementState], num_ranks: int, logical: dict[str, int]
+    ) -> None:
+        """Finish or abort the switches an earlier service left, and bring agents left on
+        different placements back to one (``eplb.recovery``). Raises GroupMismatch, so that
+        the runner syncs again, until nothing is left to do."""
+        agents = [
+            AgentState(
+                client.address,
+                {p.model: (p.phy2log, p.version) for p in state.placements},
+                tuple(
+                    Pending(p.model, p.switch_id, p.committed, p.apply_at_step)
+                    for p in state.pending
+                ),
+            )
+            for client, state in zip(self.clients, states, strict=True)
+        ]
+        recovery = plan_recovery(agents)
+        if recovery.clean:
+            return
+        by_address = {client.address: client for client in self.clients}
+        deadline = self.config.commit_timeout_seconds
+        for switch_id in recovery.abort:
+            self.metrics.switches_recovered.labels(self.spec.name, "aborted").inc()
+            await self._abort_all(switch_id, "left staged by an earlier EPLB service")
+        for address, switch_id, step in recovery.commit:
+            self.metrics.switches_recovered.labels(self.spec.name, "committed").inc()
+            log.warning(
+                "group %s: switch %s was committed on some agents only (an earlier service "
+                "stopped during Commit); committing it on %s for step %d",
+                self.spec.name,
+                switch_id,
+                address,
+                step,
+            )
+            await by_address[address].commit(switch_id, step, deadline)
+        for model, (lagging, leader) in sorted(recovery.behind.items()):
+            self.metrics.switches_recovered.labels(self.spec.name, "reunified").inc()
+            await self._reunify(model, lagging, by_address[leader], states, num_ranks, logical)
+        waits = ", ".join(f"{switch_id} at step {step}" for switch_id, step in recovery.wait_for)
+        raise GroupMismatch(
+            f"group {self.spec.name}: recovering switches an earlier service left"
+            + (f" (waiting for {waits})" if waits else "")
+        )
+
+    async def _reunify(
+        self,
+        model: str,
+        lagging: tuple[str, ...],
+        leader: AgentClient,
+        states: list[pb.PlacementState],
+        num_ranks: int,
+        logical: dict[str, int],
+    ) -> None:
+        """Switch the agents ``lagging`` behind on ``model`` to ``leader``'s placement, with a
+        two-phase switch of their own."""
+        state = states[self.clients.index(leader)]
+        message = next(p for p in state.placements if p.model == model)
+        placement = decode_placement(message, num_ranks, logical[model])
+        clients = [client for client in self.clients if client.address in lagging]
+        switch_id = f"{self.spec.name}-{model}-reunify-{uuid.uuid4().hex[:8]}"
+        log.warning(
+            "group %s %s: agents %s are on another placement than %s (version %d): switching "
+            "them to it (%s)",
+            self.spec.name,
+            model,
+            ", ".join(lagging),
+            leader.address,
+            message.version,
+            switch_id,
+        )
+        encoded = encode_placement(model, placement, message.version)
+        try:
+            acks = await asyncio.gather(
+                *(self._prepare(client, switch_id, encoded) for client in clients)
+            )
+            step = self._apply_step(list(acks))
+            await asyncio.gather(
+                *(
+                    client.commit(switch_id, step, self.config.commit_timeout_seconds)
+                    for client in clients
+                )
+            )
+        except AgentError as exc:
+            await self._abort_all(switch_id, f"reunifying failed: {exc}")
+            raise
 
     async def _follow(self) -> None:
         """Step 2: read every agent's load stream until one breaks."""

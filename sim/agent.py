@@ -379,6 +379,16 @@ class _Servicer(pb_grpc.EplbAgentServicer):
                 for name, s in self.moe.models.items()
             ],
             current_step=self.moe.step,
+            pending=[
+                pb.PendingSwitch(
+                    model=name,
+                    switch_id=s.staged.switch_id,
+                    committed=s.staged.committed,
+                    apply_at_step=s.staged.apply_at_step,
+                )
+                for name, s in self.moe.models.items()
+                if s.staged is not None
+            ],
         )
 
 

@@ -4,7 +4,9 @@ Each server is its own ``baton sim`` process serving 4 of the 32 ranks (hybrid L
 controller renders a decode pod per tray) with its own agent, over real gRPC. The service must
 switch all of them at one step or none: a server refusing Prepare aborts the switch on every
 server, and so does one killed (SIGKILL) or frozen (SIGSTOP: it holds its connections and never
-answers, as a tray that drops off the network) when the service commits.
+answers, as a tray that drops off the network) when the service commits. And a service
+started after one killed mid-switch finishes or aborts what it left, or brings a group already
+split back to one placement.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from baton.core.proto import eplb_agent_pb2 as pb
 from eplb.client import AgentClient
 from eplb.config import EplbServiceConfig, GroupSpec
 from eplb.decide import Decision, Outcome, decide
-from eplb.errors import AgentRejected
+from eplb.errors import AgentRejected, GroupMismatch
 from eplb.metrics import EplbMetrics
 from eplb.service import GroupRunner
 from eplb.window import Window
@@ -41,14 +43,14 @@ class Server:
     agent: str  # host:port of its EPLB agent
 
 
-@pytest.fixture
-def group(start_sim) -> Iterator[list[Server]]:
-    """The 8 servers of one DEP32 group, started together; a frozen one is thawed after."""
+def start_group(start_sim, servers: int) -> list[Server]:
+    """The ``servers`` servers of one DP group of ``servers`` x 4 ranks, started together."""
 
     def start(index: int) -> Server:
         port = free_port()
         handle = start_sim(
-            *("--data-parallel-size", "32", "--data-parallel-size-local", str(LOCAL_RANKS)),
+            *("--data-parallel-size", str(servers * LOCAL_RANKS)),
+            *("--data-parallel-size-local", str(LOCAL_RANKS)),
             *("--data-parallel-start-rank", str(index * LOCAL_RANKS), "--data-parallel-hybrid-lb"),
             *("--enable-expert-parallel", "--enable-eplb", "--eplb-config"),
             f'{{"num_redundant_experts":32,"window_size":{WINDOW},"step_interval":{INTERVAL}}}',
@@ -60,7 +62,13 @@ def group(start_sim) -> Iterator[list[Server]]:
         return Server(handle, f"127.0.0.1:{port}")
 
     with ThreadPoolExecutor(2) as pool:  # 8 imports at once starve each other's start
-        servers = list(pool.map(start, range(SERVERS)))
+        return list(pool.map(start, range(servers)))
+
+
+@pytest.fixture
+def group(start_sim) -> Iterator[list[Server]]:
+    """The 8 servers of one DEP32 group; a frozen one is thawed after."""
+    servers = start_group(start_sim, SERVERS)
     yield servers
     for server in servers:
         if server.handle.process.poll() is None:
@@ -212,4 +220,90 @@ async def test_a_server_lost_at_commit_aborts_the_switch_on_every_other(
     assert lost.asked is not None
     live = [s for i, s in enumerate(group) if i != 3]
     await assert_never_switches(live, record.switch_id, past_step=lost.asked)
+    await close(runner)
+
+
+# ---- a service that stopped in the middle of a switch, and the one started after it
+
+
+@pytest.fixture
+def pair(start_sim) -> list[Server]:
+    """The 2 servers of a DEP8 group: the least that can be left half switched."""
+    return start_group(start_sim, 2)
+
+
+async def half_switch(servers: list[Server], committed: int, ahead: int) -> tuple[str, int]:
+    """What a service killed during a switch leaves: every server prepared, the first
+    ``committed`` committed for a step ``ahead`` steps past the furthest; the switch and step."""
+    runner = runner_for(servers)
+    await runner.sync()
+    model, decision = skewed_decision(runner)
+    switch_id = "killed-service-switch"
+    message = encode_placement(model, decision.placement, 1)
+    for client in runner.clients:
+        await client.prepare(switch_id, [message], 60.0)
+    step = max([(await state(s.agent)).current_step for s in servers]) + ahead
+    for client in runner.clients[:committed]:
+        await client.commit(switch_id, step, 10.0)
+    await close(runner)
+    return switch_id, step
+
+
+async def sync_until_settled(servers: list[Server]) -> GroupRunner:
+    """A new service's sync, retried as its runner retries, until the group is synced."""
+    runner = runner_for(servers)
+    for _ in range(240):
+        try:
+            await runner.sync()
+            return runner
+        except GroupMismatch:
+            await asyncio.sleep(0.5)
+    raise AssertionError("the group never settled")
+
+
+async def in_force(servers: list[Server]) -> list[tuple[int, bytes]]:
+    return [
+        next(
+            (p.version, p.phy2log) for p in (await state(s.agent)).placements if p.model == "target"
+        )
+        for s in servers
+    ]
+
+
+async def test_a_switch_left_prepared_by_a_killed_service_is_aborted_by_the_next(pair) -> None:
+    load_every_server(pair)
+    switch_id, step = await half_switch(pair, committed=0, ahead=50)
+    runner = await sync_until_settled(pair)
+    assert [list((await state(s.agent)).pending) for s in pair] == [[], []]
+    recovered = runner.metrics.switches_recovered.labels("cell-0", "aborted")._value.get()
+    assert recovered == 1
+    await assert_never_switches(pair, switch_id, past_step=step)
+    await close(runner)
+
+
+async def test_a_switch_committed_on_one_server_only_is_finished_on_the_other(pair) -> None:
+    load_every_server(pair)
+    _, step = await half_switch(pair, committed=1, ahead=400)
+    runner = await sync_until_settled(pair)  # waits until the switch has taken effect
+    first, second = await in_force(pair)
+    assert first == second and first[0] == 1  # both switched, to the same placement
+    assert runner.metrics.switches_recovered.labels("cell-0", "committed")._value.get() == 1
+    assert min([(await state(s.agent)).current_step for s in pair]) >= step
+    await close(runner)
+
+
+async def test_a_group_already_split_is_brought_back_to_one_placement(pair) -> None:
+    """The service stayed down past the step: the committed server switched alone."""
+    load_every_server(pair)
+    await half_switch(pair, committed=1, ahead=30)
+    for _ in range(600):
+        if (await in_force(pair))[0][0] == 1:
+            break
+        await asyncio.sleep(0.1)
+    first, second = await in_force(pair)
+    assert first[0] == 1 and second[0] == 0 and first[1] != second[1]  # split
+    runner = await sync_until_settled(pair)
+    first, second = await in_force(pair)
+    assert first == second
+    assert runner.metrics.switches_recovered.labels("cell-0", "reunified")._value.get() >= 1
     await close(runner)
