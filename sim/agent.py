@@ -176,7 +176,9 @@ class _Servicer(pb_grpc.EplbAgentServicer):
                 first, buffered_version, steps = step, version, []
             steps.append(physical)
             buffers[model] = (first, buffered_version, steps)
-            if len(steps) >= per_report:
+            # Batches end at multiples of the report size, whenever the stream began, so that
+            # every agent's reports of the same steps line up and complete together.
+            if (step + 1) % per_report == 0:
                 del buffers[model]
                 if not self._flush(queue, model, first, buffered_version, steps, ranks):
                     drop()

@@ -307,3 +307,28 @@ async def test_a_group_already_split_is_brought_back_to_one_placement(pair) -> N
     assert first == second
     assert runner.metrics.switches_recovered.labels("cell-0", "reunified")._value.get() >= 1
     await close(runner)
+
+
+async def test_servers_at_different_steps_when_the_service_subscribes_still_make_windows(
+    pair,
+) -> None:
+    """A service that starts (or restarts) while one server has run more steps than the other
+    (which a stalled server leaves) must still complete windows and decide."""
+    keep_decoding(pair[0].handle.url, requests=8, ranks=LOCAL_RANKS)
+    for _ in range(300):  # server 0 runs ahead on its own
+        if (await state(pair[0].agent)).current_step > 150:
+            break
+        await asyncio.sleep(0.1)
+    keep_decoding(pair[1].handle.url, requests=8, ranks=LOCAL_RANKS)
+    runner = runner_for(pair)
+    running = asyncio.create_task(runner.run())
+    try:
+        for _ in range(600):
+            if runner.records:
+                break
+            await asyncio.sleep(0.1)
+        assert runner.records, "no window completed: no decision was made"
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await close(runner)
