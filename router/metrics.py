@@ -283,6 +283,10 @@ class GatewayMetrics:
                 labels: count for labels, count in pool.healthy_targets().items()
             },
         }
+        # Every server's missed-check count exists from the start, at 0: a scrape shows the
+        # family and rate() has a first point before the first miss.
+        for url in pool.server_urls():
+            self.missed_health_checks.labels(url)
         for gauge, values in series.items():
             if self.multiprocess:
                 seen = self._pool_series.setdefault(gauge, set())

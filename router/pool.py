@@ -400,6 +400,10 @@ class Pool:
         if target is not None:
             target.breaker.failure(time.monotonic())
 
+    def server_urls(self) -> tuple[str, ...]:
+        """Every engine API server the pool health-checks."""
+        return tuple(self._servers)
+
     def in_flight(self) -> dict[str, int]:
         """This gateway's in-flight requests per target (prefill and decode), for metrics and
         leak checks."""

@@ -120,7 +120,13 @@ def test_docs_metrics_lists_every_metric_two_workers_serve_with_its_type_and_lab
         families = served(f"{stack.gateway.url}/metrics")
         return families if families.keys() == gateway.keys() else {}
 
-    families = eventually(all_served, timeout=30)
+    try:
+        families = eventually(all_served, timeout=30)
+    except TimeoutError:
+        got = served(f"{stack.gateway.url}/metrics").keys()
+        raise AssertionError(
+            f"missing {gateway.keys() - got}, extra {got - gateway.keys()}"
+        ) from None
     for name, (kind, labels) in families.items():
         assert gateway[name][0] == kind, f"{name}: served as a {kind}"
         assert labels == gateway[name][1], f"{name}: served with labels {labels}"
