@@ -32,6 +32,7 @@ BENCHMARKS = {
     "observability": "bench.observability",
     "agentx": "bench.agentx",
     "prefill-dp": "bench.prefill_dp",
+    "chaos": "bench.chaos",
 }
 
 

@@ -206,6 +206,11 @@ class ApiServer:
             if body.stream:
                 return await self._stream(http, request, body, model, chat)
             return await self._complete(request, model, chat)
+        except ConnectionResetError:
+            # The client left while a chunk was being written: its request is aborted below,
+            # as when aiohttp cancels the handler, and aiohttp drops this unsendable answer.
+            log.debug("client of %s went away mid-stream", request.external_id)
+            return web.Response()
         finally:
             if not request.finished:
                 self._abort(request)

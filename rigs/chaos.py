@@ -1,0 +1,424 @@
+"""One cell of Baton as separate processes on loopback, each one killable, freezable and
+restartable: what the chaos suite (``bench/chaos.py``, ``tests/chaos``) injects faults into.
+
+Unlike ``baton up`` (every engine in one ``baton sim --cluster`` process), each engine here is a
+process of its own, so one can be killed with SIGKILL or stopped with SIGSTOP as a crashed or
+hung pod would be:
+
+- prefill instances: one ``baton sim`` DEP2 each (NIXL, a short KV lease so that KV left by a
+  decode side that died is freed within a run);
+- one decode group: ``servers`` hybrid-LB ``baton sim`` servers of 4 ranks each, as the
+  controller renders a decode pod per tray, each with its EPLB agent behind a token;
+- the EPLB service, agent mode, on a short cadence so that switches happen within a run; it
+  reaches the last decode server's agent through a :class:`LinkProxy`, a link that can be cut;
+- ``gateways`` replicas of ``baton gateway`` on one pool file, with deadlines short enough
+  that a stalled engine is given up on within a run.
+
+Every engine takes ``POST /sim/faults`` (``slow``, ``stall``, ...) from :attr:`ChaosStack.faults`.
+A decode server that dies takes its group with it (a wide-EP group cannot lose a rank), so
+:meth:`ChaosStack.restart_decode_group` stops every server of the group and starts them all
+again, as the controller's group restart does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+from rigs.faults import FaultInjection
+from rigs.processes import (
+    eventually,
+    free_port,
+    free_port_block,
+    stop_process,
+    wait_healthy,
+)
+
+__all__ = ["ChaosStack", "Component", "Deadlines", "LinkProxy"]
+
+RANKS_PER_SERVER = 4
+PREFILL_DP = 2
+KV_LEASE_S = 10  # simulated seconds prefill holds KV for a decode side that never pulls it
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """The gateway's deadlines in the chaos stack, short enough that a run outlives them."""
+
+    prefill_s: float = 20.0
+    first_token_s: float = 20.0
+    idle_s: float = 8.0
+    stall_after_s: float = 3.0
+    health_interval_s: float = 0.5
+
+    def flags(self) -> list[str]:
+        return [
+            *("--prefill-timeout", str(self.prefill_s)),
+            *("--first-token-timeout", str(self.first_token_s)),
+            *("--idle-timeout", str(self.idle_s)),
+            *("--stall-after", str(self.stall_after_s)),
+            *("--health-interval", str(self.health_interval_s)),
+        ]
+
+
+@dataclass(slots=True)
+class Component:
+    """One process of the stack: how to start it, and what it is doing now."""
+
+    name: str
+    role: str  # prefill, decode, eplb, gateway
+    command: list[str]
+    log_path: Path
+    health_url: str | None = None  # /health answers 200 once it serves
+    url: str | None = None  # what clients and the gateways call
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+    frozen: bool = False
+    starts: int = 0
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            self.command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+        )
+        log.close()
+        self.frozen = False
+        self.starts += 1
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        assert self.process is not None
+        if self.health_url is not None:
+            wait_healthy(self.health_url, self.process, self.log_path, timeout=timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed pod or an OOM kill: no cleanup, connections reset."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+    def freeze(self) -> None:
+        """SIGSTOP, as a hung process or a tray off the network: connections stay open and
+        nothing answers."""
+        if self.alive and not self.frozen:
+            assert self.process is not None
+            self.process.send_signal(signal.SIGSTOP)
+            self.frozen = True
+
+    def thaw(self) -> None:
+        if self.alive and self.frozen:
+            assert self.process is not None
+            self.process.send_signal(signal.SIGCONT)
+        self.frozen = False
+
+    def stop(self) -> None:
+        self.thaw()
+        if self.process is not None:
+            stop_process(self.process)
+
+
+class LinkProxy:
+    """A TCP relay from a free loopback port to ``upstream``, on an event loop of its own
+    thread, that can cut the link: :meth:`hold` stops forwarding what clients send (their
+    calls wait, as over a partitioned network), :meth:`drop` closes every connection, what was
+    held unsent included, and lets new ones through again."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream_host, port = upstream.rsplit(":", 1)
+        self.upstream_port = int(port)
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._open = asyncio.Event()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+        started = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(started,), name=f"link-{upstream}", daemon=True
+        )
+        self._thread.start()
+        started.wait(10)
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._open.set()
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        )
+        started.set()
+        self._loop.run_forever()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(
+                self.upstream_host, self.upstream_port
+            )
+        except OSError:
+            writer.close()
+            return
+        self._writers |= {writer, up_writer}
+
+        async def pump(
+            source: asyncio.StreamReader, sink: asyncio.StreamWriter, held: bool
+        ) -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    if held:
+                        await self._open.wait()
+                    data = await source.read(65536)
+                    if not data:
+                        break
+                    if held:
+                        await self._open.wait()
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pump(reader, up_writer, True), pump(up_reader, writer, False))
+        self._writers -= {writer, up_writer}
+
+    def hold(self) -> None:
+        self._loop.call_soon_threadsafe(self._open.clear)
+
+    def drop(self) -> None:
+        def cut() -> None:
+            for writer in list(self._writers):
+                writer.transport.abort()
+            self._writers.clear()
+            self._open.set()
+
+        self._loop.call_soon_threadsafe(cut)
+
+    def close(self) -> None:
+        def stop() -> None:
+            if self._server is not None:
+                self._server.close()
+            self.drop()
+            self._loop.stop()
+
+        self._loop.call_soon_threadsafe(stop)
+        self._thread.join(10)
+
+
+def _baton(*arguments: str) -> list[str]:
+    return [sys.executable, "-m", "baton.cli", *arguments]
+
+
+class ChaosStack:
+    """The processes of one cell on loopback (see the module doc), started by :meth:`start`."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        prefill: int = 2,
+        decode_servers: int = 2,
+        gateways: int = 2,
+        time_scale: float = 2.0,
+        eplb_steps: int = 200,
+        deadlines: Deadlines = Deadlines(),
+    ) -> None:
+        self.directory = directory
+        self.time_scale = time_scale
+        self.deadlines = deadlines
+        self.faults = FaultInjection(directory)
+        self.agent_token = directory / "eplb-agent-token"
+        self.agent_token.touch(mode=0o600)
+        self.agent_token.write_text(secrets.token_urlsafe(24))
+        scale = ("--time-scale", str(time_scale))
+        kv_prefill = NIXL | {"kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S}}
+        self.prefill: list[Component] = []
+        for index in range(prefill):
+            port = free_port()
+            self.prefill.append(
+                Component(
+                    f"prefill-{index}",
+                    "prefill",
+                    _baton(
+                        "sim",
+                        *("--port", str(port), "--data-parallel-size", str(PREFILL_DP)),
+                        *("--kv-transfer-config", json.dumps(kv_prefill)),
+                        *self.faults.flags,
+                        *scale,
+                        *("--log-level", "warning"),
+                    ),
+                    directory / f"prefill-{index}.log",
+                    health_url=f"http://127.0.0.1:{port}",
+                    url=f"http://127.0.0.1:{port}",
+                    env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_block(PREFILL_DP))},
+                )
+            )
+        ranks = decode_servers * RANKS_PER_SERVER
+        self.decode: list[Component] = []
+        self.agents: list[str] = []
+        for index in range(decode_servers):
+            port, agent = free_port(), free_port()
+            self.agents.append(f"127.0.0.1:{agent}")
+            self.decode.append(
+                Component(
+                    f"decode-{index}",
+                    "decode",
+                    _baton(
+                        "sim",
+                        *("--port", str(port), "--data-parallel-size", str(ranks)),
+                        *("--data-parallel-size-local", str(RANKS_PER_SERVER)),
+                        *("--data-parallel-start-rank", str(index * RANKS_PER_SERVER)),
+                        *("--data-parallel-hybrid-lb", "--enable-expert-parallel"),
+                        *("--kv-transfer-config", json.dumps(NIXL)),
+                        *("--enable-eplb", "--eplb-config", '{"num_redundant_experts":32}'),
+                        *("--speculative-config", '{"method":"mtp","num_speculative_tokens":3}'),
+                        *("--eplb-agent-port", str(agent)),
+                        *("--eplb-agent-token-file", str(self.agent_token)),
+                        *self.faults.flags,
+                        *scale,
+                        *("--log-level", "warning"),
+                    ),
+                    directory / f"decode-{index}.log",
+                    health_url=f"http://127.0.0.1:{port}",
+                    url=f"http://127.0.0.1:{port}",
+                    env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_block(RANKS_PER_SERVER))},
+                )
+            )
+        # The EPLB service reaches the last agent through a link the chaos suite can cut.
+        self.link = LinkProxy(self.agents[-1])
+        eplb_config = directory / "eplb.yaml"
+        eplb_config.write_text(
+            yaml.safe_dump(
+                {
+                    "windowSize": eplb_steps,
+                    "stepInterval": eplb_steps,
+                    # a Commit deadline whose horizon outlasts a restart of the service
+                    "commitTimeoutSeconds": 5,
+                    "groups": [
+                        {"name": "cell-0", "agents": [*self.agents[:-1], self.link.address]}
+                    ],
+                }
+            )
+        )
+        self.eplb_metrics = f"http://127.0.0.1:{free_port()}"
+        self.eplb = Component(
+            "eplb",
+            "eplb",
+            _baton(
+                "eplb",
+                *("--config", str(eplb_config)),
+                *("--metrics-port", self.eplb_metrics.rsplit(":", 1)[1]),
+                *("--token-file", str(self.agent_token)),
+                *("--log-level", "info"),
+            ),
+            directory / "eplb.log",
+        )
+        pool = directory / "pool.yaml"
+        pool.write_text(
+            yaml.safe_dump(
+                {
+                    "cells": [
+                        {
+                            "name": "cell-0",
+                            "prefill": [c.url for c in self.prefill],
+                            "decode": [
+                                {"url": c.url, "ranks": list(range(RANKS_PER_SERVER))}
+                                for c in self.decode
+                            ],
+                        }
+                    ]
+                }
+            )
+        )
+        self.gateways: list[Component] = []
+        for index in range(gateways):
+            port = free_port()
+            self.gateways.append(
+                Component(
+                    f"gateway-{index}",
+                    "gateway",
+                    _baton(
+                        "gateway",
+                        *("--port", str(port), "--pool", str(pool)),
+                        *deadlines.flags(),
+                        *("--log-level", "warning"),
+                    ),
+                    directory / f"gateway-{index}.log",
+                    health_url=f"http://127.0.0.1:{port}",
+                    url=f"http://127.0.0.1:{port}",
+                )
+            )
+
+    @property
+    def components(self) -> list[Component]:
+        return [*self.prefill, *self.decode, self.eplb, *self.gateways]
+
+    @property
+    def engines(self) -> list[Component]:
+        return [*self.prefill, *self.decode]
+
+    def start(self) -> None:
+        """Engines first, then the EPLB service and the gateways; every one ready."""
+        for component in self.engines:
+            component.start()
+        for component in self.engines:
+            component.wait_ready(timeout=120)
+        self.eplb.start()
+        for component in self.gateways:
+            component.start()
+        for component in self.gateways:
+            component.wait_ready(timeout=60)
+        eventually(self.gateways_ready, timeout=60, interval=0.2)
+
+    def gateways_ready(self) -> bool:
+        return all(
+            httpx.get(f"{gateway.url}/ready", timeout=2).status_code == 200
+            for gateway in self.gateways
+            if gateway.alive
+        )
+
+    def restart(self, component: Component) -> None:
+        """Start ``component`` again after it was killed (a pod restarted on its node)."""
+        component.kill()
+        component.start()
+
+    def restart_decode_group(self) -> None:
+        """Every server of the decode group stopped and started again (the group restart)."""
+        for component in self.decode:
+            component.kill()
+        for component in self.decode:
+            component.start()
+
+    def stop(self) -> None:
+        for component in reversed(self.components):
+            component.stop()
+        self.link.close()
+
+    def logs(self, names: Sequence[str] = ()) -> str:
+        """The tail of each component's log (all, or those named)."""
+        parts = []
+        for component in self.components:
+            if names and component.name not in names:
+                continue
+            text = (
+                component.log_path.read_text(errors="replace")
+                if component.log_path.exists()
+                else ""
+            )
+            parts.append(f"--- {component.name} ---\n{text[-3000:]}")
+        return "\n".join(parts)
