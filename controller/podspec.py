@@ -50,6 +50,7 @@ __all__ = [
     "COMPUTE_DOMAIN_API",
     "DP_RPC_PORT",
     "EPLB_AGENT_PORT",
+    "EPLB_TOKEN_DIR",
     "NIXL_PORT",
     "PLUGIN_DIR",
     "channel_template_name",
@@ -72,7 +73,7 @@ _SHM = "dshm"
 PLUGIN_DIR = "/opt/baton/vllm-plugin"
 _PLUGIN_VOLUME = "baton-eplb-plugin"
 _EPLB_TOKEN_VOLUME = "baton-eplb-token"
-_EPLB_TOKEN_DIR = "/etc/baton/eplb-token"
+EPLB_TOKEN_DIR = "/etc/baton/eplb-token"  # where a decode pod mounts spec.eplb.tokenSecret
 # What the init container may use of the node: it copies a few hundred kB of Python.
 _PLUGIN_RESOURCES = {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}}
 
@@ -174,7 +175,7 @@ def decode_command(spec: ModelDeploymentSpec, cell: str, index: int, namespace: 
         if eplb.mode == "agent":
             command += ["--eplb-agent-port", str(EPLB_AGENT_PORT)]
             if eplb.token_secret is not None:
-                command += ["--eplb-agent-token-file", f"{_EPLB_TOKEN_DIR}/{eplb.token_secret.key}"]
+                command += ["--eplb-agent-token-file", f"{EPLB_TOKEN_DIR}/{eplb.token_secret.key}"]
     return [*command, *spec.engine.args]
 
 
@@ -323,7 +324,7 @@ def _with_eplb(
                 }
             )
             engine["volumeMounts"].append(
-                {"name": _EPLB_TOKEN_VOLUME, "mountPath": _EPLB_TOKEN_DIR, "readOnly": True}
+                {"name": _EPLB_TOKEN_VOLUME, "mountPath": EPLB_TOKEN_DIR, "readOnly": True}
             )
         return
     pod_spec["volumes"].append({"name": _PLUGIN_VOLUME, "emptyDir": {}})

@@ -279,6 +279,12 @@ class EplbSpec(_Resource):
                 f"windowSize ({self.window_size}) must not exceed stepInterval "
                 f"({self.step_interval})"
             )
+        if self.enabled and self.mode == "agent" and self.token_secret is None:
+            raise ValueError(
+                "mode agent needs tokenSecret: an EPLB agent without a token refuses every "
+                "switch, so the service could never rebalance; give the Secret the service's "
+                "--token-file holds (the chart's eplb.tokenSecret)"
+            )
         if self.communicator in ("torch_nccl", "pynccl"):
             raise ValueError(
                 f"communicator {self.communicator}: vLLM's asynchronous EPLB (its default, which "

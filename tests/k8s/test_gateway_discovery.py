@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from controller.podspec import EPLB_TOKEN_DIR
 from rigs.devcluster import patch_model_deployment_spec
 from rigs.processes import eventually, free_port, stop_process, wait_healthy
 from tests.k8s.helpers import apply, pods, read, wait_ready
@@ -46,10 +47,19 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
             },
             "cell": {"decode": {"dep": 4, "spareTrays": 0}, "prefill": {"instances": 1}},
             # the simulator's agents; decisions within seconds here
-            "eplb": {"mode": "agent", "stepInterval": 40, "windowSize": 40},
+            "eplb": {
+                "mode": "agent",
+                "stepInterval": 40,
+                "windowSize": 40,
+                "tokenSecret": {"name": "eplb-token", "key": "token"},
+            },
         },
     )
     wait_ready(api, namespace, "dsv4")
+    # what the Secret would hold, where each engine and the service read it here
+    token = tmp_path / "eplb-token"
+    token.write_text("agent-secret")
+    mounted = f"{EPLB_TOKEN_DIR}/token"
     for name, pod in pods(api, namespace).items():
         ip = pod.status.pod_ip
         assert ip.startswith("127.64.")  # kwok's loopback pod range: servable here
@@ -58,7 +68,7 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = ip  # what the fieldRef gives a real pod
         log = tmp_path / f"{name}.log"
         engine = subprocess.Popen(
-            [*container.command, "--host", ip],
+            [str(token) if arg == mounted else arg for arg in container.command] + ["--host", ip],
             env={**os.environ, **env},
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
@@ -125,6 +135,7 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
                 "baton.cli",
                 "eplb",
                 f"--config={config}",
+                f"--token-file={token}",
                 "--model-deployment",
                 f"{namespace}/dsv4",
                 f"--kubeconfig={control_plane.kubeconfig}",

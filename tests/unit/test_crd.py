@@ -77,6 +77,7 @@ def test_only_model_is_required_and_everything_else_is_the_studys_shape() -> Non
         ({"model": "m", "cells": -1}, "cells"),
         ({"model": "m", "cell": {"decode": {"dep": 30}}}, "multiple of gpusPerPod"),
         ({"model": "m", "eplb": {"windowSize": 5000}}, "must not exceed stepInterval"),
+        ({"model": "m", "eplb": {"mode": "agent"}}, "mode agent needs tokenSecret"),
         ({"model": "m", "kvTransfer": {"connector": "Mooncake"}}, "connector"),
         ({"model": "m", "replicas": 3}, "replicas"),
         (
@@ -93,6 +94,7 @@ def test_only_model_is_required_and_everything_else_is_the_studys_shape() -> Non
         "negative-cells",
         "decode-not-whole-trays",
         "eplb-window",
+        "agent-without-token",
         "connector",
         "unknown-field",
         "simulator-in-vllms-image",
