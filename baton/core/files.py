@@ -31,6 +31,10 @@ def load_yaml_model(path: str | Path, model: type[M], *, kind: str, fix: str) ->
         data = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the {kind} ({exc.strerror})") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path}: the {kind} is not UTF-8 text (byte {exc.start}: {exc.reason})"
+        ) from exc
     except yaml.YAMLError as exc:
         raise ValueError(f"{path}: not valid YAML ({exc})") from exc
     try:
