@@ -671,6 +671,21 @@ def _selects(selector: dict, labels: dict[str, str]) -> bool:
     return all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []))
 
 
+def _admits(
+    peers: list[dict[str, Any]], labels: dict[str, str], pod_namespace: str, policy_namespace: str
+) -> bool:
+    """Whether a pod with ``labels`` in ``pod_namespace`` is one of a NetworkPolicy's peers."""
+    return any(
+        _selects(peer.get("podSelector", {}), labels)
+        and (
+            "namespaceSelector" not in peer
+            or _selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": pod_namespace})
+        )
+        and ("namespaceSelector" in peer or pod_namespace == policy_namespace)
+        for peer in peers
+    )
+
+
 def test_with_the_network_policy_engines_take_traffic_from_baton_and_each_other_only(
     api, namespace
 ) -> None:
@@ -686,7 +701,11 @@ def test_with_the_network_policy_engines_take_traffic_from_baton_and_each_other_
     )
     assert rendered.returncode == 0, rendered.stderr
     objects = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
-    [policy] = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    [policy] = [
+        o
+        for o in objects
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"].endswith("-engines")
+    ]
     utils.create_from_dict(api, policy, namespace=namespace)  # the API server accepts it
     assert policy["metadata"]["namespace"] == namespace
     spec = policy["spec"]
@@ -707,17 +726,7 @@ def test_with_the_network_policy_engines_take_traffic_from_baton_and_each_other_
     assert all(_selects(engine_peer["podSelector"], labels) for labels in engines)
 
     def admitted(labels: dict[str, str], pod_namespace: str) -> bool:
-        return any(
-            _selects(peer["podSelector"], labels)
-            and (
-                "namespaceSelector" not in peer
-                or _selects(
-                    peer["namespaceSelector"], {"kubernetes.io/metadata.name": pod_namespace}
-                )
-            )
-            and ("namespaceSelector" in peer or pod_namespace == namespace)
-            for peer in peers
-        )
+        return _admits(peers, labels, pod_namespace, namespace)
 
     baton = {
         o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
@@ -729,6 +738,48 @@ def test_with_the_network_policy_engines_take_traffic_from_baton_and_each_other_
     assert not admitted(other_release, "baton-system")
     assert not admitted({"app": "curl"}, namespace)
     assert not admitted(next(iter(baton.values())), "elsewhere")
+
+
+def test_with_the_network_policy_only_prometheus_scrapes_the_controller_and_eplb_service(
+    api, namespace
+) -> None:
+    objects = render(
+        "np",
+        "--namespace",
+        namespace,
+        "--set",
+        f"gateway.modelDeployment={namespace}/dsv4,networkPolicy.enabled=true",
+    )
+    policies = {
+        o["metadata"]["name"]: o
+        for o in objects
+        if o["kind"] == "NetworkPolicy" and not o["metadata"]["name"].endswith("-engines")
+    }
+    assert set(policies) == {"np-baton-controller", "np-baton-eplb"}
+    pods = {
+        o["metadata"]["name"]: o["spec"]["template"] for o in objects if o["kind"] == "Deployment"
+    }
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    engine = {"baton.dev/deployment": "dsv4"}
+    for name, policy in policies.items():
+        utils.create_from_dict(api, policy, namespace=namespace)  # the API server accepts it
+        template = pods[name]
+        assert _selects(policy["spec"]["podSelector"], template["metadata"]["labels"])
+        ports = {
+            p["containerPort"]: p["name"]
+            for c in template["spec"]["containers"]
+            for p in c["ports"]
+        }
+        rules = {ports[r["ports"][0]["port"]]: r["from"] for r in policy["spec"]["ingress"]}
+        # every port the pod listens on has its rule, and only Prometheus scrapes metrics
+        assert set(rules) == set(ports.values())
+        assert _admits(rules["metrics"], prometheus, "monitoring", namespace)
+        assert not _admits(rules["metrics"], {"app": "curl"}, namespace, namespace)
+        assert not _admits(rules["metrics"], engine, namespace, namespace)
+        if "reports" in rules:  # the EPLB service's: the engines' window reports only
+            assert _admits(rules["reports"], engine, namespace, namespace)
+            assert not _admits(rules["reports"], engine, "elsewhere", namespace)
+            assert not _admits(rules["reports"], prometheus, "monitoring", namespace)
 
 
 # ---- Ray Serve on KubeRay (gateway.rayService)
