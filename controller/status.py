@@ -174,11 +174,14 @@ def _pod_state(pod: Mapping[str, Any] | None) -> str:
         return "starting"  # containers run; the engine is not serving yet
     if phase == "Pending":
         for condition in pod.get("status", {}).get("conditions") or []:
-            if (condition.get("type"), condition.get("reason")) == (
-                "PodScheduled",
-                "Unschedulable",
-            ):
+            if condition.get("type") != "PodScheduled":
+                continue
+            if condition.get("reason") == "Unschedulable":
                 return "unschedulable"
+            if condition.get("reason") == "SchedulingGated":
+                # gates lifted (checked above) but the scheduler says otherwise: it has not
+                # seen the update yet, or missed it
+                return "gates_unseen"
     return "waiting"
 
 
@@ -333,6 +336,18 @@ def _summarize(
         )
     if short:
         causes.append(_Cause(Reason.PREFILL_SHORT, "; ".join(short), moving=False))
+    if states.get("gates_unseen"):
+        unseen = states["gates_unseen"]
+        causes.append(
+            _Cause(
+                Reason.SCHEDULER_BEHIND,
+                f"{len(unseen)} pods have their scheduling gates lifted but kube-scheduler "
+                f"still holds them as gated: {_some(unseen)}. If this lasts, the scheduler "
+                "missed the update (seen after an API server restart during a group restart): "
+                "restart kube-scheduler",
+                moving=True,
+            )
+        )
     if states.get("waiting"):
         waiting = states["waiting"]
         causes.append(

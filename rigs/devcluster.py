@@ -103,6 +103,7 @@ class ControlPlane:
     kubeconfig: Path
     detached: bool = False
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    commands: dict[str, list[str]] = field(default_factory=dict)
 
     def log(self, name: str) -> str:
         return (self.directory / f"{name}.log").read_text()
@@ -126,9 +127,33 @@ class ControlPlane:
         for process in reversed(list(self.processes.values())):
             stop_process(process)
 
+    def api_ready(self) -> bool:
+        ca = self.directory / "certs" / "apiserver.crt"
+        if not ca.exists():
+            return False
+        response = httpx.get(
+            f"{self.server}/readyz",
+            verify=ssl.create_default_context(cafile=str(ca)),
+            timeout=2,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        return response.status_code == 200
+
+    def restart(self, name: str, *, down_s: float = 0.0, timeout: float = 120) -> None:
+        """SIGKILL component ``name`` (kube-apiserver, kwok, ...), wait ``down_s``, start it
+        again with its command line; for the API server, until it is ready."""
+        process = self.processes[name]
+        process.kill()
+        process.wait()
+        time.sleep(down_s)
+        _spawn(self, name, self.commands[name])
+        if name == "kube-apiserver":
+            _wait(self, self.api_ready, timeout)
+
 
 def _spawn(plane: ControlPlane, name: str, command: list[str]) -> None:
-    log = (plane.directory / f"{name}.log").open("wb")
+    plane.commands[name] = command
+    log = (plane.directory / f"{name}.log").open("ab")
     plane.processes[name] = subprocess.Popen(
         command,
         stdout=log,
@@ -242,20 +267,7 @@ def start_control_plane(directory: Path, bin_dir: Path, *, detached: bool = Fals
                 "--audit-log-mode=blocking",  # written before the request returns: a test reads it
             ],
         )
-        ca = directory / "certs" / "apiserver.crt"
-
-        def api_ready() -> bool:
-            if not ca.exists():
-                return False
-            response = httpx.get(
-                f"{plane.server}/readyz",
-                verify=ssl.create_default_context(cafile=str(ca)),
-                timeout=2,
-                headers={"Authorization": f"Bearer {TOKEN}"},
-            )
-            return response.status_code == 200
-
-        _wait(plane, api_ready, 120)
+        _wait(plane, plane.api_ready, 120)
         write_kubeconfig(plane, plane.kubeconfig, TOKEN)
         common = [f"--kubeconfig={plane.kubeconfig}", "--leader-elect=false"]
         _spawn(

@@ -74,6 +74,7 @@ class Reason(StrEnum):
     TRAY_QUARANTINED = "TrayQuarantined"
     PODS_PENDING = "PodsPending"
     PODS_UNSCHEDULABLE = "PodsUnschedulable"
+    SCHEDULER_BEHIND = "SchedulerBehind"
     ENGINES_STARTING = "EnginesStarting"
     PREFILL_RESTARTING = "PrefillRestarting"
     PREFILL_MOVING = "PrefillMoving"

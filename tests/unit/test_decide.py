@@ -370,6 +370,31 @@ def test_a_pod_the_scheduler_cannot_place_is_named_not_called_starting() -> None
     assert "dsv4-cell-0-decode-3" in degraded["message"]
 
 
+def test_pods_ungated_that_the_scheduler_still_holds_as_gated_are_named_with_the_fix() -> None:
+    """Seen after an API server restart in the middle of a group restart: kube-scheduler
+    missed the update that lifted the gates and never schedules the pods."""
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    for index in range(8):
+        pod = w.pods[f"dsv4-cell-0-decode-{index}"]
+        del pod["spec"]["nodeName"]
+        pod["status"] = {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "SchedulingGated",
+                    "message": "Scheduling is blocked due to non-empty scheduling gates",
+                }
+            ],
+        }
+    w.step()
+    ready, progressing = w.condition("Ready"), w.condition("Progressing")
+    assert ready["reason"] == "SchedulerBehind" and progressing["reason"] == "SchedulerBehind"
+    assert "8 pods" in ready["message"] and "restart kube-scheduler" in ready["message"]
+
+
 def test_a_cell_that_cannot_be_placed_is_the_reason_not_pods_pending() -> None:
     w = world(cells=2, cell={"prefill": {"instances": 2}})
     w.settle()
