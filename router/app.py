@@ -258,7 +258,10 @@ def _outcome(exc: GatewayError) -> str:
 
 
 def _error(exc: GatewayError) -> Response:
-    return Response(exc.body(), status_code=exc.status, media_type="application/json")
+    headers = {"Connection": "close"} if exc.closes_connection else None
+    return Response(
+        exc.body(), status_code=exc.status, media_type="application/json", headers=headers
+    )
 
 
 # --- the endpoints -------------------------------------------------------------------------------

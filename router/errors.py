@@ -69,6 +69,8 @@ class GatewayError(Exception):
     status = 500
     kind = "server_error"
     code: str | None = None
+    # The request's bytes left on the connection cannot be framed: answer and close it.
+    closes_connection = False
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -108,6 +110,7 @@ class RequestTimeout(GatewayError):
     status = 408
     kind = "invalid_request_error"
     code = "request_timeout"
+    closes_connection = True  # the rest of the body may yet come, and is no next request
 
 
 class ClientClosedRequest(GatewayError):

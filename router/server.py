@@ -11,7 +11,7 @@ front of the internet have them (nginx, Go's ``ReadHeaderTimeout``):
   byte: 408 (nothing if not a byte came), and the connection is closed.
 
 A slow body is the app's to bound (``--body-timeout``, ``router/app.py``); an idle kept-alive
-connection is uvicorn's (``timeout_keep_alive``).
+connection is uvicorn's (``timeout_keep_alive``, from ``--keep-alive-timeout``).
 """
 
 from __future__ import annotations

@@ -71,6 +71,11 @@ class GatewaySettings(BaseModel):
     header_timeout_s: float = Field(
         10.0, gt=0, description="seconds a client may take to send its request head"
     )
+    # Longer than clients keep an idle connection pooled (aiohttp 15 s, httpx 5 s): a server
+    # that closes first races the client's next request on it. nginx's default.
+    keep_alive_timeout_s: int = Field(
+        75, gt=0, description="seconds an idle kept-alive client connection stays open"
+    )
 
     @classmethod
     def add_flags(cls, parser: argparse.ArgumentParser) -> None:

@@ -72,6 +72,7 @@ def uvicorn_options(settings: GatewaySettings) -> dict[str, Any]:
     return {
         "loop": "uvloop",
         "http": gateway_http_protocol(settings),
+        "timeout_keep_alive": settings.keep_alive_timeout_s,
         "log_level": "warning",
         "access_log": False,
     }

@@ -34,7 +34,8 @@ def stack(start_sim, start_gateway) -> Stack:
 
 
 def raw(stack: Stack, data: bytes, *, then_wait: bool = True) -> bytes:
-    """Send ``data`` on a fresh connection and read until the gateway closes it (bounded)."""
+    """Send ``data`` on a fresh connection and read until the gateway closes it (bounded: a
+    request the gateway answers normally must ask for the close, ``Connection: close``)."""
     with socket.create_connection(("127.0.0.1", stack.gateway.port), timeout=15) as connection:
         # Refused before it all went: the answer is still there to read.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -115,7 +116,8 @@ def test_a_request_id_the_engines_cannot_take_is_refused_and_never_ejects_an_eng
     stack: Stack, request_id: bytes
 ) -> None:
     for _ in range(5):  # more than the circuit breaker's three
-        answer = raw(stack, head(X_Request_Id=request_id.decode("latin-1")) + CHAT)
+        request = head(X_Request_Id=request_id.decode("latin-1"), Connection="close")
+        answer = raw(stack, request + CHAT)
         assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
         assert b'"param":"X-Request-Id"' in answer
     assert chat(stack, content=LONG, max_tokens=2).usage.completion_tokens == 2
@@ -226,3 +228,22 @@ def test_a_stalled_decode_server_is_routed_around_while_its_health_says_ok(
             )
             assert answer.usage is not None and answer.usage.completion_tokens == 2
         assert "made no progress" in gateway.log()
+
+
+def test_a_kept_alive_connection_idle_for_longer_than_clients_pool_it_still_serves(
+    stack: Stack,
+) -> None:
+    """A server that closes idle connections as soon as clients reuse them races them: the
+    client's next POST meets the close (aiohttp keeps an idle connection 15 s, httpx 5 s).
+    Seen under the rack benchmark as clients' ServerDisconnectedError."""
+    with httpx.Client(base_url=stack.gateway.url, headers={"Authorization": "Bearer k"}) as http:
+        http.post(
+            "/v1/chat/completions", content=CHAT, headers={"Content-Type": "application/json"}
+        )
+        with socket.create_connection(("127.0.0.1", stack.gateway.port), timeout=15) as connection:
+            connection.sendall(head() + CHAT)
+            answer = connection.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200")
+            threading.Event().wait(16)  # idle past every common client's pool timeout
+            connection.sendall(head() + CHAT)
+            assert connection.recv(65536).startswith(b"HTTP/1.1 200")
