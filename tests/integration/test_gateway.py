@@ -309,10 +309,16 @@ def test_session_header_pins_prefill(stack: Stack) -> None:
     assert sorted(served) == [0, 6]
 
 
-def _stream_until(client: openai.OpenAI, stop: threading.Event, prompt: str) -> None:
+def _stream_until(
+    client: openai.OpenAI, stop: threading.Event, prompt: str, max_tokens: int = 300
+) -> None:
     while not stop.is_set():
         for _ in client.completions.create(
-            model=MODEL, prompt=prompt, stream=True, max_tokens=300, extra_body={"ignore_eos": True}
+            model=MODEL,
+            prompt=prompt,
+            stream=True,
+            max_tokens=max_tokens,
+            extra_body={"ignore_eos": True},
         ):
             pass
 
@@ -334,12 +340,14 @@ def test_decode_ranks_stay_balanced_under_steady_load(stack: Stack) -> None:
         ranks = _decode_in_flight(stack.gateway, stack.decode)
         return ranks if sum(ranks) == 16 else []
 
+    # Long decodes, so that moments when no stream is in its prefill leg come often: with 300
+    # tokens a busy machine went 20 s without one (the streams' prefills spread out).
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(_stream_until, client, stop, f"{i} {LONG}") for i in range(16)]
+        futures = [pool.submit(_stream_until, client, stop, f"{i} {LONG}", 1500) for i in range(16)]
         samples: list[float] = []
         try:
             for _ in range(20):
-                ranks = eventually(all_in_decode)
+                ranks = eventually(all_in_decode, timeout=60)
                 assert len(ranks) == 4
                 samples.append(max(ranks) - min(ranks))
         finally:
