@@ -476,10 +476,22 @@ def install_crd(api: client.ApiClient) -> None:
         if exc.status != 409:
             raise
 
+    custom = client.CustomObjectsApi(api)
+
     def served() -> bool:
+        # Names are accepted before the CRD is Established, and the API server installs the
+        # resource's handler after that: until then a request gets "404 page not found".
         status = extensions.read_custom_resource_definition(crd["metadata"]["name"]).status
-        names = status.accepted_names if status else None
-        return names is not None and names.kind == KIND
+        conditions = {c.type: c.status for c in (status.conditions or [])} if status else {}
+        if conditions.get("Established") != "True":
+            return False
+        try:
+            custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, limit=1)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     eventually(served, timeout=30)
 
