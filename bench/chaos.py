@@ -448,33 +448,65 @@ async def _kill_eplb_in_prepare(load: _Load, applied: AppliedFault) -> None:
 async def _kill_eplb_in_commit(load: _Load, applied: AppliedFault) -> None:
     """Once every agent has staged a switch, cut the service's link to the last agent, so its
     Commit there waits; kill the service once the first agent is committed; then drop the cut
-    link with the Commit it held, as a partition that heals with its connections reset."""
+    link with the Commit it held, as a partition that heals with its connections reset.
+
+    The cut races the service's Commit, which follows the last Prepare ack at once: where the
+    Commit reached the last agent before the cut, the link is let go as it is and the next
+    switch is tried, so that what is killed is always a switch committed on one agent only."""
     stack = load.stack
+    first, last = stack.agents[0], stack.agents[-1]
+    deadline = time.monotonic() + 90
+    staged: set[str] = set()
 
     async def all_staged() -> bool:
         states = await _agent_states(stack)
         ids = [{p.switch_id for p in s.pending if not p.committed} if s else set() for s in states]
-        return bool(set.intersection(*ids))
+        staged.clear()
+        staged.update(set.intersection(*ids))
+        return bool(staged)
 
-    async def first_committed() -> bool:
-        [first] = await _agent_states(stack, [stack.agents[0]])
-        return first is not None and any(p.committed for p in first.pending)
+    async def committed_on(address: str) -> bool:
+        [state] = await _agent_states(stack, [address])
+        return state is not None and any(
+            p.committed and p.switch_id in staged for p in state.pending
+        )
 
-    if not await _until(all_staged, 90, 0.02):
-        applied.note = "no switch was staged on every agent within 90 s; not applied"
-        return
-    stack.link.hold()
-    try:
-        if await _until(first_committed, 15, 0.01):
-            stack.eplb.kill()
-            applied.note = "killed with one agent committed and the other not"
-        else:
+    async def staged_on(address: str) -> bool:
+        [state] = await _agent_states(stack, [address])
+        return state is not None and any(
+            not p.committed and p.switch_id in staged for p in state.pending
+        )
+
+    late = 0
+    while (left := deadline - time.monotonic()) > 0:
+        if not await _until(all_staged, left, 0.02):
+            break
+        stack.link.hold()
+        if not await _until(lambda: committed_on(first), 15, 0.01):
+            stack.link.drop()
             applied.note = "the first agent was never committed; not applied"
-    finally:
+            return
+        if not await staged_on(last):
+            late += 1
+            stack.link.release()
+            continue
+        stack.eplb.kill()
         stack.link.drop()
-    if not stack.eplb.alive:
+        # a Commit forwarded just before the cut may still land: then this was not the fault
+        if await committed_on(last):
+            late += 1
+            stack.eplb.start()
+            continue
+        applied.note = "killed with one agent committed and the other not" + (
+            f" (after {late} switches whose Commit beat the cut)" if late else ""
+        )
         await asyncio.sleep(applied.fault.duration_s)
         stack.eplb.start()
+        return
+    applied.note = (
+        f"no switch was staged on every agent and cut before its Commit within 90 s "
+        f"({late} beat the cut); not applied"
+    )
 
 
 @dataclass(frozen=True, slots=True)

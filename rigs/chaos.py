@@ -91,6 +91,10 @@ class Component:
     starts: int = 0
 
     def start(self) -> None:
+        """Start the process, unless it runs already: of faults that overlap on one component,
+        the first to end restarts it and the others find it up."""
+        if self.alive:
+            return
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             self.command,
@@ -140,8 +144,9 @@ class Component:
 class LinkProxy:
     """A TCP relay from a free loopback port to ``upstream``, on an event loop of its own
     thread, that can cut the link: :meth:`hold` stops forwarding what clients send (their
-    calls wait, as over a partitioned network), :meth:`drop` closes every connection, what was
-    held unsent included, and lets new ones through again."""
+    calls wait, as over a partitioned network), :meth:`release` forwards it again, and
+    :meth:`drop` closes every connection, what was held unsent included, and lets new ones
+    through again."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream_host, port = upstream.rsplit(":", 1)
@@ -199,6 +204,10 @@ class LinkProxy:
 
     def hold(self) -> None:
         self._loop.call_soon_threadsafe(self._open.clear)
+
+    def release(self) -> None:
+        """Forward what was held, as a partition that heals with its connections kept."""
+        self._loop.call_soon_threadsafe(self._open.set)
 
     def drop(self) -> None:
         def cut() -> None:

@@ -1,0 +1,36 @@
+"""The chaos rig's own parts: what the suite's verdicts rest on."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rigs.chaos import Component
+
+
+def _sleeper(tmp_path: Path) -> Component:
+    return Component(
+        name="sleeper",
+        role="eplb",
+        command=[sys.executable, "-c", "import time; time.sleep(60)"],
+        log_path=tmp_path / "sleeper.log",
+    )
+
+
+def test_overlapping_faults_restart_a_component_once(tmp_path: Path) -> None:
+    # Two kills of one component overlapping: the first fault restarts it, and the second,
+    # ending later, must not start a second process beside it (seen: a second EPLB service
+    # that could not bind its metrics port, and a stack never back to serving).
+    component = _sleeper(tmp_path)
+    try:
+        component.start()
+        first = component.process
+        component.kill()
+        component.start()
+        restarted = component.process
+        component.start()
+        assert component.process is restarted and restarted is not first
+        assert component.alive and component.starts == 2
+    finally:
+        component.stop()
+    assert not component.alive
