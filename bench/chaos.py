@@ -465,16 +465,12 @@ async def _kill_eplb_in_commit(load: _Load, applied: AppliedFault) -> None:
         staged.update(set.intersection(*ids))
         return bool(staged)
 
-    async def committed_on(address: str) -> bool:
+    async def holds(address: str, committed: bool) -> bool:
+        """Whether the agent at ``address`` holds one of the ``staged`` switches, committed or
+        only staged as ``committed`` says."""
         [state] = await _agent_states(stack, [address])
         return state is not None and any(
-            p.committed and p.switch_id in staged for p in state.pending
-        )
-
-    async def staged_on(address: str) -> bool:
-        [state] = await _agent_states(stack, [address])
-        return state is not None and any(
-            not p.committed and p.switch_id in staged for p in state.pending
+            p.committed == committed and p.switch_id in staged for p in state.pending
         )
 
     late = 0
@@ -482,18 +478,18 @@ async def _kill_eplb_in_commit(load: _Load, applied: AppliedFault) -> None:
         if not await _until(all_staged, left, 0.02):
             break
         stack.link.hold()
-        if not await _until(lambda: committed_on(first), 15, 0.01):
+        if not await _until(lambda: holds(first, committed=True), 15, 0.01):
             stack.link.drop()
             applied.note = "the first agent was never committed; not applied"
             return
-        if not await staged_on(last):
+        if not await holds(last, committed=False):
             late += 1
             stack.link.release()
             continue
         stack.eplb.kill()
         stack.link.drop()
         # a Commit forwarded just before the cut may still land: then this was not the fault
-        if await committed_on(last):
+        if await holds(last, committed=True):
             late += 1
             stack.eplb.start()
             continue

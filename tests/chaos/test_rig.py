@@ -8,20 +8,16 @@ from pathlib import Path
 from rigs.chaos import Component
 
 
-def _sleeper(tmp_path: Path) -> Component:
-    return Component(
-        name="sleeper",
-        role="eplb",
-        command=[sys.executable, "-c", "import time; time.sleep(60)"],
-        log_path=tmp_path / "sleeper.log",
-    )
-
-
 def test_overlapping_faults_restart_a_component_once(tmp_path: Path) -> None:
     # Two kills of one component overlapping: the first fault restarts it, and the second,
     # ending later, must not start a second process beside it (seen: a second EPLB service
     # that could not bind its metrics port, and a stack never back to serving).
-    component = _sleeper(tmp_path)
+    component = Component(
+        name="server",
+        role="eplb",
+        command=[sys.executable, "-c", "import signal; signal.pause()"],  # runs until killed
+        log_path=tmp_path / "server.log",
+    )
     try:
         component.start()
         first = component.process
