@@ -47,6 +47,13 @@ def test_describe_names_ranks_and_both_models(agent) -> None:
 def test_load_stream_reports_each_ranks_own_slots_per_step(agent) -> None:
     sim, stub = agent
     keep_decoding(sim.url, max_tokens=2000)
+    # A rank with nothing running reports zero counts; open the stream once both are decoding.
+    eventually(
+        lambda: all(
+            scrape(sim.url, "vllm:num_requests_running", engine=rank) > 0 for rank in ("0", "31")
+        ),
+        timeout=30,
+    )
     stream = stub.StreamLoad(pb.StreamLoadRequest(dp_ranks=[0, 31], steps_per_report=10))
     seen: dict[tuple[int, str], list[pb.LoadReport]] = {}
     for report in stream:
