@@ -922,4 +922,5 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
                 f"{statistics.median(values):.0f} median, {values[-1]:.0f} at the end",
                 file=sys.stderr,
             )
-    return {"benchmark": "chaos", "soak_minutes": soak, "reports": reports}
+    record = "chaos-soak" if soak else "chaos"
+    return {"benchmark": record, "soak_minutes": soak, "reports": reports}

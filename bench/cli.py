@@ -3,9 +3,11 @@
 Each benchmark is a module in ``bench/`` with ``run(quick) -> dict``. A full run's results go
 to ``docs/figures/<name>.json``, beside the plots it draws there: the record every figure of
 docs/benchmarks.md comes from, committed with it. A quick run (``--quick``, ``make bench``)
-goes to ``bench/results/`` (not committed); ``--out`` chooses another directory. A benchmark
-with options of its own (``add_arguments(parser)``) takes them when run by name, and gets them
-as ``run(quick, args)``.
+goes to ``bench/results/`` (not committed); ``--out`` chooses another directory. The file is
+named for the result's ``benchmark`` field, so that a variant of a benchmark (``chaos --soak``
+saves ``chaos-soak.json``) does not overwrite its main record. A benchmark with options of its
+own (``add_arguments(parser)``) takes them when run by name, and gets them as
+``run(quick, args)``.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = module.run(quick=args.quick, args=args)
         else:
             result = module.run(quick=args.quick)
-        path = out / f"{name}.json"
+        path = out / f"{result.get('benchmark', name)}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"saved {path}", file=sys.stderr)
     return 0
