@@ -34,7 +34,8 @@ within :data:`SPLIT_HEAL_S` of the fault's end; it is reported, not hidden.
 
 ``tests/chaos`` runs :data:`SHORT` (every fault once, overlapping); ``baton bench chaos`` runs
 longer seeded schedules, and ``--soak MINUTES`` a long one at moderate load that also samples
-the gateways' and the EPLB service's memory.
+the gateways' and the EPLB service's memory, with the controller's soak beside it
+(``bench.controller_soak``); :func:`memory_lives` judges whether each process's memory is flat.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,8 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.core.proto import eplb_agent_pb2 as pb
+from bench.controller_soak import report as controller_report
+from bench.controller_soak import run_controller_soak
 from bench.workload import WorkloadShape, lane_sessions, new_messages
 from eplb.client import AgentClient
 from eplb.errors import AgentError
@@ -105,6 +109,7 @@ RECOVERY_BOUND_S = 90.0  # wall seconds from the last fault's end to everything 
 # wall seconds from a kill_eplb_commit's end (the service restarted) within which the split it
 # may leave must be healed: a sync, then a reunifying switch at the engines' pace
 SPLIT_HEAL_S = 30.0
+SOAK_SEED = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -706,15 +711,63 @@ def _eplb_switches(stack: ChaosStack) -> dict[str, int]:
     return {name: text.count(needle) for name, needle in EPLB_LOG_LINES.items()}
 
 
-def _rss_mib(components: Sequence[Component]) -> dict[str, float]:
-    sizes = {}
+def _rss_mib(components: Sequence[Component]) -> dict[str, Any]:
+    """Each live component's RSS in MiB, and under ``pids`` the process it was measured in (a
+    restarted component is a new process, whose memory starts again)."""
+    sizes, pids = {}, {}
     for component in components:
         if component.alive and component.process is not None:
             try:
                 sizes[component.name] = psutil.Process(component.process.pid).memory_info().rss
             except psutil.Error:
                 continue
-    return {name: size / 2**20 for name, size in sizes.items()}
+            pids[component.name] = component.process.pid
+    return {name: size / 2**20 for name, size in sizes.items()} | {"pids": pids}
+
+
+# A process's first minutes, while its caches and pools fill; and how far its RSS may move
+# after them and still be flat: the median of its last MEMORY_WINDOW_S within MEMORY_MARGIN of
+# the median of its first MEMORY_WINDOW_S after warm-up (medians, as a process's RSS swings with
+# what it holds at the moment: load windows, streams in flight).
+WARM_UP_S = 300.0
+MEMORY_WINDOW_S = 300.0
+MEMORY_MARGIN = 0.10
+
+
+def memory_lives(samples: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per component, its longest-lived process in ``samples`` (``{"t_s", name: MiB, ...,
+    "pids": {name: pid}}``): its RSS at start and peak; and where it lived past warm-up by two
+    windows, the medians after warm-up and at its end, the growth between them per minute, and
+    whether that is flat within the margin."""
+    lives: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for sample in samples:
+        for name, pid in sample.get("pids", {}).items():
+            lives.setdefault((name, pid), []).append((sample["t_s"], sample[name]))
+    found: dict[str, dict[str, Any]] = {}
+    for (name, pid), points in lives.items():
+        lived = points[-1][0] - points[0][0]
+        if name in found and found[name]["lived_s"] >= lived:
+            continue
+        life: dict[str, Any] = {
+            "pid": pid,
+            "lived_s": lived,
+            "start_mib": round(points[0][1], 1),
+            "peak_mib": round(max(size for _, size in points), 1),
+        }
+        settled_at = points[0][0] + WARM_UP_S
+        if points[-1][0] - settled_at >= 2 * MEMORY_WINDOW_S:
+            first = [v for t, v in points if settled_at <= t < settled_at + MEMORY_WINDOW_S]
+            last = [v for t, v in points if t > points[-1][0] - MEMORY_WINDOW_S]
+            base, end = statistics.median(first), statistics.median(last)
+            minutes = (points[-1][0] - settled_at - MEMORY_WINDOW_S) / 60
+            life |= {
+                "after_warm_up_mib": round(base, 1),
+                "end_mib": round(end, 1),
+                "mib_per_min": round((end - base) / minutes, 3),
+                "flat": end <= base * (1 + MEMORY_MARGIN),
+            }
+        found[name] = life
+    return dict(sorted(found.items()))
 
 
 # ---- one run
@@ -862,7 +915,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--soak",
         type=float,
         default=None,
-        help="instead: one schedule of this many minutes at moderate load, sampling memory",
+        help="instead: one schedule of this many minutes at moderate load, and the controller "
+        "under Kubernetes faults beside it, sampling memory",
     )
 
 
@@ -879,48 +933,88 @@ def _print(report: ChaosReport) -> None:
     )
 
 
+def _run_one(
+    seed: int, schedule: Sequence[Fault], load_s: float, lanes: int, *, soak: bool = False
+) -> ChaosReport:
+    with tempfile.TemporaryDirectory(prefix="baton-chaos-") as tmp:
+        stack = ChaosStack(Path(tmp))
+        try:
+            stack.start()
+            report = asyncio.run(
+                run_chaos(
+                    stack, schedule, lanes=lanes, load_s=load_s, seed=seed, sample_memory=soak
+                )
+            )
+        finally:
+            stack.stop()
+    _print(report)
+    return report
+
+
+def _print_memory(lives: Mapping[str, Mapping[str, Any]]) -> None:
+    for name, life in lives.items():
+        trend = (
+            f"{life['after_warm_up_mib']:.0f} MiB after warm-up, {life['end_mib']:.0f} at the "
+            f"end ({life['mib_per_min']:+.2f} MiB/min), flat: {life['flat']}"
+            if "flat" in life
+            else "too short-lived to judge"
+        )
+        print(
+            f"{name} (pid {life['pid']}, {life['lived_s'] / 60:.0f} min): RSS "
+            f"{life['start_mib']:.0f} MiB at start, peak {life['peak_mib']:.0f}; {trend}",
+            file=sys.stderr,
+        )
+
+
+def _soak(minutes: float) -> dict[str, object]:
+    """The loopback cell under a long schedule at moderate load, and beside it the controller
+    under Kubernetes faults on a control plane of its own (``bench.controller_soak``)."""
+    with (
+        tempfile.TemporaryDirectory(prefix="baton-soak-k8s-") as k8s,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        controller = pool.submit(run_controller_soak, Path(k8s), minutes, SOAK_SEED)
+        report = _run_one(
+            SOAK_SEED,
+            random_schedule(SOAK_SEED, minutes * 60, mean_gap_s=60.0),
+            minutes * 60,
+            6,
+            soak=True,
+        )
+        cluster = controller.result()
+    lives = memory_lives(report.memory_mib) | memory_lives(cluster.memory_mib)
+    print(
+        f"controller: {len(cluster.faults)} faults "
+        f"{dict(Counter(f.kind for f in cluster.faults))}, recoveries up to "
+        f"{max((f.recovery_s or 0.0 for f in cluster.faults), default=0.0):.1f} s, partial "
+        f"groups {len(cluster.partial_groups)}; held: {cluster.held}"
+    )
+    _print_memory(lives)
+    return {
+        "benchmark": "chaos-soak",
+        "soak_minutes": minutes,
+        "memory_margin": MEMORY_MARGIN,
+        "warm_up_s": WARM_UP_S,
+        "reports": [asdict(report) | {"held": report.held}],
+        "controller": controller_report(cluster),
+        "memory": lives,
+    }
+
+
 def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str, object]:
     given = vars(args) if args is not None else {}
-    soak = given.get("soak")
-    reports = []
-    if soak:
-        plan = [(7, random_schedule(7, soak * 60, mean_gap_s=60.0), soak * 60, 6)]
-    elif quick:
+    if given.get("soak"):
+        return _soak(float(given["soak"]))
+    if quick:
         plan = [(2026, list(SHORT), 100.0, 8)]
     else:
         seeds = [int(s) for s in (given.get("seeds") or "1,2,3").split(",")]
         minutes = given.get("minutes") or 5.0
         lanes = given.get("lanes") or 8
         plan = [(s, random_schedule(s, minutes * 60), minutes * 60, lanes) for s in seeds]
-    for seed, schedule, load_s, lanes in plan:
-        with tempfile.TemporaryDirectory(prefix="baton-chaos-") as tmp:
-            stack = ChaosStack(Path(tmp))
-            try:
-                stack.start()
-                report = asyncio.run(
-                    run_chaos(
-                        stack,
-                        schedule,
-                        lanes=lanes,
-                        load_s=load_s,
-                        seed=seed,
-                        sample_memory=bool(soak),
-                    )
-                )
-            finally:
-                stack.stop()
-        _print(report)
-        reports.append(asdict(report) | {"held": report.held})
-    if soak and reports[0]["memory_mib"]:
-        memory = reports[0]["memory_mib"]
-        for name in memory[0]:
-            if name == "t_s":
-                continue
-            values = [m[name] for m in memory if name in m]
-            print(
-                f"{name}: RSS {values[0]:.0f} MiB at start, "
-                f"{statistics.median(values):.0f} median, {values[-1]:.0f} at the end",
-                file=sys.stderr,
-            )
-    record = "chaos-soak" if soak else "chaos"
-    return {"benchmark": record, "soak_minutes": soak, "reports": reports}
+    reports = [_run_one(*planned) for planned in plan]
+    return {
+        "benchmark": "chaos",
+        "soak_minutes": None,
+        "reports": [asdict(report) | {"held": report.held} for report in reports],
+    }

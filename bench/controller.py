@@ -16,8 +16,6 @@ Targets (the issue's): 1 cell <= 5 s, 20 cells <= 60 s from apply to every pod R
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -36,6 +34,7 @@ from rigs.devcluster import (
     install_crd,
     read_model_deployment,
     start_control_plane,
+    start_controller,
 )
 from rigs.processes import eventually, free_port, stop_process
 
@@ -96,21 +95,7 @@ def _scenario(cells: int, directory: Path) -> dict[str, object]:
         core = client.CoreV1Api(api)
         core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
         port = free_port()
-        log = (directory / "controller.log").open("wb")
-        controller = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "baton.cli",
-                "controller",
-                f"--kubeconfig={plane.kubeconfig}",
-                "--lease-namespace=default",
-                f"--metrics-port={port}",
-                "--metrics-host=127.0.0.1",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        controller = start_controller(plane, "controller", "baton-controller", metrics_port=port)
         metrics = f"http://127.0.0.1:{port}/metrics"
         eventually(lambda: httpx.get(metrics, timeout=1).status_code == 200, timeout=30)
         eventually(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,9 +30,12 @@ from baton.core.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from baton.core.crd import CRD_PATH
 from baton.core.kube import json_object
 from baton.core.labels import (
+    CELL_LABEL,
+    DEPLOYMENT_LABEL,
     HOSTNAME_LABEL,
     NODE_ARCH_LABEL,
     NODE_OS_LABEL,
+    ROLE_LABEL,
     TRAY_FAILURES_ANNOTATION,
 )
 from controller.observe import rfc3339
@@ -43,17 +47,21 @@ __all__ = [
     "add_cpu_nodes",
     "add_trays",
     "binaries_dir",
+    "condition",
     "create_model_deployment",
     "fail_pod",
     "install_crd",
     "mark_tray_not_ready",
     "mark_tray_ready",
     "node_ready",
+    "partial_groups",
     "patch_model_deployment_spec",
+    "pods",
     "read_model_deployment",
     "record_tray_failures",
     "remove_nodes",
     "start_control_plane",
+    "start_controller",
     "write_kubeconfig",
 ]
 
@@ -515,3 +523,66 @@ def record_tray_failures(api: client.ApiClient, tray: str, count: int) -> str:
         tray, {"metadata": {"annotations": {TRAY_FAILURES_ANNOTATION: earlier}}}
     )
     return earlier
+
+
+def start_controller(
+    plane: ControlPlane,
+    identity: str,
+    lease: str,
+    *,
+    kubeconfig: Path | None = None,
+    lease_namespace: str = "default",
+    metrics_port: int | None = None,
+) -> subprocess.Popen[bytes]:
+    """``baton controller`` against ``plane`` (as admin unless ``kubeconfig`` says otherwise),
+    logging to ``<identity>.log`` in the plane's directory."""
+    log = (plane.directory / f"{identity}.log").open("ab")
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "baton.cli",
+            "controller",
+            f"--kubeconfig={kubeconfig or plane.kubeconfig}",
+            f"--lease-name={lease}",
+            f"--lease-namespace={lease_namespace}",
+            f"--identity={identity}",
+            f"--metrics-port={metrics_port or free_port()}",
+            "--metrics-host=127.0.0.1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The ModelDeployment's condition of type ``kind`` ({} when it has none)."""
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def pods(api: client.ApiClient, namespace: str, role: str | None = None) -> dict[str, Any]:
+    """Baton's pods in ``namespace`` by name, of one role (decode, prefill) or all."""
+    selector = f"{ROLE_LABEL}={role}" if role else DEPLOYMENT_LABEL
+    listed = client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector).items
+    # A listed object always has a name: the condition only narrows the type.
+    return {p.metadata.name: p for p in listed if p.metadata and p.metadata.name}
+
+
+def partial_groups(api: client.ApiClient, namespace: str, group_pods: int) -> list[str]:
+    """Decode groups being started while some of their pods are missing, one line per cell.
+
+    The controller lifts the gates of a group's pods (one call each) only once all of them
+    exist, so gated and started pods side by side must be the whole group. Started pods with
+    members missing and none gated is a group that lost a pod, which the controller then
+    restarts whole."""
+    cells: dict[str, list[Any]] = {}
+    for pod in pods(api, namespace, "decode").values():
+        if pod.metadata.deletion_timestamp is None:
+            cells.setdefault(pod.metadata.labels.get(CELL_LABEL, ""), []).append(pod)
+    found = []
+    for cell, members in sorted(cells.items()):
+        started = [pod for pod in members if not pod.spec.scheduling_gates]
+        gated = len(members) - len(started)
+        if started and gated and len(members) < group_pods:
+            found.append(f"cell {cell}: {len(started)} started, {gated} gated, {group_pods} wanted")
+    return found

@@ -24,6 +24,7 @@ from bench.chaos import (
     Fault,
     Split,
     excused_by_commit_kill,
+    memory_lives,
     placements_agree,
     run_chaos,
 )
@@ -119,3 +120,35 @@ def test_placements_disagree_where_a_rank_could_switch_alone() -> None:
     for case, states in cases.items():
         verdict = placements_agree(states)
         assert not verdict["agreed"] and verdict["problems"], case
+
+
+def _samples(sizes: dict[str, list[tuple[int, float]]], every: float = 30) -> list[dict]:
+    """RSS samples every ``every`` s: per component, (pid, MiB) at each step (pid 0: down)."""
+    steps = len(next(iter(sizes.values())))
+    samples = []
+    for step in range(steps):
+        sample: dict = {"t_s": step * every, "pids": {}}
+        for name, series in sizes.items():
+            pid, mib = series[step]
+            if pid:
+                sample[name], sample["pids"][name] = mib, pid
+        samples.append(sample)
+    return samples
+
+
+def test_memory_is_judged_on_each_components_longest_life_after_its_warm_up() -> None:
+    minutes = 30
+    steps = minutes * 2
+    flat = [(1, 80.0 if step < 10 else 90.0 + (step % 3)) for step in range(steps)]
+    # a replica killed at 5 min and restarted: a new process climbing 1 MiB/min
+    climbing = [(2, 80.0)] * 10 + [(3, 80.0 + step / 2) for step in range(steps - 10)]
+    lives = memory_lives(_samples({"steady": flat, "leaky": climbing}))
+    assert lives["steady"]["pid"] == 1 and lives["steady"]["flat"]
+    assert lives["steady"]["after_warm_up_mib"] == 91.0  # the warm-up's climb is not growth
+    assert lives["leaky"]["pid"] == 3 and not lives["leaky"]["flat"]
+    assert lives["leaky"]["mib_per_min"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_process_too_short_lived_is_not_judged() -> None:
+    lives = memory_lives(_samples({"brief": [(4, 50.0)] * 20}))
+    assert "flat" not in lives["brief"] and lives["brief"]["lived_s"] == 570

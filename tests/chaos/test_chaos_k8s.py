@@ -31,14 +31,18 @@ from rigs.devcluster import (
     ControlPlane,
     add_trays,
     binaries_dir,
+    condition,
     install_crd,
     mark_tray_not_ready,
     mark_tray_ready,
     node_ready,
+    partial_groups,
+    pods,
     start_control_plane,
+    start_controller,
 )
 from rigs.processes import eventually, stop_process
-from tests.k8s.helpers import apply, condition, pods, read, start_controller, wait_ready
+from tests.k8s.helpers import apply, read, wait_ready
 
 pytestmark = pytest.mark.timeout(900)
 LEASE = "baton-controller-chaos"
@@ -57,23 +61,6 @@ def plane(tmp_path: Path) -> Iterator[ControlPlane]:
 def holder(api: client.ApiClient) -> str | None:
     lease = client.CoordinationV1Api(api).read_namespaced_lease(LEASE, "default")
     return lease.spec.holder_identity if lease.spec else None
-
-
-def partial_groups(api: client.ApiClient, namespace: str) -> list[str]:
-    """A decode group being started while some of its pods are missing: the controller lifts
-    the gates of a group's pods (one call each) only once all of them exist, so gated and
-    started pods side by side must be the whole group. Started pods with members missing and
-    none gated is a group that lost a pod, which the controller then restarts whole."""
-    decode = [
-        pod
-        for pod in pods(api, namespace, "decode").values()
-        if pod.metadata.deletion_timestamp is None
-    ]
-    started = [pod for pod in decode if not pod.spec.scheduling_gates]
-    gated = len(decode) - len(started)
-    if started and gated and len(decode) < DECODE_PODS:
-        return [f"{len(started)} started, {gated} gated, {DECODE_PODS} wanted"]
-    return []
 
 
 def ready_or_explain(
@@ -137,7 +124,7 @@ def test_controller_faults_overlapping_leave_no_partial_cell_and_the_deployment_
         while not stop.is_set():
             # the API server down for a moment: that sample is skipped
             with contextlib.suppress(ApiException, urllib3.exceptions.HTTPError):
-                seen.extend(partial_groups(api, namespace))
+                seen.extend(partial_groups(api, namespace, DECODE_PODS))
             time.sleep(0.3)
 
     watcher = threading.Thread(target=watch, daemon=True)

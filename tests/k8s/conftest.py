@@ -20,9 +20,10 @@ from rigs.devcluster import (
     install_crd,
     remove_nodes,
     start_control_plane,
+    start_controller,
 )
 from rigs.processes import eventually, stop_process
-from tests.k8s.helpers import compute_domains_served, controller_log, start_controller
+from tests.k8s.helpers import compute_domains_served, controller_log
 
 
 @pytest.fixture(scope="session")

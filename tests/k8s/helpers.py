@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,39 +10,13 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from baton.core.labels import DEPLOYMENT_LABEL, ROLE_LABEL
-from rigs.devcluster import ControlPlane, create_model_deployment, read_model_deployment
-from rigs.processes import eventually, free_port
-
-
-def start_controller(
-    plane: ControlPlane,
-    identity: str,
-    lease: str,
-    *,
-    kubeconfig: Path | None = None,
-    lease_namespace: str = "default",
-    metrics_port: int | None = None,
-) -> subprocess.Popen:
-    """``baton controller`` against the test cluster (as admin unless ``kubeconfig`` says
-    otherwise), logging to ``<identity>.log``."""
-    log = (plane.directory / f"{identity}.log").open("ab")
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "baton.cli",
-            "controller",
-            f"--kubeconfig={kubeconfig or plane.kubeconfig}",
-            f"--lease-name={lease}",
-            f"--lease-namespace={lease_namespace}",
-            f"--identity={identity}",
-            f"--metrics-port={metrics_port or free_port()}",
-            "--metrics-host=127.0.0.1",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+from rigs.devcluster import (
+    ControlPlane,
+    condition,
+    create_model_deployment,
+    read_model_deployment,
+)
+from rigs.processes import eventually
 
 
 def controller_log(plane: ControlPlane, identity: str) -> str:
@@ -62,10 +34,6 @@ def read(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
     return read_model_deployment(api, namespace, name)
 
 
-def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), {})
-
-
 def wait_ready(api: client.ApiClient, namespace: str, name: str, timeout: float = 60) -> dict:
     def ready() -> bool:
         obj = read(api, namespace, name)
@@ -79,13 +47,6 @@ def wait_ready(api: client.ApiClient, namespace: str, name: str, timeout: float 
     except TimeoutError:
         raise AssertionError(f"not Ready: {read(api, namespace, name).get('status')}") from None
     return read(api, namespace, name)
-
-
-def pods(api: client.ApiClient, namespace: str, role: str | None = None) -> dict[str, Any]:
-    selector = f"{ROLE_LABEL}={role}" if role else DEPLOYMENT_LABEL
-    listed = client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector).items
-    # A listed object always has a name: the condition only narrows the type.
-    return {p.metadata.name: p for p in listed if p.metadata and p.metadata.name}
 
 
 COMPUTE_DOMAIN_CRD: dict[str, Any] = {

@@ -10,8 +10,9 @@ import pytest
 from kubernetes import client
 
 from baton.core.kube import json_object
+from rigs.devcluster import pods
 from rigs.processes import eventually
-from tests.k8s.helpers import apply, pods
+from tests.k8s.helpers import apply
 
 pytestmark = pytest.mark.usefixtures("compute_domain_api", "controller")
 

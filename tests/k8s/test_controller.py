@@ -10,19 +10,15 @@ import pytest
 from kubernetes import client
 
 from rigs.devcluster import (
+    condition,
     fail_pod,
     mark_tray_not_ready,
     patch_model_deployment_spec,
+    pods,
     record_tray_failures,
 )
 from rigs.processes import eventually
-from tests.k8s.helpers import (
-    apply,
-    condition,
-    pods,
-    read,
-    wait_ready,
-)
+from tests.k8s.helpers import apply, read, wait_ready
 
 pytestmark = pytest.mark.usefixtures("controller")
 

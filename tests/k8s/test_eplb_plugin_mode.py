@@ -20,8 +20,9 @@ from baton.core.model import TARGET
 from baton.core.vllm_eplb import vllm_rebalance
 from eplb.reporter import Reporter
 from eplb.vllm_plugin import rebalance_window, window_report
+from rigs.devcluster import pods
 from rigs.processes import eventually, free_port, stop_process, wait_healthy
-from tests.k8s.helpers import apply, pods, read, wait_ready
+from tests.k8s.helpers import apply, read, wait_ready
 
 pytestmark = pytest.mark.usefixtures("controller")
 

@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from controller.podspec import EPLB_TOKEN_DIR
-from rigs.devcluster import patch_model_deployment_spec
+from rigs.devcluster import patch_model_deployment_spec, pods
 from rigs.processes import eventually, free_port, stop_process, wait_healthy
-from tests.k8s.helpers import apply, pods, read, wait_ready
+from tests.k8s.helpers import apply, read, wait_ready
 
 pytestmark = pytest.mark.usefixtures("controller")
 

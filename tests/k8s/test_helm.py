@@ -48,20 +48,14 @@ from rigs.devcluster import (
     fail_pod,
     install_crd,
     patch_model_deployment_spec,
+    pods,
     remove_nodes,
+    start_controller,
     write_kubeconfig,
 )
 from rigs.processes import eventually, free_port, stop_process
 from router.cli import build_parser as gateway_parser
-from tests.k8s.helpers import (
-    apply,
-    compute_domains_served,
-    controller_log,
-    pods,
-    read,
-    start_controller,
-    wait_ready,
-)
+from tests.k8s.helpers import apply, compute_domains_served, controller_log, read, wait_ready
 
 # Ray's own pydantic models use deprecated Field arguments: not ours to fix, and not an error here.
 RAY_WARNINGS = "ignore::DeprecationWarning:ray"

@@ -7,8 +7,9 @@ import signal
 
 from kubernetes import client
 
+from rigs.devcluster import pods, start_controller
 from rigs.processes import eventually, stop_process
-from tests.k8s.helpers import apply, controller_log, pods, start_controller, wait_ready
+from tests.k8s.helpers import apply, controller_log, wait_ready
 
 LEASE = "baton-controller-failover"
 

@@ -21,7 +21,14 @@ import yaml
 from kubernetes import client
 
 from deploy.grafana.dashboards import DASHBOARDS, GPU_HOUR_PRICE, GPU_HOUR_PRICE_DEFAULT
-from rigs.devcluster import ControlPlane, add_trays, binaries_dir, install_crd, remove_nodes
+from rigs.devcluster import (
+    ControlPlane,
+    add_trays,
+    binaries_dir,
+    install_crd,
+    remove_nodes,
+    start_controller,
+)
 from rigs.observability import (
     RULES,
     BatonUp,
@@ -33,7 +40,7 @@ from rigs.observability import (
 )
 from rigs.processes import free_port, stop_process
 from tests.helpers import documented, served
-from tests.k8s.helpers import MODEL, controller_log, start_controller
+from tests.k8s.helpers import MODEL, controller_log
 
 # What Grafana puts for its variables; five minutes spans the whole drill.
 RATE_WINDOW = "5m"
