@@ -494,6 +494,16 @@ def _engine_counters(stack: _Stack) -> dict[str, float]:
     return totals
 
 
+def _affinity(gateway: str) -> dict[str, float]:
+    """Baton's prefill choices that followed the affinity key (hit) or spilled (miss)."""
+    totals = {"hit": 0.0, "miss": 0.0}
+    for family in text_string_to_metric_families(httpx.get(f"{gateway}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "baton_gateway_affinity_total":
+                totals[sample.labels["result"]] += sample.value
+    return totals
+
+
 def _model(url: str) -> str:
     return str(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"])
 
@@ -510,6 +520,7 @@ def _point(
             _drive(url, _model(url), settings, concurrency, label, balance_of=stack.decode[0])
         )
         counters = _engine_counters(stack)
+        affinity = _affinity(stack.gateway) if router == "baton" else None
         gpus = stack.gpus
     figures = summarize(
         records,
@@ -539,6 +550,7 @@ def _point(
         if counters["late_steps"]
         else 0.0,
         "kept_time": late <= LATE_STEPS_LIMIT,
+        "affinity": affinity,
         **figures,
     }
 

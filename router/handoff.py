@@ -6,7 +6,9 @@
    (``usage.prompt_tokens``) cached for the request's affinity key.
 2. Prefill: the client's body with ``max_tokens=1`` (and ``max_completion_tokens=1`` when
    present), ``stream=false``, ``stream_options`` and ``min_tokens`` removed and
-   ``kv_transfer_params={"do_remote_decode": true, ...}``, under the request's ``X-Request-Id``.
+   ``kv_transfer_params={"do_remote_decode": true, ...}``, under the request's ``X-Request-Id``,
+   to the instance's DP rank for the request's key (``X-data-parallel-rank``) once the instance
+   has reported its ranks.
    - a 4xx goes back to the client as the engine wrote it;
    - a 5xx, a timeout or a connection error falls back to decode alone.
 3. Decode: the client's body, byte for byte, plus prefill's ``kv_transfer_params`` verbatim, to
@@ -182,7 +184,7 @@ class Handoff:
                 target.name,
                 request.route,
                 prefill_body(request.body),
-                engine_headers(request.request_id),
+                engine_headers(request.request_id, choice.dp_rank),
                 self.timeouts.prefill_s,
             )
             if status != 200:
@@ -403,7 +405,7 @@ def decode_body(raw: bytes, kv_transfer_params: Mapping[str, object] | None) -> 
 
 
 def engine_headers(request_id: str, dp_rank: int = -1) -> dict[str, str]:
-    """Both legs' headers: the request's one id, and the decode rank where there is one."""
+    """Both legs' headers: the request's one id, and the DP rank where the leg names one."""
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     if dp_rank >= 0:
         headers["X-data-parallel-rank"] = str(dp_rank)

@@ -227,6 +227,14 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="livemin",
         )
+        self.prefill_dp_ranks = Gauge(
+            "baton_gateway_prefill_dp_ranks",
+            "DP ranks each prefill instance reports (its metrics' engine labels) at the last load "
+            "sync; a key's prefills go to one of them by X-data-parallel-rank, none while 0.",
+            ["target"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         # Workers: each checks health on its own; the one that sees the most healthy targets, as
         # the alerts take the replica that sees the most (deploy/prometheus/baton-rules.yaml).
         self.healthy_targets = Gauge(
@@ -278,6 +286,9 @@ class GatewayMetrics:
             self.peer_in_flight: {(name,): count for name, count in pool.peer_in_flight().items()},
             self.peer_outstanding_tokens: {
                 (name,): tokens for name, tokens in pool.peer_outstanding_tokens().items()
+            },
+            self.prefill_dp_ranks: {
+                (name,): ranks for name, ranks in pool.prefill_dp_ranks().items()
             },
             self.healthy_targets: {
                 labels: count for labels, count in pool.healthy_targets().items()

@@ -97,6 +97,7 @@ class PrefillView:
     # uncached prompt tokens in flight there: this gateway's, plus other replicas' as estimated
     outstanding_tokens: int
     cached_tokens: int  # prompt tokens the request's affinity key holds cached there
+    dp_ranks: int = 0  # DP ranks its engine reports, each with a prefix cache; 0: not known yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,7 @@ class PrefillChoice:
     view: PrefillView
     spilled: bool  # the affinity choice was too loaded; the second choice took the request
     uncached_tokens: int  # the request's estimate there: what it adds to the outstanding tokens
+    dp_rank: int = -1  # the instance's DP rank for the key (X-data-parallel-rank), -1 for none
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +279,23 @@ def choose_prefill(
         view = ranked[1]
     else:
         view = ranked[0]
-    return PrefillChoice(view, view is not ranked[0], uncached_tokens(view, prompt_tokens))
+    return PrefillChoice(
+        view,
+        view is not ranked[0],
+        uncached_tokens(view, prompt_tokens),
+        prefill_dp_rank(key.digest, view),
+    )
+
+
+def prefill_dp_rank(key: bytes, view: PrefillView) -> int:
+    """The DP rank of ``view``'s instance that prefills ``key``'s requests, or -1 (one rank, or
+    not known yet: the engine chooses). Each rank of a DP instance has a prefix cache of its own,
+    and vLLM's internal load balancer sends a request to the rank with the fewest requests: a
+    session's next turn lands on whichever rank is free, where its history is not cached, more
+    often the busier the instance. Rendezvous hashing over the ranks keeps a key on one."""
+    if view.dp_ranks <= 1:
+        return -1
+    return max(range(view.dp_ranks), key=lambda rank: _score(key, f"{view.name}#{rank}"))
 
 
 def choose_decode_rank(

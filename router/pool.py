@@ -178,6 +178,7 @@ class _Target:
     others: int = 0  # other replicas' requests, estimated at the last load sync
     outstanding_tokens: int = 0  # prefill only: this gateway's uncached prompt tokens, exact
     dp_rank: int = -1  # decode only: the X-data-parallel-rank value, -1 for none
+    dp_ranks: int = 0  # prefill only: DP ranks its engine reports (engine labels), 0 before
     stalled: bool = False  # decode only: its server runs requests but makes no progress
 
     def healthy(self, now: float) -> bool:
@@ -311,6 +312,7 @@ class Pool:
                     t.healthy(now),
                     t.outstanding_tokens + self._peer_tokens(t),
                     cached if t.name == cached_on else 0,
+                    t.dp_ranks,
                 )
                 for t in self.prefill.values()
             ),
@@ -423,6 +425,10 @@ class Pool:
     def peer_in_flight(self) -> dict[str, int]:
         """Requests other gateway replicas hold per decode rank, as of the last load sync."""
         return {t.name: t.others for t in self.decode.values()}
+
+    def prefill_dp_ranks(self) -> dict[str, int]:
+        """The DP ranks each prefill instance reported at the last load sync (0: none yet)."""
+        return {t.name: t.dp_ranks for t in self.prefill.values()}
 
     def peer_outstanding_tokens(self) -> dict[str, int]:
         """Uncached prompt tokens other gateway replicas have in flight per prefill instance, as
@@ -573,6 +579,7 @@ class Pool:
         for target in server.targets:
             if target.name in self.prefill:
                 target.others = max(0, sum(load.values()) - target.in_flight)
+                target.dp_ranks = len(ranks)
             elif 0 <= target.dp_rank < len(ranks):
                 target.others = max(0, load[ranks[target.dp_rank]] - target.in_flight)
 

@@ -53,6 +53,8 @@ def test_every_router_serves_the_same_sessions_and_affinity_keeps_the_cache(
         points["baton"]["prefix_reuse_achieved"]
         > 2 * points["round-robin"]["prefix_reuse_achieved"]
     )
+    # Baton's own count of its prefill choices: each followed the key or spilled
+    assert points["baton"]["affinity"]["hit"] > 0 and points["round-robin"]["affinity"] is None
     assert "| baton | 4 |" in done.stdout and "Baton / vllm-router" in done.stdout
     # the EPLB comparison's point: the engines' own EPLB, its balance followed over time
     [eplb] = result["eplb"]

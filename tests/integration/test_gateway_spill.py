@@ -1,6 +1,7 @@
-"""``baton gateway``'s prefill spill on running processes: the load bound counts the prompt
-tokens the engines will compute (a session's cached history costs nothing), and a replica counts
-the prefills other replicas have in flight, as the engines report them."""
+"""``baton gateway``'s prefill affinity and spill on running processes: the load bound counts
+the prompt tokens the engines will compute (a session's cached history costs nothing), a replica
+counts the prefills other replicas have in flight, as the engines report them, and a session's
+prefills keep to the DP rank of its instance that holds its history."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from router.policy import (
     affinity_key,
     choose_prefill,
     estimate_prompt_tokens,
+    prefill_dp_rank,
 )
 from tests.helpers import SimHandle, cached_tokens_of, eventually, scrape, scrape_by
 from tests.integration.test_gateway import LONG, MODEL, Stack, start_engine
@@ -166,3 +168,44 @@ def test_a_replica_counts_the_prefills_other_replicas_have_in_flight(
         held.result()
     eventually(lambda: peers() == {home.url: 0, other.url: 0})
     assert scrape(stack.gateway.url, "baton_gateway_in_flight_requests") == 0
+
+
+def test_a_sessions_turns_reach_the_dp_rank_that_holds_its_history(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
+) -> None:
+    """Each rank of a DEP2 prefill instance has its own prefix cache, and the engine gives a
+    request no rank names to the rank with the fewest requests. A session's follow-up sent while
+    another session's prefill holds the rank its first turn ran on must still go there and find
+    its history cached: left to the engine it went to the idle rank and computed all of it."""
+    prefill = start_engine(start_sim, "--data-parallel-size", "2")
+    decode = start_engine(start_sim)
+    gateway = start_gateway(
+        "--api-key",
+        "k",
+        f"--prefill={prefill.url}",
+        f"--decode={decode.url}",
+        "--health-interval",
+        "0.2",
+    )
+    stack = Stack(gateway, [prefill], decode)
+    eventually(
+        lambda: scrape(gateway.url, "baton_gateway_prefill_dp_ranks", target=prefill.url) == 2
+    )
+    view = PrefillView(prefill.url, "default", True, 0, 0, dp_ranks=2)
+
+    def rank_of(session: str) -> int:
+        return prefill_dp_rank(affinity_key({"x-session-id": session}, {}, "r").digest, view)
+
+    # two sessions keyed to rank 0, the rank the engine picks first when both are idle
+    session, other = [f"session-{i}" for i in range(64) if rank_of(f"session-{i}") == 0][:2]
+    first = history(session, 22)
+    turn = follow_up(first, ask(gateway, session, first))
+    stack.fault(prefill, action="stall", seconds=STALL_S)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(ask, gateway, other, history(other, 36))
+        eventually(lambda: scrape(prefill.url, "vllm:num_requests_running", engine="0") == 1)
+        reply = ask(gateway, session, turn)
+        held.result()
+    new_tokens = estimate_prompt_tokens({"messages": turn[-2:]})
+    assert cached_tokens_of(reply) >= reply.usage.prompt_tokens - new_tokens - 16
+    stack.assert_nothing_leaked()

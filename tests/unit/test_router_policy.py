@@ -39,9 +39,15 @@ PROMPT = 2000  # a request's estimated prompt tokens, cached nowhere unless a te
 
 
 def prefill(
-    name: str, cell: str = "c0", *, tokens: int = 0, cached: int = 0, healthy: bool = True
+    name: str,
+    cell: str = "c0",
+    *,
+    tokens: int = 0,
+    cached: int = 0,
+    healthy: bool = True,
+    dp_ranks: int = 0,
 ) -> PrefillView:
-    return PrefillView(name, cell, healthy, tokens, cached)
+    return PrefillView(name, cell, healthy, tokens, cached, dp_ranks)
 
 
 def rank(
@@ -197,6 +203,36 @@ def test_removing_an_instance_moves_only_its_own_keys() -> None:
     gone = FOUR[2].name
     after = {k: chosen(snapshot([v for v in FOUR if v.name != gone]), k) for k in keys}
     assert {k for k in keys if before[k] != after[k]} == {k for k in keys if before[k] == gone}
+
+
+def test_a_keys_prefills_go_to_one_dp_rank_of_its_instance() -> None:
+    """Each DP rank has its own prefix cache: a session's turns must all reach the rank that
+    holds its history, whatever the instance's ranks are doing."""
+    dep2 = [prefill(f"http://p{i}", dp_ranks=2) for i in range(4)]
+    k = key("session-1")
+    ranks = set()
+    for tokens in (0, 5_000, 900):  # the instance's load changes between the turns
+        views = [replace(view, outstanding_tokens=tokens) for view in dep2]
+        choice = choose_prefill(snapshot(views), k, PROMPT, POLICY)
+        assert choice is not None
+        ranks.add(choice.dp_rank)
+    assert len(ranks) == 1 and ranks <= {0, 1}
+
+
+def dp_rank(ranks: int, k: AffinityKey) -> int:
+    choice = choose_prefill(snapshot([prefill("http://p0", dp_ranks=ranks)]), k, PROMPT, POLICY)
+    assert choice is not None
+    return choice.dp_rank
+
+
+def test_keys_spread_over_an_instances_dp_ranks() -> None:
+    counts = Counter(dp_rank(4, key(f"s{i}")) for i in range(800))
+    assert set(counts) == {0, 1, 2, 3}
+    assert all(120 <= n <= 280 for n in counts.values()), counts  # 200 each on average
+
+
+def test_no_dp_rank_is_named_for_one_rank_or_before_the_ranks_are_known() -> None:
+    assert dp_rank(0, key("s")) == dp_rank(1, key("s")) == -1
 
 
 def test_affinity_choice_holds_up_to_the_imbalance_bound() -> None:

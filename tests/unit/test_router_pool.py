@@ -323,6 +323,15 @@ def test_an_engine_behind_this_gateways_own_count_means_no_peer_load() -> None:
     assert p.peer_outstanding_tokens() == {P0: 0, P1: 0}
 
 
+def test_a_prefill_instance_s_dp_ranks_are_learned_from_its_engine_labels() -> None:
+    p = two_instances()
+    assert {v.name: v.dp_ranks for v in p.snapshot().prefill} == {P0: 0, P1: 0}
+    p.record_engine_load(P0, engine_metrics({"0": (1, 0), "1": (0, 0)}))  # DEP2
+    p.record_engine_load(P1, engine_metrics({"0": (0, 0)}))
+    assert {v.name: v.dp_ranks for v in p.snapshot().prefill} == {P0: 2, P1: 1}
+    assert p.prefill_dp_ranks() == {P0: 2, P1: 1}
+
+
 # ---- load_pool_file
 
 
