@@ -139,13 +139,25 @@ SHORT: tuple[Fault, ...] = (
 )
 
 
-def random_schedule(seed: int, duration_s: float, mean_gap_s: float = 12.0) -> list[Fault]:
+# Faults that kill a process whose memory the soak judges (the gateways, the EPLB service).
+MEMORY_KILLS = ("kill_gateway", "kill_eplb_prepare", "kill_eplb_commit")
+
+
+def random_schedule(
+    seed: int, duration_s: float, mean_gap_s: float = 12.0, spare_after_s: float | None = None
+) -> list[Fault]:
     """Faults at exponentially spread times over ``duration_s``, kinds and targets drawn from
-    ``seed``: they overlap whenever a gap is shorter than the fault before it."""
+    ``seed``: they overlap whenever a gap is shorter than the fault before it. From
+    ``spare_after_s`` on, no fault kills a process whose memory is judged (another kind is
+    drawn instead), so that each lives long enough for :func:`memory_lives`."""
     rng = random.Random(seed)
+    spared = tuple(kind for kind in FAULT_KINDS if kind not in MEMORY_KILLS)
     faults, at = [], rng.uniform(5, mean_gap_s)
     while at < duration_s - 10:
         kind = rng.choice(FAULT_KINDS)
+        if spare_after_s is not None and at >= spare_after_s and kind in MEMORY_KILLS:
+            # drawn without the generator, so the rest of the schedule stays as it was
+            kind = spared[FAULT_KINDS.index(kind) % len(spared)]
         duration = {"stall_decode": rng.uniform(9, 15), "slow_prefill": rng.uniform(5, 15)}.get(
             kind, rng.uniform(2, 6)
         )
@@ -974,9 +986,13 @@ def _soak(minutes: float) -> dict[str, object]:
         ThreadPoolExecutor(1) as pool,
     ):
         controller = pool.submit(run_controller_soak, Path(k8s), minutes, SOAK_SEED)
+        # the last warm-up and two windows free of kills: every judged process lives through them
+        judged_s = WARM_UP_S + 2 * MEMORY_WINDOW_S
         report = _run_one(
             SOAK_SEED,
-            random_schedule(SOAK_SEED, minutes * 60, mean_gap_s=60.0),
+            random_schedule(
+                SOAK_SEED, minutes * 60, mean_gap_s=60.0, spare_after_s=minutes * 60 - judged_s
+            ),
             minutes * 60,
             6,
             soak=True,

@@ -16,6 +16,7 @@ import pytest
 
 from baton.core.proto import eplb_agent_pb2 as pb
 from bench.chaos import (
+    MEMORY_KILLS,
     RECOVERY_BOUND_S,
     SHORT,
     SPLIT_HEAL_S,
@@ -26,6 +27,7 @@ from bench.chaos import (
     excused_by_commit_kill,
     memory_lives,
     placements_agree,
+    random_schedule,
     run_chaos,
 )
 from rigs.chaos import ChaosStack
@@ -152,3 +154,12 @@ def test_memory_is_judged_on_each_components_longest_life_after_its_warm_up() ->
 def test_a_process_too_short_lived_is_not_judged() -> None:
     lives = memory_lives(_samples({"brief": [(4, 50.0)] * 20}))
     assert "flat" not in lives["brief"] and lives["brief"]["lived_s"] == 570
+
+
+def test_a_soak_schedule_spares_the_judged_processes_at_its_end() -> None:
+    whole = random_schedule(7, 1800, mean_gap_s=20.0)
+    spared = random_schedule(7, 1800, mean_gap_s=20.0, spare_after_s=900)
+    assert [f.at_s for f in spared] == [f.at_s for f in whole]
+    assert [f for f in spared if f.at_s < 900] == [f for f in whole if f.at_s < 900]
+    assert any(f.kind in MEMORY_KILLS for f in whole if f.at_s >= 900)
+    assert not any(f.kind in MEMORY_KILLS for f in spared if f.at_s >= 900)
