@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from baton.core.labels import TRAY_FAILURES_ANNOTATION
+from controller.restarts import RestartPolicy, recent_failures
 from rigs.devcluster import (
     add_trays,
     binaries_dir,
@@ -126,12 +128,11 @@ def _poll(check: Callable[[], bool], within: float) -> float | None:
     """Seconds until ``check`` holds (None: not within ``within``); the API server's errors
     count as not yet."""
     started = time.monotonic()
-    while time.monotonic() - started < within:
-        with contextlib.suppress(ApiException, urllib3.exceptions.HTTPError):
-            if check():
-                return time.monotonic() - started
-        time.sleep(0.25)
-    return None
+    try:
+        eventually(check, timeout=within, interval=0.25)
+    except TimeoutError:
+        return None
+    return time.monotonic() - started
 
 
 def _recovery(api: client.ApiClient, expected: int) -> float | None:
@@ -145,8 +146,12 @@ def _recovery(api: client.ApiClient, expected: int) -> float | None:
 
 
 def _failures(node: client.V1Node) -> int:
+    """The tray's failures within the controller's window, as it counts them for quarantine."""
     annotations = (node.metadata.annotations if node.metadata else None) or {}
-    return len([e for e in annotations.get(TRAY_FAILURES_ANNOTATION, "").split(",") if e])
+    recent = recent_failures(
+        annotations.get(TRAY_FAILURES_ANNOTATION, ""), RestartPolicy(), datetime.now(UTC)
+    )
+    return len(recent)
 
 
 def _least_failed_pod(api: client.ApiClient, role: str, rng: random.Random) -> Any:
