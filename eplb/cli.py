@@ -19,6 +19,7 @@ from baton.core.secrets import read_token
 from eplb.config import EplbServiceConfig, GroupSource, StaticGroups, load_config
 from eplb.discovery import ModelDeploymentGroups, model_names, publish_status
 from eplb.engine_reports import EngineReports, create_report_app
+from eplb.heap import bound_heap_growth
 from eplb.metrics import EplbMetrics
 from eplb.service import EplbService
 
@@ -123,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    bound_heap_growth()
     try:
         config: EplbServiceConfig = load_config(args.config)
         deployment = None

@@ -124,11 +124,16 @@ class LoadWindow:
 
     def window(self, first_step: int, end_step: int) -> Window:
         """The complete steps in ``[first_step, end_step)`` that the ring still holds."""
-        rows = np.flatnonzero((self._step >= first_step) & (self._step < end_step))
-        load = self._load[rows].sum(axis=0)
-        balance = float(self._balance[rows].mean()) if rows.size else 1.0
-        versions = frozenset(np.unique(self._version[rows]).tolist())
-        return Window(first_step, end_step, int(rows.size), load, balance, versions)
+        held = (self._step >= first_step) & (self._step < end_step)
+        # Sum runs of consecutive ring rows as views: indexing the rows would copy every step.
+        edges = np.flatnonzero(np.diff(held, prepend=False, append=False))
+        load = np.zeros((self.layers, self.experts), dtype=np.int64)
+        for start, stop in edges.reshape(-1, 2):
+            load += self._load[start:stop].sum(axis=0)
+        steps = int(held.sum())
+        balance = float(self._balance[held].mean()) if steps else 1.0
+        versions = frozenset(np.unique(self._version[held]).tolist())
+        return Window(first_step, end_step, steps, load, balance, versions)
 
     def _complete(self, key: tuple[int, int, int], batch: dict[int, np.ndarray]) -> None:
         first, num_steps, version = key

@@ -33,18 +33,17 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Placement:
-    """Physical-to-logical expert map of every MoE layer, plus its derived inverse maps.
+    """Physical-to-logical expert map of every MoE layer, plus its replica counts.
 
     ``phy2log[layer, slot]`` is the logical expert held by physical slot ``slot``; rank ``r`` owns
-    slots ``r*S .. (r+1)*S - 1``. ``log2phy[layer, expert, i]`` is the physical slot of the
-    ``i``-th replica (ascending slot order), padded with -1 to the largest replica count;
-    ``replica_counts[layer, expert]`` counts the replicas. All arrays are read-only copies.
+    slots ``r*S .. (r+1)*S - 1``. ``replica_counts[layer, expert]`` counts the replicas. Both
+    are read-only copies. The inverse map ``log2phy`` is derived when asked, not kept: it is
+    padded to the largest replica count, so one hot expert would make every kept placement big.
     """
 
     phy2log: np.ndarray
     num_ranks: int
     num_logical_experts: int
-    log2phy: np.ndarray = field(init=False)
     replica_counts: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
@@ -61,26 +60,17 @@ class Placement:
             )
         if phy2log.size and (phy2log.min() < 0 or phy2log.max() >= num_experts):
             raise ValueError(f"phy2log holds ids outside 0..{num_experts - 1}")
-        layers, num_physical = phy2log.shape
+        layers = phy2log.shape[0]
         offsets = np.arange(layers, dtype=np.int64)[:, None] * num_experts
         counts = np.bincount((phy2log + offsets).ravel(), minlength=layers * num_experts)
         counts = counts.reshape(layers, num_experts)
         if (counts == 0).any():
             raise ValueError("every logical expert needs at least one replica")
-        # Stable sort groups each expert's slots together in ascending slot order; a slot's
-        # replica index is its position minus where its expert's group starts.
-        order = np.argsort(phy2log, axis=1, kind="stable")
-        sorted_experts = np.take_along_axis(phy2log, order, axis=1)
-        group_start = np.cumsum(counts, axis=1) - counts
-        replica = np.arange(num_physical) - np.take_along_axis(group_start, sorted_experts, axis=1)
-        log2phy = np.full((layers, num_experts, int(counts.max())), -1, dtype=np.int64)
-        log2phy[np.arange(layers)[:, None], sorted_experts, replica] = order
-        for array in (phy2log, log2phy, counts):
+        for array in (phy2log, counts):
             array.setflags(write=False)
         object.__setattr__(self, "phy2log", phy2log)
         object.__setattr__(self, "num_ranks", num_ranks)
         object.__setattr__(self, "num_logical_experts", num_experts)
-        object.__setattr__(self, "log2phy", log2phy)
         object.__setattr__(self, "replica_counts", counts)
 
     @classmethod
@@ -108,6 +98,22 @@ class Placement:
     @property
     def slots_per_rank(self) -> int:
         return self.phy2log.shape[1] // self.num_ranks
+
+    @property
+    def log2phy(self) -> np.ndarray:
+        """``[layer, expert, i]``: the physical slot of the ``i``-th replica (ascending slot
+        order), padded with -1 to the largest replica count."""
+        layers, num_physical = self.phy2log.shape
+        counts = self.replica_counts
+        # Stable sort groups each expert's slots together in ascending slot order; a slot's
+        # replica index is its position minus where its expert's group starts.
+        order = np.argsort(self.phy2log, axis=1, kind="stable")
+        sorted_experts = np.take_along_axis(self.phy2log, order, axis=1)
+        group_start = np.cumsum(counts, axis=1) - counts
+        replica = np.arange(num_physical) - np.take_along_axis(group_start, sorted_experts, axis=1)
+        log2phy = np.full((layers, self.num_logical_experts, int(counts.max())), -1, np.int64)
+        log2phy[np.arange(layers)[:, None], sorted_experts, replica] = order
+        return log2phy
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Placement):

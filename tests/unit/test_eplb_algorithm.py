@@ -1,5 +1,6 @@
 """Properties of the EPLB placement algorithm (eplb.algorithm)."""
 
+import tracemalloc
 from dataclasses import dataclass
 
 import numpy as np
@@ -290,3 +291,20 @@ def test_previous_of_another_shape_is_refused() -> None:
     previous = rebalance(np.ones((2, 8)), 4, 0)
     with pytest.raises(ValueError, match="different shape"):
         rebalance(np.ones((2, 8)), 4, 4, previous=previous)
+
+
+def test_a_placement_keeps_its_slots_not_a_table_padded_to_its_hottest_expert() -> None:
+    # log2phy pads every expert to the largest replica count: one hot expert with hundreds of
+    # replicas made each kept placement megabytes; the service keeps dozens of them.
+    layers, experts, ranks = 43, 32, 32
+    one_layer = np.concatenate([np.arange(experts), np.zeros(992, dtype=np.int64)])
+    phy2log = np.tile(one_layer, (layers, 1))
+    tracemalloc.start()
+    try:
+        placement = Placement(phy2log, ranks, experts)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert placement.replica_counts[0, 0] == 993
+    assert held < 2 * phy2log.nbytes, f"{held} bytes held for {phy2log.nbytes} of slots"
+    assert placement.log2phy.shape == (layers, experts, 993)
