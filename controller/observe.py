@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from baton.core.api import ModelDeployment, ModelDeploymentStatus
+from baton.core.api import ModelDeployment, ModelDeploymentStatus, parse_prefill_record
 from baton.core.files import describe_errors
 from baton.core.labels import (
     CELL_GATE,
@@ -28,7 +28,7 @@ from baton.core.labels import (
     HOSTNAME_LABEL,
     TEMPLATE_HASH_ANNOTATION,
 )
-from controller.names import decode_pod_name, prefill_index, prefill_pod_name
+from controller.names import decode_pod_name, prefill_pod_name
 from controller.placement import CellPlacement, PrefillInstance
 from controller.topology import Topology, parse_topology
 
@@ -289,10 +289,7 @@ def current_cells(view: DeploymentView, trays: Topology) -> list[CellPlacement]:
             decode_trays.append(tray)
         if len(decode_trays) != decode_pods:
             continue  # no full record: the cell is admitted afresh
-        prefill = [
-            PrefillInstance(prefill_index(instance.pod), instance.tray, tuple(instance.gpus))
-            for instance in record.prefill
-        ]
+        prefill = [PrefillInstance(*parse_prefill_record(line)) for line in record.prefill]
         cells.append(
             CellPlacement(
                 name=record.name,

@@ -24,11 +24,10 @@ from baton.core.api import (
     CellStatus,
     Condition,
     ConditionType,
-    DecodeServerEndpoint,
     DecodeStatus,
     ModelDeploymentStatus,
-    PrefillInstanceStatus,
     Reason,
+    prefill_record,
 )
 from controller.cell import CellActions
 from controller.names import decode_pod_name, leader_host, prefill_pod_name
@@ -123,40 +122,27 @@ def cell_status(
     agents = eplb.enabled and eplb.mode == "agent"  # plugin mode: the engines report instead
     pods = view.pods
     decode_names = [decode_pod_name(cell.name, i) for i in range(len(cell.decode_trays))]
-    prefill = []
     endpoints = CellEndpoints(name=cell.name)
     for instance in cell.prefill:
-        pod_name = prefill_pod_name(cell.name, instance.index)
-        pod = pods.get(pod_name)
-        serving = pod is not None and ready(pod)
-        prefill.append(
-            PrefillInstanceStatus(
-                pod=pod_name, tray=instance.tray, gpus=list(instance.gpus), ready=serving
-            )
-        )
-        if serving and pod is not None and pod.get("status", {}).get("podIP"):
+        pod = pods.get(prefill_pod_name(cell.name, instance.index))
+        if pod is not None and ready(pod) and pod.get("status", {}).get("podIP"):
             endpoints.prefill.append(f"http://{pod['status']['podIP']}:{API_PORT}")
     if actions.decode.ready:
         for pod_name in decode_names:
             ip = pods[pod_name].get("status", {}).get("podIP")
             if ip:
-                endpoints.decode.append(
-                    DecodeServerEndpoint(
-                        url=f"http://{ip}:{API_PORT}", ranks=list(range(gpus_per_pod))
-                    )
-                )
+                endpoints.decode.append(f"http://{ip}:{API_PORT}")
                 if agents:
                     endpoints.eplb_agents.append(f"{ip}:{EPLB_AGENT_PORT}")
     status = CellStatus(
         name=cell.name,
         domain=cell.domain,
         decode=DecodeStatus(
-            pods=decode_names,
             trays=list(cell.decode_trays),
             leader=leader_host(cell.name) if decode_names else None,
             ready_ranks=actions.decode.ready_pods * gpus_per_pod,
         ),
-        prefill=prefill,
+        prefill=[prefill_record(i.index, i.tray, i.gpus) for i in cell.prefill],
         spare_trays=list(cell.spare_trays),
         restarts=list(actions.decode.restarts),
     )

@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from baton.core.api import Endpoints
+from baton.core.api import DecodeSpec, Endpoints
 from baton.core.follow import DeploymentRef, StatusFollower
 from router.pool import DecodeServerSpec, Pool, PoolCell, load_pool_file
 
-__all__ = ["DeploymentWatch", "cells_from_status", "watch_pool_file"]
+__all__ = ["DeploymentWatch", "cells_from_deployment", "watch_pool_file"]
 
 log = logging.getLogger("baton.gateway.discovery")
 
@@ -52,14 +52,19 @@ async def watch_pool_file(path: Path, pool: Pool, interval_s: float = 1.0) -> No
         )
 
 
-def cells_from_status(status: Mapping[str, Any] | None) -> tuple[PoolCell, ...]:
-    """The routable cells of a ModelDeployment status (cells without ready decode left out)."""
-    endpoints = Endpoints.model_validate((status or {}).get("endpoints") or {})
+def cells_from_deployment(obj: Mapping[str, Any]) -> tuple[PoolCell, ...]:
+    """The routable cells of a ModelDeployment (cells without ready decode left out).
+
+    Each decode URL serves its pod's local DP ranks 0 .. gpusPerPod - 1 (hybrid LB).
+    """
+    decode_spec = ((obj.get("spec") or {}).get("cell") or {}).get("decode") or {}
+    ranks = tuple(range(int(decode_spec.get("gpusPerPod", DecodeSpec().gpus_per_pod))))
+    endpoints = Endpoints.model_validate((obj.get("status") or {}).get("endpoints") or {})
     return tuple(
         PoolCell(
             name=cell.name,
             prefill=tuple(cell.prefill),
-            decode=tuple(DecodeServerSpec(url=d.url, ranks=tuple(d.ranks)) for d in cell.decode),
+            decode=tuple(DecodeServerSpec(url=url, ranks=ranks) for url in cell.decode),
         )
         for cell in endpoints.cells
         if cell.decode
@@ -73,9 +78,7 @@ class DeploymentWatch:
     def __init__(self, ref: DeploymentRef, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
         self.ref, self.pool, self.loop = ref, pool, loop
         self._change: asyncio.Task[None] | None = None  # the newest pool change
-        self._follower = StatusFollower(
-            ref, loop, lambda obj: cells_from_status(obj.get("status")), self._apply
-        )
+        self._follower = StatusFollower(ref, loop, cells_from_deployment, self._apply)
 
     def start(self) -> None:
         self._follower.start()

@@ -10,6 +10,7 @@ Condition types and reasons are constants here, so the controller, its tests and
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Final, Literal
 
@@ -31,7 +32,6 @@ __all__ = [
     "CellStatus",
     "Condition",
     "ConditionType",
-    "DecodeServerEndpoint",
     "DecodeSpec",
     "Endpoints",
     "EngineSpec",
@@ -44,6 +44,8 @@ __all__ = [
     "Reason",
     "TopologySpec",
     "decode_trays_problem",
+    "parse_prefill_record",
+    "prefill_record",
 ]
 
 # Final, so the type checker holds these to the Literal fields of ModelDeployment below.
@@ -325,43 +327,56 @@ class Condition(_Resource):
 
 
 class DecodeStatus(_Resource):
-    pods: list[str] = Field(default_factory=list)
-    trays: list[str] = Field(default_factory=list, description="planned tray of each decode pod")
+    trays: list[str] = Field(
+        default_factory=list,
+        description="planned tray of each decode pod, in rank order (pod <cell>-decode-<i>)",
+    )
     leader: str | None = None
     ready_ranks: int = Field(default=0, ge=0)
 
 
-class PrefillInstanceStatus(_Resource):
-    pod: str
-    tray: str
-    gpus: list[int] = Field(default_factory=list, description="GPU indices held on the tray")
-    ready: bool = False
+PREFILL_RECORD = r"^[0-9]+:[a-z0-9]([-a-z0-9.]*[a-z0-9])?:[0-9]+(,[0-9]+)*$"
+
+
+def prefill_record(index: int, tray: str, gpus: Sequence[int]) -> str:
+    """One prefill instance's line of the placement record: ``index:tray:gpu,gpu``."""
+    return f"{index}:{tray}:{','.join(str(gpu) for gpu in gpus)}"
+
+
+def parse_prefill_record(record: str) -> tuple[int, str, tuple[int, ...]]:
+    """``prefill_record``'s inverse: (instance index, tray, GPU indices)."""
+    index, tray, gpus = record.split(":")
+    return int(index), tray, tuple(int(gpu) for gpu in gpus.split(","))
 
 
 class CellStatus(_Resource):
-    """Where one cell runs (the controller's placement record) and how it is doing."""
+    """Where one cell runs (the controller's placement record) and how it is doing.
+
+    One line per pod or tray, so that ``kubectl describe`` stays short.
+    """
 
     name: str
     domain: str
     decode: DecodeStatus = Field(default_factory=DecodeStatus)
-    prefill: list[PrefillInstanceStatus] = Field(default_factory=list)
+    prefill: list[Annotated[str, Field(pattern=PREFILL_RECORD)]] = Field(
+        default_factory=list,
+        description="each prefill instance as index:tray:GPU indices (pod <cell>-prefill-<index>)",
+    )
     spare_trays: list[str] = Field(default_factory=list)
     restarts: list[str] = Field(
         default_factory=list, description="RFC 3339 times of recent decode group restarts"
     )
 
 
-class DecodeServerEndpoint(_Resource):
-    url: str
-    ranks: list[int] = Field(default_factory=list, description="local DP ranks (hybrid LB)")
-
-
 class CellEndpoints(_Resource):
-    """What the gateway routes to and the EPLB service talks to in one cell (ready pods only)."""
+    """What the gateway routes to and the EPLB service talks to in one cell (ready pods only).
+
+    A decode URL serves the local DP ranks 0 .. gpusPerPod - 1 of its pod (hybrid LB).
+    """
 
     name: str
-    prefill: list[str] = Field(default_factory=list)
-    decode: list[DecodeServerEndpoint] = Field(default_factory=list)
+    prefill: list[str] = Field(default_factory=list, description="prefill instance URLs")
+    decode: list[str] = Field(default_factory=list, description="decode pod URLs, in rank order")
     eplb_agents: list[str] = Field(default_factory=list, description="host:port per decode pod")
 
 

@@ -4,12 +4,16 @@ whole cell, capacity problems, gang recovery of the decode group, prefill scalin
 from __future__ import annotations
 
 import json
+import subprocess
 from typing import Any, cast
 
 import pytest
 from kubernetes import client
 
+from baton.core.api import parse_prefill_record
 from rigs.devcluster import (
+    ControlPlane,
+    binaries_dir,
     condition,
     fail_pod,
     mark_tray_not_ready,
@@ -37,8 +41,11 @@ def test_deployment_runs_whole_cell_in_one_nvlink_domain_and_reports_ready(
     assert len(running) == 8 + 4
     assert all(p.status.phase == "Running" for p in running.values())
     [cell] = status["cells"]
-    planned = dict(zip(cell["decode"]["pods"], cell["decode"]["trays"], strict=True))
-    planned |= {p["pod"]: p["tray"] for p in cell["prefill"]}
+    planned = {f"dsv4-cell-0-decode-{i}": tray for i, tray in enumerate(cell["decode"]["trays"])}
+    for line in cell["prefill"]:
+        index, tray, gpus = parse_prefill_record(line)
+        planned[f"dsv4-cell-0-prefill-{index}"] = tray
+        assert len(gpus) == 2
     assert {name: p.spec.node_name for name, p in running.items()} == planned
     domains = {
         n["metadata"]["labels"]["nvidia.com/gpu.clique"]
@@ -56,7 +63,7 @@ def test_deployment_runs_whole_cell_in_one_nvlink_domain_and_reports_ready(
     }
     [endpoints] = status["endpoints"]["cells"]
     assert len(endpoints["prefill"]) == 4 and len(endpoints["decode"]) == 8
-    assert all(d["ranks"] == [0, 1, 2, 3] for d in endpoints["decode"])
+    assert all(url.endswith(":8000") for url in endpoints["decode"])
 
     # The printer columns, as kubectl get mdep asks the API server for them.
     method, url, headers, _, _ = api.param_serialize(
@@ -84,6 +91,33 @@ def test_deployment_runs_whole_cell_in_one_nvlink_domain_and_reports_ready(
         if e.involved_object.name == "dsv4"
     }
     assert "Placed" in reasons
+
+
+def test_kubectl_describe_of_a_full_cell_stays_short_and_ends_in_its_events(
+    api, namespace, rack, control_plane: ControlPlane
+) -> None:
+    # As many prefill instances as fit: 18 DEP2 instances beside the 8 decode trays and spare.
+    apply(api, namespace, "dsv4", {})
+    obj = wait_ready(api, namespace, "dsv4", timeout=120)
+    assert obj["status"]["prefillReady"] == "18/18"
+    shown = subprocess.run(
+        [
+            str(binaries_dir() / "kubectl"),
+            f"--kubeconfig={control_plane.kubeconfig}",
+            f"--namespace={namespace}",
+            "describe",
+            "mdep",
+            "dsv4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.splitlines()
+    # Was 258 lines, the events below a screenful of per-instance objects and endpoints.
+    assert len(shown) <= 130, f"{len(shown)} lines:\n" + "\n".join(shown)
+    events = shown.index("Events:")
+    assert any("Placed" in line for line in shown[events:])
 
 
 def test_too_little_capacity_places_no_partial_cell(api, namespace, rack) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from baton.core.api import parse_prefill_record
 from baton.core.labels import CELL_GATE, QUARANTINED_ANNOTATION, TRAY_FAILURES_ANNOTATION
 from controller.actions import Actions
 from controller.decide import decide
@@ -425,7 +426,7 @@ def test_prefill_moved_off_a_failed_tray_gets_an_event_naming_both_trays() -> No
     w.fail_tray(tray)
     decision = w.step()
     [moved, _] = w.reasons(decision, "PrefillMoving")
-    target = w.deployment["status"]["cells"][0]["prefill"][0]["tray"]
+    _, target, _ = parse_prefill_record(w.deployment["status"]["cells"][0]["prefill"][0])
     assert moved == f"prefill dsv4-cell-0-prefill-0 moves from {tray} (not ready) to {target}"
 
 
