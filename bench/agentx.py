@@ -68,7 +68,7 @@ from bench.workload import (
     start_turn,
     theoretical_reuse,
 )
-from rigs.processes import eventually, free_port, stop_process, wait_healthy
+from rigs.processes import ProcessExited, eventually, free_port, stop_process, wait_healthy
 
 __all__ = ["add_arguments", "run"]
 
@@ -79,6 +79,7 @@ GPUS_PER_PREFILL = 2  # DEP2
 GPUS_PER_DECODE_SERVER = 4  # one API server per tray
 ROUTER_CORE, SIM_CORE = 1, 0
 LATE_STEPS_LIMIT = 0.05  # a point whose engines ran more late steps than this did not keep time
+STACK_START_S = 180  # for baton up to start a rack of engines and write its targets
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,7 +388,8 @@ def _stack(directory: Path, time_scale: float, eplb: str) -> Iterator[_Stack]:
     targets file it writes for Prometheus."""
     port, targets = free_port(), directory / "targets.json"
     targets.unlink(missing_ok=True)
-    log = (directory / "baton-up.log").open("ab")
+    log_path = directory / "baton-up.log"
+    log = log_path.open("ab")
     process = subprocess.Popen(
         [
             sys.executable,
@@ -407,7 +409,22 @@ def _stack(directory: Path, time_scale: float, eplb: str) -> Iterator[_Stack]:
         stderr=log,
     )
     try:
-        eventually(lambda: process.poll() is None and targets.exists(), timeout=180, interval=0.5)
+
+        def started() -> bool:
+            if process.poll() is not None:
+                raise ProcessExited(
+                    f"baton up exited with {process.returncode}; {log_path} ends:\n"
+                    + log_path.read_text(errors="replace")[-3000:]
+                )
+            return targets.exists()
+
+        try:
+            eventually(started, timeout=STACK_START_S, interval=0.5)
+        except TimeoutError:
+            raise TimeoutError(
+                f"baton up wrote no {targets} in {STACK_START_S} s; {log_path} ends:\n"
+                + log_path.read_text(errors="replace")[-3000:]
+            ) from None
         groups = json.loads(targets.read_text())
         urls: dict[str, list[str]] = {"prefill": [], "decode": []}
         for group in groups:
