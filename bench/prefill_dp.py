@@ -199,26 +199,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _replay_on_fresh_engine(replay: Replay, logs: Path) -> dict[str, Any]:
+    """A fresh engine per replay: empty prefix caches, and its ranks in step again."""
+    name = f"dep{replay.ranks}-{replay.mode}-{replay.lanes}-{replay.seed}.log"
+    process, url = _engine(replay.ranks, replay.time_scale, logs / name)
+    try:
+        return asyncio.run(_replay(url, replay))
+    finally:
+        stop_process(process)
+
+
 def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str, object]:
     duration, scale = (20.0, 4.0) if quick else (25.0, 4.0)  # the lag window needs > 15 s
-    seeds: list[int] = args.seeds if args is not None else [SEED]
+    seeds: list[int] = [SEED] if args is None else args.seeds
     rows = []
     with tempfile.TemporaryDirectory(prefix="baton-bench-prefill-dp-") as tmp:
         for lanes in (LANES,) if quick else LANES_SWEEP:
             for ranks in (2, 4):
-                by_seed = {}
-                for seed in seeds:
-                    figures = {}
-                    for mode in ("mirror", "lag"):
-                        # a fresh engine per replay: empty prefix caches, and ranks in step again
-                        log = Path(tmp, f"dep{ranks}-{mode}-{lanes}-{seed}.log")
-                        process, url = _engine(ranks, scale, log)
-                        try:
-                            replay = Replay(ranks, mode, lanes, duration, scale, seed)
-                            figures[mode] = asyncio.run(_replay(url, replay))
-                        finally:
-                            stop_process(process)
-                    by_seed[seed] = figures
+                by_seed = {
+                    seed: {
+                        mode: _replay_on_fresh_engine(
+                            Replay(ranks, mode, lanes, duration, scale, seed), Path(tmp)
+                        )
+                        for mode in ("mirror", "lag")
+                    }
+                    for seed in seeds
+                }
                 rows.append(_row(ranks, lanes, by_seed))
     print(
         "| instance | lanes per rank | mirror tokens/s (per GPU) | lag tokens/s (per GPU) "
