@@ -54,7 +54,9 @@ from router.policy import (
     affinity_key,
     choose_decode_rank,
     choose_prefill,
+    conversation_digest,
     estimate_prompt_tokens,
+    head_bytes,
     needs_prefill,
     prompt_bytes,
     prompt_prefix,
@@ -110,7 +112,9 @@ class _Request:
     raw: bytes  # the client's exact bytes: what decode receives
     request_id: str
     key: AffinityKey
+    conversation: bytes  # policy.conversation_digest: what its turns share
     prompt: PromptPrefix  # what its prefill leaves cached
+    head: PromptPrefix  # the prompt through its first message
     timing: Timing
 
     @property
@@ -151,11 +155,22 @@ class Handoff:
         timing = Timing(started=time.perf_counter())
         key = affinity_key(headers, body, request_id)
         prompt = prompt_bytes(body)
-        request = _Request(route, body, raw, request_id, key, prompt_prefix(prompt), timing)
+        conversation = conversation_digest(body) or b""
+        request = _Request(
+            route,
+            body,
+            raw,
+            request_id,
+            key,
+            conversation,
+            prompt_prefix(prompt),
+            prompt_prefix(prompt, head_bytes(body)),
+            timing,
+        )
         prompt_tokens = estimate_prompt_tokens(body)
         choice = None
         if needs_prefill(prompt_tokens, self.policy):
-            snapshot = self.pool.snapshot(key, prompt)
+            snapshot = self.pool.snapshot(key, prompt, conversation)
             choice = choose_prefill(snapshot, key, prompt_tokens, self.policy)
             if choice is not None:
                 self.metrics.child(
@@ -216,7 +231,9 @@ class Handoff:
         if isinstance(prompt, int):
             # the prompt's KV stays in the instance's prefix cache (the decode output never
             # reaches it), whether or not decode can pull it
-            self.pool.prefix_cached(request.key, target.name, prompt, request.prompt)
+            self.pool.prefix_cached(
+                request.key, request.conversation, target.name, prompt, request.prompt, request.head
+            )
             if isinstance(cached, int):
                 self.metrics.cached_tokens.inc(cached)
                 self.metrics.uncached_tokens.inc(prompt - cached)

@@ -178,8 +178,8 @@ class GatewayMetrics:
         )
         self.affinity = Counter(
             "baton_gateway_affinity",
-            "Prefill choices that followed the affinity key (hit) or spilled "
-            "over to the second choice (miss), by key source.",
+            "Prefill choices that stayed where the affinity key's cache is, else on its "
+            "first choice (hit), or spilled over to the other candidate (miss), by key source.",
             ["source", "result"],
             registry=r,
         )

@@ -5,9 +5,10 @@ choice, so routing state never has to be shared between them.
 
 **Prefill** (one DEP2 instance):
 
-1. Affinity key. A session header (:data:`SESSION_HEADERS`, the agent harnesses' names), else the
-   ``user`` field, else the conversation: a hash chain over message boundaries up to and including
-   the first user message. Every turn of a conversation resends that prefix, so every turn (and
+1. Affinity key. A session header (:data:`SESSION_HEADERS`, the agent harnesses' names; a
+   subagent's parent first), else the ``user`` field, else the conversation
+   (:func:`conversation_digest`): a hash chain over message boundaries up to and including the
+   first user message. Every turn of a conversation resends that prefix, so every turn (and
    nothing else) shares the key, while conversations that only share a system prompt do not.
    A completion prompt is keyed on its first :data:`PROMPT_KEY_BYTES` bytes.
 2. Rendezvous hashing of the key over healthy instances ranks them; the top two are the
@@ -16,11 +17,12 @@ choice, so routing state never has to be shared between them.
    cached prefix costs an instance next to nothing (an agentic turn resends its whole history,
    nearly all of it cached where the session's last turn ran). A candidate's load with the
    request is its outstanding uncached tokens plus the request's uncached tokens there: its
-   estimated prompt tokens less what its key holds cached there, when the request continues the
-   prompt cached (:func:`continues`); the whole prompt on any other instance. The first
-   candidate wins unless its load exceeds the second's by more than ``imbalance_tokens``; a hot
-   session then spills over instead of queueing. (``least_loaded`` takes the lowest such load
-   of all, whatever the key.)
+   estimated prompt tokens less what its key holds cached there (the pool's view: the
+   conversation's last prompt when the request continues it, :func:`continues`; else a system
+   prompt the key's other conversations left there); the whole prompt on any other instance.
+   The candidate holding the key's cache (the first, when neither does) wins unless its load
+   exceeds the other's by more than ``imbalance_tokens``; a hot session then spills over
+   instead of queueing. (``least_loaded`` takes the lowest such load of all, whatever the key.)
 
 **Decode** (one DP rank of the cell's decode group): the fewest in-flight requests among the
 cell's healthy ranks (request count is enough: the DeepSeek-V4.1-Flash GB300 study found decode
@@ -62,17 +64,23 @@ __all__ = [
     "choose_decode_rank",
     "choose_prefill",
     "continues",
+    "conversation_digest",
     "estimate_prompt_tokens",
+    "head_bytes",
     "needs_prefill",
     "prompt_bytes",
     "prompt_prefix",
     "uncached_tokens",
 ]
 
-# Session headers sent by agent harnesses and routers, in priority order: the generic names, then
-# NVIDIA Dynamo's, Claude Code's, the thread ids of agent frameworks, SGLang Model Gateway's
-# routing key and the correlation id some proxies add.
+# Session headers sent by agent harnesses and routers, in priority order. First a subagent's
+# parent: a subagent starts from its parent's system prompt, so it is keyed on the parent. OpenCode
+# sends a subagent's own X-Session-ID with the parent's X-Parent-Session-ID; Claude Code keeps the
+# parent's X-Claude-Code-Session-ID (both seen on the wire: github.com/preloop/preloop pull 701).
+# Then the generic names, NVIDIA Dynamo's, Claude Code's, the thread ids of agent frameworks,
+# SGLang Model Gateway's routing key and the correlation id some proxies add.
 SESSION_HEADERS = (
+    "x-parent-session-id",
     "x-session-id",
     "x-dynamo-session-id",
     "x-claude-code-session-id",
@@ -113,7 +121,7 @@ class DecodeRankView:
 @dataclass(frozen=True, slots=True)
 class PrefillChoice:
     view: PrefillView
-    spilled: bool  # the affinity choice was too loaded; the second choice took the request
+    spilled: bool  # the first candidate (its cache, else its first choice) was too loaded
     uncached_tokens: int  # the request's estimate there: what it adds to the outstanding tokens
     dp_rank: int = -1  # the instance's DP rank for the key (X-data-parallel-rank), -1 for none
 
@@ -168,6 +176,17 @@ def affinity_key(
     user = body.get("user")
     if isinstance(user, str) and user:
         return AffinityKey(AffinitySource.USER, _digest(b"u", user.encode()))
+    conversation = conversation_digest(body)
+    if conversation is not None:
+        source = AffinitySource.CONVERSATION if body.get("messages") else AffinitySource.PROMPT
+        return AffinityKey(source, conversation)
+    return AffinityKey(AffinitySource.REQUEST, _digest(b"r", request_id.encode()))
+
+
+def conversation_digest(body: Mapping[str, object]) -> bytes | None:
+    """What every turn of one conversation shares and other conversations do not: a hash chain
+    over message boundaries up to and including the first user message, or a completion
+    prompt's first :data:`PROMPT_KEY_BYTES` bytes; None for neither."""
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
         chain = b""
@@ -175,14 +194,13 @@ def affinity_key(
             chain = _digest(chain, orjson.dumps(message, option=orjson.OPT_SORT_KEYS))
             if isinstance(message, Mapping) and message.get("role") == "user":
                 break
-        return AffinityKey(AffinitySource.CONVERSATION, chain)
+        return chain
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
-        return AffinityKey(AffinitySource.PROMPT, _digest(prompt[:PROMPT_KEY_BYTES].encode()))
+        return _digest(prompt[:PROMPT_KEY_BYTES].encode())
     if isinstance(prompt, list) and prompt:
-        head = orjson.dumps(prompt[: PROMPT_KEY_BYTES // BYTES_PER_TOKEN])
-        return AffinityKey(AffinitySource.PROMPT, _digest(head))
-    return AffinityKey(AffinitySource.REQUEST, _digest(b"r", request_id.encode()))
+        return _digest(orjson.dumps(prompt[: PROMPT_KEY_BYTES // BYTES_PER_TOKEN]))
+    return None
 
 
 def estimate_prompt_tokens(body: Mapping[str, object]) -> int:
@@ -210,6 +228,15 @@ def prompt_bytes(body: Mapping[str, object]) -> bytes:
     if isinstance(prompt, list):
         return orjson.dumps(prompt)[:-1] + b","
     return b""
+
+
+def head_bytes(body: Mapping[str, object]) -> int:
+    """Bytes of :func:`prompt_bytes` through the first of several messages (the system prompt an
+    agent's subagents start from); 0 for one message or a completion prompt."""
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) > 1:
+        return 1 + len(orjson.dumps(messages[0]))  # after the list's "["
+    return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,15 +300,20 @@ def choose_prefill(
     def load(view: PrefillView) -> int:  # the instance's uncached tokens with this request
         return view.outstanding_tokens + uncached_tokens(view, prompt_tokens)
 
+    # The pair, the one holding the key's cache first (after a spill, the second choice):
+    # leaving it costs the cached prefix, whichever rendezvous rank it has.
+    pair = ranked[:2]
+    if len(pair) > 1 and pair[1].cached_tokens > pair[0].cached_tokens:
+        pair.reverse()
     if policy.prefill is PrefillPolicy.LEAST_LOADED:
         view = min(ranked, key=load)
-    elif len(ranked) > 1 and load(ranked[0]) > load(ranked[1]) + policy.imbalance_tokens:
-        view = ranked[1]
+    elif len(pair) > 1 and load(pair[0]) > load(pair[1]) + policy.imbalance_tokens:
+        view = pair[1]
     else:
-        view = ranked[0]
+        view = pair[0]
     return PrefillChoice(
         view,
-        view is not ranked[0],
+        view is not pair[0],
         uncached_tokens(view, prompt_tokens),
         prefill_dp_rank(key.digest, view),
     )

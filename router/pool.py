@@ -39,7 +39,8 @@ from router.policy import (
 )
 
 __all__ = [
-    "CACHED_KEYS",
+    "CACHED_PROMPTS",
+    "CONVERSATIONS_PER_KEY",
     "ENGINE_LOAD_METRICS",
     "MISSED_PROBES",
     "Breaker",
@@ -58,12 +59,15 @@ log = logging.getLogger("baton.gateway.pool")
 # global DP rank): requests, not tokens; vLLM exports no gauge of the prompt tokens it has yet to
 # compute.
 ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-# Affinity keys whose cached prompt tokens the pool remembers: the most recently prefilled, in
-# under 40 MB. A DEP2 prefill instance caches about 135M tokens (2 GPUs, 60 GB of KV each at 890
-# bytes a token), a thousand or so agentic sessions of 100K tokens, so 100K keys cover what the
-# prefill instances of several racks can hold; an older key has mostly lost its KV to the
-# engines' own LRU, and counting its prompt whole is then the truth.
-CACHED_KEYS = 100_000
+# Conversations whose cached prompt the pool remembers: those of the most recently prefilled keys,
+# in under 80 MB. A DEP2 prefill instance caches about 135M tokens (2 GPUs, 60 GB of KV each at
+# 890 bytes a token), a thousand or so agentic sessions of 100K tokens, so 100K conversations
+# cover what the prefill instances of several racks can hold; an older one has mostly lost its KV
+# to the engines' own LRU, and counting its prompt whole is then the truth.
+CACHED_PROMPTS = 100_000
+# Conversations remembered under one key (a session's own and its subagents', a user's), the
+# most recently prefilled.
+CONVERSATIONS_PER_KEY = 8
 # This gateway's mean uncached tokens per prefill, which prices other replicas' prefills: the
 # plain mean of its first prefills, then a moving mean over about this many.
 _MEAN_PREFILLS = 1024
@@ -167,6 +171,20 @@ class Breaker:
             self.open_until = now + self.cooldown_s
 
 
+@dataclass(frozen=True, slots=True)
+class _CachedPrompt:
+    """A conversation's last prefilled prompt: where it ran and what that instance holds."""
+
+    instance: str
+    tokens: int  # the engine's count of the prompt's tokens, all in the instance's prefix cache
+    prompt: PromptPrefix
+    head: PromptPrefix  # through the first message: the system prompt other conversations share
+
+    @property
+    def head_tokens(self) -> int:
+        return self.tokens * self.head.length // self.prompt.length if self.prompt.length else 0
+
+
 @dataclass(slots=True)
 class _Target:
     name: str
@@ -214,22 +232,22 @@ class Pool:
         probe_interval_s: float,
         stall_after_s: float = 30.0,
         breaker: Callable[[], Breaker] = Breaker,
-        cached_keys: int = CACHED_KEYS,
+        cached_prompts: int = CACHED_PROMPTS,
         on_missed_probe: Callable[[str], None] | None = None,
     ) -> None:
         """``probe_interval_s``: seconds between health checks, and between load syncs;
         ``stall_after_s``: seconds a decode server may run requests without counting a token
         before it is routed around; ``breaker`` makes each target's circuit breaker;
-        ``cached_keys``: how many affinity keys' cached prompt tokens to remember;
+        ``cached_prompts``: how many conversations' cached prompts to remember;
         ``on_missed_probe``: told the server's URL when a health check goes unanswered."""
         self.probe_interval_s = probe_interval_s
         self._on_missed_probe = on_missed_probe
         self.stall_after_s = stall_after_s
         self._new_breaker = breaker
-        self._cached_keys = cached_keys
-        # affinity key digest -> (prefill instance, prompt tokens cached there, that prompt),
-        # oldest first
-        self._cached: OrderedDict[bytes, tuple[str, int, PromptPrefix]] = OrderedDict()
+        self._cached_prompts = cached_prompts
+        # affinity key digest -> conversation digest -> its cached prompt; oldest first in both
+        self._cached: OrderedDict[bytes, dict[bytes, _CachedPrompt]] = OrderedDict()
+        self._cached_count = 0
         self._prefills = 0
         self._mean_uncached_tokens = 0.0
         self.prefill: dict[str, _Target] = {}
@@ -295,15 +313,16 @@ class Pool:
     def _target(self, name: str, url: str, cell: str) -> _Target:
         return _Target(name, url, cell, self._new_breaker())
 
-    def snapshot(self, key: AffinityKey | None = None, prompt: bytes = b"") -> PoolSnapshot:
+    def snapshot(
+        self, key: AffinityKey | None = None, prompt: bytes = b"", conversation: bytes = b""
+    ) -> PoolSnapshot:
         """The targets as the policy sees them now; the prefill views carry what ``key`` holds
-        cached on each instance for ``prompt`` (its ``policy.prompt_bytes``): nothing where the
-        prompt cached is not the start of this one."""
+        cached on one instance for ``prompt`` (its ``policy.prompt_bytes``) of ``conversation``
+        (its ``policy.conversation_digest``): the conversation's last prompt where it ran, when
+        this one continues it; else the first message (the system prompt a subagent shares with
+        its parent) where the key's newest conversation starting with it ran; else nothing."""
         now = time.monotonic()
-        cached_on, cached = "", 0
-        entry = self._cached.get(key.digest) if key else None
-        if entry is not None and continues(prompt, entry[2]):
-            cached_on, cached = entry[0], entry[1]
+        cached_on, cached = self._cached_for(key, prompt, conversation) if key else ("", 0)
         return PoolSnapshot(
             prefill=tuple(
                 PrefillView(
@@ -373,16 +392,41 @@ class Pool:
             target.in_flight -= 1
             target.outstanding_tokens -= uncached_tokens
 
+    def _cached_for(self, key: AffinityKey, prompt: bytes, conversation: bytes) -> tuple[str, int]:
+        conversations = self._cached.get(key.digest)
+        if not conversations:
+            return "", 0
+        own = conversations.get(conversation)
+        if own is not None and continues(prompt, own.prompt):
+            return own.instance, own.tokens
+        for entry in reversed(conversations.values()):
+            if continues(prompt, entry.head):
+                return entry.instance, entry.head_tokens
+        return "", 0
+
     def prefix_cached(
-        self, key: AffinityKey, name: str, prompt_tokens: int, prompt: PromptPrefix
+        self,
+        key: AffinityKey,
+        conversation: bytes,
+        name: str,
+        prompt_tokens: int,
+        prompt: PromptPrefix,
+        head: PromptPrefix,
     ) -> None:
-        """``key``'s prefill of ``prompt`` ran on ``name``: that instance now holds its
-        ``prompt_tokens`` (the engine's count) in its prefix cache, and is the one place the key
-        is counted as cached."""
-        self._cached[key.digest] = (name, prompt_tokens, prompt)
-        self._cached.move_to_end(key.digest)
-        if len(self._cached) > self._cached_keys:
-            self._cached.popitem(last=False)
+        """``key``'s prefill of ``prompt`` (``head``: through its first message) in
+        ``conversation`` ran on ``name``: that instance now holds its ``prompt_tokens`` (the
+        engine's count) in its prefix cache, and is the one place the conversation is counted
+        as cached."""
+        conversations = self._cached.pop(key.digest, {})
+        self._cached_count -= len(conversations)
+        conversations.pop(conversation, None)
+        conversations[conversation] = _CachedPrompt(name, prompt_tokens, prompt, head)
+        while len(conversations) > CONVERSATIONS_PER_KEY:
+            del conversations[next(iter(conversations))]
+        self._cached[key.digest] = conversations
+        self._cached_count += len(conversations)
+        while self._cached_count > self._cached_prompts:
+            self._cached_count -= len(self._cached.popitem(last=False)[1])
 
     def begin_decode(self, name: str) -> None:
         self.decode[name].in_flight += 1

@@ -309,6 +309,35 @@ def test_session_header_pins_prefill(stack: Stack) -> None:
     assert sorted(served) == [0, 6]
 
 
+def test_subagents_prefill_beside_their_parent_and_find_its_system_prompt_cached(
+    stack: Stack,
+) -> None:
+    """OpenCode's subagents send their own X-Session-ID and the parent's X-Parent-Session-ID:
+    keyed on the parent, each prefills where the parent's system prompt is cached. Keyed on their
+    own sessions, they scattered over both instances and computed it again."""
+    client = stack.client()
+    system: ChatCompletionMessageParam = {"role": "system", "content": LONG}
+    parent = client.chat.completions.create(
+        model=MODEL,
+        messages=[system, {"role": "user", "content": "fix the failing test"}],
+        max_tokens=1,
+        extra_headers={"X-Session-ID": "agent-7"},
+    )
+    assert parent.usage is not None and parent.usage.prompt_tokens > 500
+    for i in range(6):
+        sub = client.chat.completions.create(
+            model=MODEL,
+            messages=[system, {"role": "user", "content": f"subtask {i}: read module {i}"}],
+            max_tokens=1,
+            extra_headers={"X-Session-ID": f"agent-7-sub{i}", "X-Parent-Session-ID": "agent-7"},
+        )
+        # the system prompt, in whole blocks, found cached
+        assert sub.usage is not None
+        assert cached_tokens_of(sub) >= cached_prefix(len(LONG) // 4), i
+    served = [scrape(p.url, "vllm:request_success_total") for p in stack.prefill]
+    assert sorted(served) == [0, 7]
+
+
 def _stream_until(
     client: openai.OpenAI, stop: threading.Event, prompt: str, max_tokens: int = 300
 ) -> None:

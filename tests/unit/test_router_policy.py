@@ -353,8 +353,28 @@ def test_a_key_cached_on_its_second_choice_follows_its_cache_there() -> None:
     _, second = candidates(k)
     views = views_with({second: (0, 48_000)})
     choice = choose_prefill(snapshot(views), k, 50_000, POLICY)
-    assert choice is not None and choice.view.name == second and choice.spilled
+    assert choice is not None and choice.view.name == second and not choice.spilled
     assert choice.uncached_tokens == 2_000
+
+
+def test_the_allowance_favours_the_candidate_holding_the_cache_whichever_rank_it_has() -> None:
+    """A session whose cache sits on its second choice (its last turn spilled) stays there
+    until leaving the cache gains more than the allowance: 45K queued + 2K to compute beats
+    recomputing 50K. Checked from the first choice's side, the bound sent it back to the idle
+    first choice once the queue passed 39,808 tokens, and its history was lost."""
+    k = key("spilled-session")
+    first, second = candidates(k)
+
+    def pick(queued: int) -> tuple[str, bool]:
+        choice = choose_prefill(snapshot(views_with({second: (queued, 48_000)})), k, 50_000, POLICY)
+        assert choice is not None
+        return choice.view.name, choice.spilled
+
+    assert pick(45_000) == (second, False)
+    # the cache's 45K + 2K plus the allowance is the first's 50K: still the cache's
+    assert pick(50_000 + POLICY.imbalance_tokens - 2_000) == (second, False)
+    # one token more spills back to the first choice, the whole prompt uncached there
+    assert pick(50_001 + POLICY.imbalance_tokens - 2_000) == (first, True)
 
 
 def test_a_cache_elsewhere_than_the_two_candidates_does_not_count() -> None:

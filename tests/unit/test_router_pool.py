@@ -11,10 +11,13 @@ from router.policy import (
     RoutingPolicy,
     affinity_key,
     choose_prefill,
+    conversation_digest,
+    head_bytes,
     prompt_bytes,
     prompt_prefix,
 )
 from router.pool import (
+    CONVERSATIONS_PER_KEY,
     Breaker,
     DecodeServerSpec,
     Pool,
@@ -216,15 +219,32 @@ def two_instances() -> Pool:
     return Pool(spec(("c0", (P0, P1), (ranks(D0, 0),))), probe_interval_s=2.0)
 
 
-def conversation(*contents: str) -> bytes:
-    """A chat prompt's bytes (``policy.prompt_bytes``): user and assistant messages in turn."""
+def conversation(*contents: str, system: str | None = None) -> dict[str, object]:
+    """A chat body: user and assistant messages in turn, after ``system`` when given."""
     roles = ("user", "assistant")
     messages = [{"role": roles[i % 2], "content": text} for i, text in enumerate(contents)]
-    return prompt_bytes({"messages": messages})
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    return {"messages": messages}
 
 
-def cached(p: Pool, k: AffinityKey, prompt: bytes) -> dict[str, int]:
-    return {v.name: v.cached_tokens for v in p.snapshot(k, prompt).prefill}
+def remember(p: Pool, k: AffinityKey, instance: str, tokens: int, body: dict[str, object]) -> None:
+    """``body``'s prefill of ``tokens`` prompt tokens under ``k`` ran on ``instance``."""
+    prompt = prompt_bytes(body)
+    conversation_ = conversation_digest(body) or b""
+    p.prefix_cached(
+        k,
+        conversation_,
+        instance,
+        tokens,
+        prompt_prefix(prompt),
+        prompt_prefix(prompt, head_bytes(body)),
+    )
+
+
+def cached(p: Pool, k: AffinityKey, body: dict[str, object]) -> dict[str, int]:
+    snapshot = p.snapshot(k, prompt_bytes(body), conversation_digest(body) or b"")
+    return {v.name: v.cached_tokens for v in snapshot.prefill}
 
 
 def test_a_cached_turn_in_flight_counts_its_uncached_tokens_and_keeps_the_next_session() -> None:
@@ -234,56 +254,94 @@ def test_a_cached_turn_in_flight_counts_its_uncached_tokens_and_keeps_the_next_s
     on the instance and spilled the second session off its cache; counted uncached, both stay."""
     p = two_instances()
     first, second = keyed_to(p, P0, 2)
-    p.prefix_cached(first, P0, 195_000, prompt_prefix(conversation("first task")))
-    p.prefix_cached(second, P0, 60_000, prompt_prefix(conversation("second task")))
-    prompt = conversation("first task", "done", "next")
-    turn = choose_prefill(p.snapshot(first, prompt), first, 200_000, RoutingPolicy())
+    remember(p, first, P0, 195_000, conversation("first task"))
+    remember(p, second, P0, 60_000, conversation("second task"))
+    body = conversation("first task", "done", "next")
+    snapshot = p.snapshot(first, prompt_bytes(body), conversation_digest(body) or b"")
+    turn = choose_prefill(snapshot, first, 200_000, RoutingPolicy())
     assert turn is not None and turn.view.name == P0 and turn.uncached_tokens == 5_000
     p.begin_prefill(P0, turn.uncached_tokens)
     assert {v.name: v.outstanding_tokens for v in p.snapshot().prefill} == {P0: 5_000, P1: 0}
-    prompt = conversation("second task", "done", "next")
-    next_turn = choose_prefill(p.snapshot(second, prompt), second, 62_000, RoutingPolicy())
+    body = conversation("second task", "done", "next")
+    snapshot = p.snapshot(second, prompt_bytes(body), conversation_digest(body) or b"")
+    next_turn = choose_prefill(snapshot, second, 62_000, RoutingPolicy())
     assert next_turn is not None and next_turn.view.name == P0 and not next_turn.spilled
     assert next_turn.uncached_tokens == 2_000
 
 
-def test_a_key_counts_as_cached_only_where_its_last_prefill_ran() -> None:
+def test_a_conversation_counts_as_cached_only_where_its_last_prefill_ran() -> None:
     p = two_instances()
     k = session("agent-7")
-    p.prefix_cached(k, P0, 10_000, prompt_prefix(conversation("task")))
+    remember(p, k, P0, 10_000, conversation("task"))
     assert cached(p, k, conversation("task", "done", "next")) == {P0: 10_000, P1: 0}
     # its next turn spilled: the newest cache is there
-    p.prefix_cached(k, P1, 12_000, prompt_prefix(conversation("task", "done", "next")))
+    remember(p, k, P1, 12_000, conversation("task", "done", "next"))
     assert cached(p, k, conversation("task", "done", "next", "ok", "go on")) == {P0: 0, P1: 12_000}
     # another key, or none, has nothing cached
     assert cached(p, session("other"), conversation("task", "done", "next")) == {P0: 0, P1: 0}
     assert {v.name: v.cached_tokens for v in p.snapshot().prefill} == {P0: 0, P1: 0}
 
 
-def test_a_key_counts_as_cached_only_for_a_prompt_continuing_the_cached_one() -> None:
-    """One key, several prompts (a user's conversations, an agent's subagents): only a prompt
-    that starts with the one cached finds it cached."""
+def test_a_key_counts_as_cached_only_for_a_prompt_continuing_one_of_its_conversations() -> None:
+    """One key, several conversations (a user's): only a prompt that starts with one cached finds
+    it cached, each conversation where its own last turn ran."""
     p = two_instances()
     k = affinity_key({}, {"user": "alice"}, "r")
-    p.prefix_cached(k, P0, 10_000, prompt_prefix(conversation("plan the trip")))
-    assert cached(p, k, conversation("plan the trip", "done", "book it"))[P0] == 10_000
+    remember(p, k, P0, 10_000, conversation("plan the trip"))
+    remember(p, k, P1, 4_000, conversation("fix my code"))
+    assert cached(p, k, conversation("plan the trip", "done", "book it")) == {P0: 10_000, P1: 0}
     assert cached(p, k, conversation("plan the trip"))[P0] == 10_000  # the same prompt again
-    assert cached(p, k, conversation("fix my code"))[P0] == 0  # another conversation
+    assert cached(p, k, conversation("fix my code", "done", "test it")) == {P0: 0, P1: 4_000}
+    assert cached(p, k, conversation("write a poem")) == {P0: 0, P1: 0}  # another conversation
     assert cached(p, k, conversation("plan the trip to Rome", "done"))[P0] == 0  # edited
-    assert cached(p, k, b"")[P0] == 0
+    assert cached(p, k, {"messages": []})[P0] == 0
 
 
-def test_the_pool_remembers_only_the_most_recently_prefilled_keys() -> None:
-    p = Pool(spec(("c0", (P0, P1), (ranks(D0, 0),))), probe_interval_s=2.0, cached_keys=2)
+def test_a_subagent_finds_its_parents_system_prompt_cached_and_the_parent_its_history() -> None:
+    """A subagent is keyed on its parent (X-Parent-Session-ID) and starts from the parent's
+    system prompt: it counts that prompt cached where the parent's last turn ran. Its own turns
+    then count their own history, and the parent's next turn still finds its whole history
+    cached: the subagent's prefill does not take the parent's place under the key."""
+    p = two_instances()
+    parent = session("agent-7")
+    subagent = affinity_key({"x-session-id": "sub-1", "x-parent-session-id": "agent-7"}, {}, "r")
+    assert subagent == parent
+    system = "you are a coding agent " * 300
+    remember(p, parent, P1, 9_000, conversation("fix the bug", "looking", "result", system=system))
+    # the system prompt's share of the parent's 9,000 tokens, by bytes
+    share = 9_000 * len(system) / len(prompt_bytes(conversation("fix the bug", system=system)))
+    task = cached(p, subagent, conversation("find where tokens are counted", system=system))
+    assert task[P0] == 0 and share * 0.9 < task[P1] < 9_000
+    remember(p, subagent, P1, 2_500, conversation("find where tokens are counted", system=system))
+    subagent_turn = conversation("find where tokens are counted", "found", "read it", system=system)
+    assert cached(p, subagent, subagent_turn)[P1] == 2_500
+    parent_turn = conversation("fix the bug", "looking", "result", "ok", "go", system=system)
+    assert cached(p, parent, parent_turn)[P1] == 9_000
+    # a conversation with another system prompt, under the same key, finds nothing
+    assert cached(p, parent, conversation("fix the bug", system="you are a poet")) == {P0: 0, P1: 0}
+
+
+def test_the_pool_remembers_only_the_most_recently_prefilled_conversations() -> None:
+    p = Pool(spec(("c0", (P0, P1), (ranks(D0, 0),))), probe_interval_s=2.0, cached_prompts=2)
     one, two, three = session("one"), session("two"), session("three")
-    prompt = conversation("task")
-    p.prefix_cached(one, P0, 100, prompt_prefix(prompt))
-    p.prefix_cached(two, P0, 200, prompt_prefix(prompt))
-    p.prefix_cached(one, P0, 150, prompt_prefix(prompt))  # prefilled again: the newest now
+    body = conversation("task")
+    remember(p, one, P0, 100, body)
+    remember(p, two, P0, 200, body)
+    remember(p, one, P0, 150, body)  # prefilled again: the newest now
     # over the bound: the oldest, two, is forgotten
-    p.prefix_cached(three, P1, 300, prompt_prefix(prompt))
-    totals = [sum(cached(p, k, prompt).values()) for k in (one, two, three)]
+    remember(p, three, P1, 300, body)
+    totals = [sum(cached(p, k, body).values()) for k in (one, two, three)]
     assert totals == [150, 0, 300]
+
+
+def test_a_key_remembers_its_most_recent_conversations() -> None:
+    p = two_instances()
+    k = affinity_key({}, {"user": "alice"}, "r")
+    tasks = [f"task {i}" for i in range(CONVERSATIONS_PER_KEY + 1)]
+    for index, task in enumerate(tasks):
+        remember(p, k, P0, 100 + index, conversation(task))
+    assert cached(p, k, conversation(tasks[0]))[P0] == 0  # the oldest, forgotten
+    assert cached(p, k, conversation(tasks[-1]))[P0] == 100 + CONVERSATIONS_PER_KEY
 
 
 def engine_metrics(requests: dict[str, tuple[int, int]]) -> str:
