@@ -174,13 +174,16 @@ async def _send(load: _Load, request: Request, chat: list[dict[str, str]]) -> No
     record = Record(
         request.session.name, request.turn, request.warmup, time.perf_counter() - load.started
     )
+    headers = {"Content-Type": "application/json", "X-Session-ID": request.session.name}
+    if request.session.parent:
+        headers["X-Parent-Session-ID"] = request.session.parent
     load.records.append(record)
     load.requests.append(request)
     try:
         async with load.http.post(
             f"{load.url}/v1/chat/completions",
             data=orjson.dumps(body),
-            headers={"Content-Type": "application/json", "X-Session-ID": request.session.name},
+            headers=headers,
         ) as response:
             if response.status != 200:
                 record.error = f"HTTP {response.status}"

@@ -16,9 +16,12 @@ rules are public (the agentx-harness fork of NVIDIA AIPerf, the InferenceX aggre
 - **Assumptions** (AgentX's distributions are not public in a form we could read): the
   lognormal medians and spreads of :data:`SHAPE` below, the 5% fan-out chance, 2-4 subagents
   of 3-8 turns each, subagents starting from their parent's system prompt (the agent's tools
-  and instructions), and each session ending once its context passes a cap drawn between 60K
-  and 160K tokens. The medians were set so that the theoretical reuse lands in the published
-  96-98% (96.2% over the first sessions of 60 lanes), which the tests pin down.
+  and instructions) and naming their parent in ``X-Parent-Session-ID`` beside their own
+  ``X-Session-ID``, as OpenCode's subagents do (Claude Code's send the parent's session id
+  instead; both seen on the wire: github.com/preloop/preloop pull 701), and each session
+  ending once its context passes a cap drawn between 60K and 160K tokens. The medians were
+  set so that the theoretical reuse lands in the published 96-98% (96.2% over the first
+  sessions of 60 lanes), which the tests pin down.
 
 Text is made of 4-byte words (``" abc"``), one token each under the simulator's tokenizer (and
 close to one for real tokenizers), so token counts here are the prompt's tokens there.
@@ -93,7 +96,11 @@ class Session:
     system_seed: int
     system_tokens: int
     turns: tuple[Turn, ...]
-    subagent: bool = False
+    parent: str = ""  # a subagent's parent session; "" for a root session
+
+    @property
+    def subagent(self) -> bool:
+        return bool(self.parent)
 
     def prompt_tokens(self, turn: int) -> int:
         """Tokens of turn ``turn``'s prompt: the system prompt, every earlier turn's input and
@@ -124,9 +131,10 @@ def _session(
     *,
     system: tuple[int, int] | None = None,
     turns: int | None = None,
+    parent: str = "",
 ) -> Session:
-    """A root session (``turns`` None: until its context cap) or a subagent (``system``: its
-    parent's system prompt seed and length; ``turns``: how many)."""
+    """A root session (``turns`` None: until its context cap) or ``parent``'s subagent
+    (``system``: its parent's system prompt seed and length; ``turns``: how many)."""
     seed = rng.getrandbits(63)
     if system is None:
         system = (rng.getrandbits(63), round(_lognormal(rng, shape.system_tokens_median, 0.3)))
@@ -160,12 +168,13 @@ def _session(
                     shape,
                     system=system,
                     turns=rng.randint(*shape.subagent_turns_range),
+                    parent=name,
                 )
                 for i in range(rng.randint(*shape.subagents_range))
             )
         script.append(Turn(new, output, think, subagents))
         context += new + output
-    return Session(name, seed, system[0], system[1], tuple(script), subagent=turns is not None)
+    return Session(name, seed, system[0], system[1], tuple(script), parent)
 
 
 def lane_sessions(seed: int, lane: int, shape: WorkloadShape = SHAPE) -> Iterator[Session]:

@@ -56,7 +56,8 @@ def test_contexts_grow_past_100k_tokens_with_96_to_98_percent_theoretical_reuse(
 def test_subagents_start_from_their_parents_system_prompt() -> None:
     sessions = (s for lane in range(40) for s in itertools.islice(lane_sessions(5, lane), 2))
     parent, sub = next((s, sub) for s in sessions for t in s.turns for sub in t.subagents)
-    assert sub.subagent and SHAPE.subagent_turns_range[0] <= len(sub.turns)
+    assert sub.subagent and sub.parent == parent.name and not parent.subagent
+    assert SHAPE.subagent_turns_range[0] <= len(sub.turns)
     assert messages(sub, 0)[0] == messages(parent, 0)[0]
     first = next(requests_of(sub))
     assert first.cached_prefix_tokens == parent.system_tokens
