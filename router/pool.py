@@ -275,6 +275,8 @@ class Pool:
             await asyncio.gather(*(self._probe(server) for server in probed.values()))
         if generation == self._generation:
             self.update(cells, probed)
+            # their load and prefill DP ranks, without waiting for the next sync
+            await asyncio.gather(*(self._sync_server(url) for url in probed))
 
     def update(
         self, cells: Sequence[PoolCell], probed: Mapping[str, _Server] | None = None
@@ -488,8 +490,11 @@ class Pool:
     # ---- background: health and load
 
     async def start(self, session: aiohttp.ClientSession) -> None:
+        """Probe every engine and take its load before serving: the first prefills then name
+        their DP rank (each rank has a prefix cache of its own), as every later turn will."""
         self._session = session
         await self.check_health()
+        await self.sync_load()
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._every(self.probe_interval_s, self.check_health)),

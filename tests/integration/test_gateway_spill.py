@@ -209,3 +209,34 @@ def test_a_sessions_turns_reach_the_dp_rank_that_holds_its_history(
     new_tokens = estimate_prompt_tokens({"messages": turn[-2:]})
     assert cached_tokens_of(reply) >= reply.usage.prompt_tokens - new_tokens - 16
     stack.assert_nothing_leaked()
+
+
+def test_the_first_turns_after_the_gateway_starts_name_their_dp_rank(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
+) -> None:
+    """Seen in baton bench agentx: the load started within the gateway's first load sync, so
+    the DP ranks of each prefill instance were not known yet and every lane's first turn (its
+    long warmup) went to whichever rank the engine chose; the next turn, named by rendezvous,
+    found its history on the other rank half the time. The gateway learns the ranks before it
+    serves: a session keyed to rank 1 lands there on its first request, though the engine, both
+    ranks idle, would have chosen rank 0."""
+    prefill = start_engine(start_sim, "--data-parallel-size", "2")
+    decode = start_engine(start_sim)
+    # a load sync every 60 s: only one the gateway makes before it serves can name the rank
+    gateway = start_gateway(
+        "--api-key",
+        "k",
+        f"--prefill={prefill.url}",
+        f"--decode={decode.url}",
+        "--health-interval",
+        "60",
+    )
+    view = PrefillView(prefill.url, "default", True, 0, 0, dp_ranks=2)
+    session = next(
+        s
+        for s in (f"session-{i}" for i in range(64))
+        if prefill_dp_rank(affinity_key({"x-session-id": s}, {}, "r").digest, view) == 1
+    )
+    ask(gateway, session, history(session, 2))
+    assert scrape(prefill.url, "vllm:request_success_total", engine="1") == 1
+    assert scrape(prefill.url, "vllm:request_success_total", engine="0") == 0
