@@ -366,6 +366,34 @@ def summarize(
     return figures
 
 
+def reuse_lost(
+    records: Sequence[Record], requests: Sequence[Request], *, warmup_wall_s: float
+) -> dict[str, float] | None:
+    """Where the point computed again what the workload let it reuse, as shares of the prompt
+    tokens sent, from each response's ``cached_tokens``: a subagent's first turn (the parent's
+    system prompt), a turn that found less than half its history cached (a spill, or evicted
+    KV) started during the warmup (``warmup_wall_s``) or after, and the rest. Only where every
+    response reports the prefill engine's count, as Baton's gateway does (vllm-router passes
+    on decode's, where every pulled token counts as cached): None otherwise."""
+    sent = [(r, q) for r, q in zip(records, requests, strict=True) if r.end and not r.error]
+    if not sent or any(r.cached_tokens is None for r, _ in sent):
+        return None
+    lost = dict.fromkeys(
+        ("subagent_first_turn", "history_during_warmup", "history_after_warmup", "other"), 0.0
+    )
+    for record, request in sent:
+        short = max(0, request.cached_prefix_tokens - (record.cached_tokens or 0))
+        if request.turn == 0 and request.session.subagent:
+            lost["subagent_first_turn"] += short
+        elif short > request.cached_prefix_tokens / 2:
+            phase = "during" if record.start < warmup_wall_s else "after"
+            lost[f"history_{phase}_warmup"] += short
+        else:
+            lost["other"] += short
+    total = sum(r.prompt_tokens for r, _ in sent)
+    return {cause: tokens / total for cause, tokens in lost.items()}
+
+
 # ---- the stack and the routers
 
 
@@ -571,6 +599,11 @@ def _point(
         else 0.0,
         "kept_time": late <= LATE_STEPS_LIMIT,
         "affinity": affinity,
+        "reuse_lost": reuse_lost(
+            records, requests, warmup_wall_s=settings.warmup_s * settings.time_scale
+        )
+        if router == "baton"
+        else None,
         **figures,
     }
 

@@ -55,6 +55,16 @@ def test_every_router_serves_the_same_sessions_and_affinity_keeps_the_cache(
     )
     # Baton's own count of its prefill choices: each followed the key or spilled
     assert points["baton"]["affinity"]["hit"] > 0 and points["round-robin"]["affinity"] is None
+    # and where it computed again what the sessions let it reuse, by cause
+    lost = points["baton"]["reuse_lost"]
+    assert set(lost) == {
+        "subagent_first_turn",
+        "history_during_warmup",
+        "history_after_warmup",
+        "other",
+    }
+    assert all(0 <= share < 1 for share in lost.values())
+    assert points["vllm-router"]["reuse_lost"] is None
     assert "| baton | 4 |" in done.stdout and "Baton / vllm-router" in done.stdout
     # the EPLB comparison's point: the engines' own EPLB, its balance followed over time
     [eplb] = result["eplb"]

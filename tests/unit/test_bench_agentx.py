@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from bench.agentx import Record, compare, summarize
-from bench.workload import Request, lane_sessions
+from bench.agentx import Record, compare, reuse_lost, summarize
+from bench.workload import Request, Session, lane_sessions, requests_of
 
 
 def _record(start: float, first: float, end: float, prompt: int, output: int) -> Record:
@@ -90,3 +90,43 @@ def test_baton_is_compared_at_each_concurrency_as_ratios() -> None:
         }
     ]
     assert not math.isnan(rows[0]["throughput_per_gpu_ratio"])
+
+
+def test_reuse_lost_is_split_by_cause_from_the_prefill_engines_cached_counts() -> None:
+    """Where a Baton point computed again what the workload let it reuse, as shares of the
+    prompt tokens sent: a subagent's first turn (its parent's system prompt), a turn that found
+    less than half its history cached (a spill: during the warmup flood or after), the rest
+    (the partial last block of each prompt)."""
+    parent = next(s for s in lane_sessions(5, 0) if any(t.subagents for t in s.turns))
+    sub = next(sub for t in parent.turns for sub in t.subagents)
+
+    def sent(
+        session: Session, turn: int, start: float, cached: int, warmup: bool = False
+    ) -> tuple[Record, Request]:
+        theoretical = next(r for r in requests_of(session) if r.turn == turn).cached_prefix_tokens
+        request = Request(session, turn, warmup, 0 if warmup else theoretical)
+        prompt = session.prompt_tokens(turn)
+        record = Record(session.name, turn, warmup, start, start, start + 1, prompt, 1, cached)
+        return record, request
+
+    pairs = [
+        sent(parent, 1, 0.0, 0, warmup=True),  # a warmup reuses nothing, loses nothing
+        sent(parent, 2, 1.0, 0),  # history lost during the warmup (before 10 s wall)
+        sent(parent, 3, 20.0, 0),  # history lost after it
+        sent(parent, 4, 30.0, parent.prompt_tokens(3) - 10),  # 10 tokens short: the rest
+        sent(sub, 0, 40.0, 0),  # the subagent's first turn computed the system prompt
+    ]
+    records, requests = [p[0] for p in pairs], [p[1] for p in pairs]
+    lost = reuse_lost(records, requests, warmup_wall_s=10.0)
+    total = sum(r.prompt_tokens for r in records)
+    assert lost == pytest.approx(
+        {
+            "subagent_first_turn": sub.system_tokens / total,
+            "history_during_warmup": parent.prompt_tokens(1) / total,
+            "history_after_warmup": parent.prompt_tokens(2) / total,
+            "other": 10 / total,
+        }
+    )
+    # a router whose responses do not all report cached tokens has no breakdown
+    records[0].cached_tokens = None
+    assert reuse_lost(records, requests, warmup_wall_s=10.0) is None
