@@ -46,6 +46,7 @@ from router.errors import (
 from router.metrics import GatewayMetrics
 from router.policy import (
     AffinityKey,
+    AffinitySource,
     DecodeRankView,
     PrefillChoice,
     PrefillView,
@@ -155,7 +156,9 @@ class Handoff:
         timing = Timing(started=time.perf_counter())
         key = affinity_key(headers, body, request_id)
         prompt = prompt_bytes(body)
-        conversation = conversation_digest(body) or b""
+        # the conversation is the key itself when no session header or user named one
+        keyed_on_it = key.source in (AffinitySource.CONVERSATION, AffinitySource.PROMPT)
+        conversation = key.digest if keyed_on_it else conversation_digest(body) or b""
         request = _Request(
             route,
             body,

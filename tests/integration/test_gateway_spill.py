@@ -170,13 +170,12 @@ def test_a_replica_counts_the_prefills_other_replicas_have_in_flight(
     assert scrape(stack.gateway.url, "baton_gateway_in_flight_requests") == 0
 
 
-def test_a_sessions_turns_reach_the_dp_rank_that_holds_its_history(
-    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
-) -> None:
-    """Each rank of a DEP2 prefill instance has its own prefix cache, and the engine gives a
-    request no rank names to the rank with the fewest requests. A session's follow-up sent while
-    another session's prefill holds the rank its first turn ran on must still go there and find
-    its history cached: left to the engine it went to the idle rank and computed all of it."""
+def dep2_stack(
+    start_sim: Callable[..., SimHandle],
+    start_gateway: Callable[..., SimHandle],
+    health_interval_s: float,
+) -> Stack:
+    """A gateway in front of one DEP2 prefill instance and a one-rank decode engine."""
     prefill = start_engine(start_sim, "--data-parallel-size", "2")
     decode = start_engine(start_sim)
     gateway = start_gateway(
@@ -185,19 +184,36 @@ def test_a_sessions_turns_reach_the_dp_rank_that_holds_its_history(
         f"--prefill={prefill.url}",
         f"--decode={decode.url}",
         "--health-interval",
-        "0.2",
+        str(health_interval_s),
     )
-    stack = Stack(gateway, [prefill], decode)
+    return Stack(gateway, [prefill], decode)
+
+
+def sessions_on_rank(prefill: SimHandle, rank: int) -> list[str]:
+    """Session names the gateway keys to DP rank ``rank`` of a DEP2 instance."""
+    view = PrefillView(prefill.url, "default", True, 0, 0, dp_ranks=2)
+    names = (f"session-{i}" for i in range(64))
+    return [
+        name
+        for name in names
+        if prefill_dp_rank(affinity_key({"x-session-id": name}, {}, "r").digest, view) == rank
+    ]
+
+
+def test_a_sessions_turns_reach_the_dp_rank_that_holds_its_history(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
+) -> None:
+    """Each rank of a DEP2 prefill instance has its own prefix cache, and the engine gives a
+    request no rank names to the rank with the fewest requests. A session's follow-up sent while
+    another session's prefill holds the rank its first turn ran on must still go there and find
+    its history cached: left to the engine it went to the idle rank and computed all of it."""
+    stack = dep2_stack(start_sim, start_gateway, 0.2)
+    gateway, [prefill] = stack.gateway, stack.prefill
     eventually(
         lambda: scrape(gateway.url, "baton_gateway_prefill_dp_ranks", target=prefill.url) == 2
     )
-    view = PrefillView(prefill.url, "default", True, 0, 0, dp_ranks=2)
-
-    def rank_of(session: str) -> int:
-        return prefill_dp_rank(affinity_key({"x-session-id": session}, {}, "r").digest, view)
-
     # two sessions keyed to rank 0, the rank the engine picks first when both are idle
-    session, other = [f"session-{i}" for i in range(64) if rank_of(f"session-{i}") == 0][:2]
+    session, other = sessions_on_rank(prefill, 0)[:2]
     first = history(session, 22)
     turn = follow_up(first, ask(gateway, session, first))
     stack.fault(prefill, action="stall", seconds=STALL_S)
@@ -214,29 +230,16 @@ def test_a_sessions_turns_reach_the_dp_rank_that_holds_its_history(
 def test_the_first_turns_after_the_gateway_starts_name_their_dp_rank(
     start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:
-    """Seen in baton bench agentx: the load started within the gateway's first load sync, so
-    the DP ranks of each prefill instance were not known yet and every lane's first turn (its
-    long warmup) went to whichever rank the engine chose; the next turn, named by rendezvous,
-    found its history on the other rank half the time. The gateway learns the ranks before it
-    serves: a session keyed to rank 1 lands there on its first request, though the engine, both
-    ranks idle, would have chosen rank 0."""
-    prefill = start_engine(start_sim, "--data-parallel-size", "2")
-    decode = start_engine(start_sim)
+    """Seen in baton bench agentx: the load starts as soon as the gateway is ready, before its
+    first load sync, so the DP ranks of each prefill instance were not known yet and every
+    lane's first turn (its long warmup) went to whichever rank the engine chose, where the next
+    turn, named by rendezvous, may not go. The gateway learns the ranks before it serves: a
+    session keyed to rank 1 lands there on its first request, though the engine, both ranks
+    idle, would have chosen rank 0."""
     # a load sync every 60 s: only one the gateway makes before it serves can name the rank
-    gateway = start_gateway(
-        "--api-key",
-        "k",
-        f"--prefill={prefill.url}",
-        f"--decode={decode.url}",
-        "--health-interval",
-        "60",
-    )
-    view = PrefillView(prefill.url, "default", True, 0, 0, dp_ranks=2)
-    session = next(
-        s
-        for s in (f"session-{i}" for i in range(64))
-        if prefill_dp_rank(affinity_key({"x-session-id": s}, {}, "r").digest, view) == 1
-    )
-    ask(gateway, session, history(session, 2))
+    stack = dep2_stack(start_sim, start_gateway, 60)
+    [prefill] = stack.prefill
+    session = sessions_on_rank(prefill, 1)[0]
+    ask(stack.gateway, session, history(session, 2))
     assert scrape(prefill.url, "vllm:request_success_total", engine="1") == 1
     assert scrape(prefill.url, "vllm:request_success_total", engine="0") == 0

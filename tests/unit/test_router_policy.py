@@ -26,6 +26,7 @@ from router.policy import (
     choose_decode_rank,
     choose_prefill,
     continues,
+    conversation_digest,
     estimate_prompt_tokens,
     needs_prefill,
     prompt_bytes,
@@ -517,3 +518,16 @@ def test_prompt_tokens_are_estimated_from_bytes_or_counted_from_ids(
     body: dict[str, object], tokens: int
 ) -> None:
     assert estimate_prompt_tokens(body) == tokens
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"messages": [SYSTEM, user("fix the bug")]}, {"prompt": "a prompt"}, {"prompt": [1, 2, 3]}],
+    ids=["chat", "prompt-text", "prompt-token-ids"],
+)
+def test_a_key_taken_from_the_conversation_is_its_conversation_digest(
+    body: dict[str, object],
+) -> None:
+    # the gateway takes the key's digest as the conversation then, instead of hashing twice
+    assert affinity_key({}, body, "r").digest == conversation_digest(body)
+    assert affinity_key({"x-session-id": "s"}, body, "r").digest != conversation_digest(body)
