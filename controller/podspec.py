@@ -90,7 +90,15 @@ def _kv_transfer(spec: ModelDeploymentSpec) -> str:
 
 
 def _common_flags(spec: ModelDeploymentSpec) -> list[str]:
-    return ["--port", str(API_PORT), "--served-model-name", spec.served_model_name or spec.model]
+    # vLLM reports usage.prompt_tokens_details.cached_tokens only when asked: the gateway reads
+    # the prefix-cache hit from the prefill answer, and clients read it from usage.
+    return [
+        "--port",
+        str(API_PORT),
+        "--served-model-name",
+        spec.served_model_name or spec.model,
+        "--enable-prompt-tokens-details",
+    ]
 
 
 def decode_service(cell: str) -> str:
@@ -143,25 +151,24 @@ def decode_command(spec: ModelDeploymentSpec, cell: str, index: int, namespace: 
     """The engine's command line for decode pod ``index`` of ``cell``."""
     decode = spec.cell.decode
     leader = f"{decode_pod_name(cell, 0)}.{decode_service(cell)}.{namespace}.svc"
-    command = [
-        *spec.engine.command,
-        spec.model,
-        *_common_flags(spec),
-        "--data-parallel-size",
-        str(decode.dep),
-        "--data-parallel-size-local",
-        str(decode.gpus_per_pod),
-        "--data-parallel-start-rank",
-        str(index * decode.gpus_per_pod),
-        "--data-parallel-address",
-        leader,
-        "--data-parallel-rpc-port",
-        str(DP_RPC_PORT),
-        "--data-parallel-hybrid-lb",
-        "--enable-expert-parallel",
-        "--kv-transfer-config",
-        _kv_transfer(spec),
-    ]
+    command = [*spec.engine.command, spec.model, *_common_flags(spec)]
+    # A group of one is a plain engine: vLLM reads a start rank with one local rank as external
+    # load balancing, which it refuses for a single rank.
+    if decode.dep > 1:
+        command += [
+            "--data-parallel-size",
+            str(decode.dep),
+            "--data-parallel-size-local",
+            str(decode.gpus_per_pod),
+            "--data-parallel-start-rank",
+            str(index * decode.gpus_per_pod),
+            "--data-parallel-address",
+            leader,
+            "--data-parallel-rpc-port",
+            str(DP_RPC_PORT),
+            "--data-parallel-hybrid-lb",
+        ]
+    command += ["--enable-expert-parallel", "--kv-transfer-config", _kv_transfer(spec)]
     eplb = spec.eplb
     if eplb.enabled:
         config: dict[str, int | str] = {

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(parser, "--max-num-batched-tokens", type=int, default=None)
     _flag(parser, "--max-model-len", type=int, default=1_048_576)
     _flag(parser, "--block-size", type=int, default=16)
+    # The simulator always reports usage.prompt_tokens_details, as vLLM does with this flag
+    # (which the controller renders): accepted so that a rendered command line runs unchanged.
+    _flag(parser, "--enable-prompt-tokens-details", action="store_true")
     _flag(
         parser,
         "--speculative-config",

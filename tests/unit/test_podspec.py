@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from baton.core.api import BATON_IMAGE, ModelDeployment
+from baton.core.api import BATON_IMAGE, ModelDeployment, ModelDeploymentSpec
 from baton.core.eplb_report import REPORT_URL_ENV, TOKEN_ENV, WHERE_ENV
 from baton.core.labels import CELL_GATE, CELL_LABEL, DEPLOYMENT_LABEL, RANK_LABEL, ROLE_LABEL
 from controller.placement import DeploymentShape, plan_placement
-from controller.podspec import PLUGIN_DIR, compute_domain, render_cell
+from controller.podspec import PLUGIN_DIR, compute_domain, decode_command, render_cell
 from controller.topology import synthetic_topology
 from sim.cli import build_parser, config_from_args, split_unknown_flags
 
@@ -62,6 +62,22 @@ def test_decode_pod_i_runs_its_four_ranks_of_the_dep32_group() -> None:
         }
         resources = pod["spec"]["containers"][0]["resources"]
         assert resources["limits"] == {"nvidia.com/gpu": "4"}
+
+
+def test_a_one_rank_decode_group_renders_no_data_parallel_flags() -> None:
+    # vLLM takes a start rank with one local rank as external load balancing, which it refuses
+    # for a group of one: "data_parallel_external_lb can only be set when data_parallel_size > 1"
+    # (seen on a live engine, vLLM 0.32 CPU)
+    spec = ModelDeploymentSpec.model_validate(
+        {
+            "model": "m",
+            "cell": {"decode": {"dep": 1, "gpusPerPod": 1, "spareTrays": 0}},
+            "topology": {"gpusPerTray": 1},
+        }
+    )
+    command = decode_command(spec, "m-cell-0", 0, "serving")
+    assert not [arg for arg in command if arg.startswith("--data-parallel")]
+    assert "--enable-expert-parallel" in command
 
 
 def test_prefill_instances_run_dep2_with_two_gpus() -> None:
@@ -155,6 +171,14 @@ def test_with_compute_domains_decode_pods_claim_the_cells_imex_channel_and_prefi
         "allocationMode": "Single",
     }
     assert domain["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+
+
+def test_every_engine_reports_its_prefix_cache_hits_in_usage() -> None:
+    # without the flag vLLM leaves usage.prompt_tokens_details out, and the gateway and its
+    # clients never learn a cached token (seen on live engines behind the gateway)
+    manifests, _ = rendered()
+    for pod in pods(manifests, "decode") + pods(manifests, "prefill"):
+        assert "--enable-prompt-tokens-details" in pod["spec"]["containers"][0]["command"]
 
 
 def test_engine_pods_get_shared_memory_probes_and_a_tight_security_context() -> None:
