@@ -146,14 +146,16 @@ class UpstreamFailed(GatewayError):
 
 
 class UpstreamError(Exception):
-    """A call to an engine failed; ``phase`` names the leg (prefill or decode)."""
+    """A call to an engine failed; ``phase`` names the leg (prefill or decode). ``delivered``
+    is false only when no connection to the engine was made, so it received nothing."""
 
     reason = "error"
 
-    def __init__(self, phase: str, detail: str) -> None:
+    def __init__(self, phase: str, detail: str, *, delivered: bool = True) -> None:
         super().__init__(f"{phase}: {detail}")
         self.phase = phase
         self.detail = detail
+        self.delivered = delivered
 
 
 class UpstreamStatus(UpstreamError):

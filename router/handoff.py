@@ -11,10 +11,16 @@
    has reported its ranks.
    - a 4xx goes back to the client as the engine wrote it;
    - a 5xx, a timeout or a connection error falls back to decode alone.
+   - an answer whose ``remote_block_ids`` cannot hold its ``remote_num_tokens`` (fewer blocks
+     than the engine's block size needs: a decode engine asserts on it and dies) falls back to
+     decode alone, and the prefill instance counts a failure.
 3. Decode: the client's body, byte for byte, plus prefill's ``kv_transfer_params`` verbatim, to
    the least-loaded DP rank of the same cell (``X-data-parallel-rank``), same ``X-Request-Id``.
    - before the first generated token reaches the client, a failure retries on another rank
-     with the same KV, then on another rank with decode alone;
+     with the same KV only if the failed engine never received the request (no connection):
+     an engine that did may have pulled the blocks, and vLLM answers a replayed handoff 200
+     with whatever the freed blocks hold; otherwise, and then, on another rank with decode
+     alone;
    - after it, a failure ends the stream with an SSE error event and ``[DONE]``: tokens are never
      duplicated or reordered;
    - a client disconnect closes the upstream request, so the engine aborts it and frees its KV
@@ -67,7 +73,15 @@ from router.relay import DecodeRelay, Timing
 from router.stream import DecodeStream, FirstToken, StreamState
 from router.upstream import UpstreamPool, UpstreamResponse
 
-__all__ = ["Handoff", "JsonReply", "Timeouts", "decode_body", "engine_headers", "prefill_body"]
+__all__ = [
+    "Handoff",
+    "JsonReply",
+    "Timeouts",
+    "decode_body",
+    "engine_headers",
+    "missing_blocks",
+    "prefill_body",
+]
 
 log = logging.getLogger("baton.gateway.handoff")
 
@@ -246,6 +260,14 @@ class Handoff:
             )
             self.metrics.child(self.metrics.fallbacks, "no_kv_transfer_params").inc()
             return None
+        missing = missing_blocks(params, self.pool.block_size(target.name))
+        if missing:
+            self._fall_back(
+                target,
+                "short_block_ids",
+                ValueError(f"its kv_transfer_params lack {missing} of the prompt's KV blocks"),
+            )
+            return None
         return _Prefilled(params, cached if isinstance(cached, int) else None)
 
     async def _call(
@@ -277,8 +299,9 @@ class Handoff:
         tried: list[str] = []  # ranks that failed, and every rank of a server that did not
         last: UpstreamError | None = None  # answer (they would look idle and win least loaded)
         alone_on_tried = False
+        consumed = False  # an engine received the handoff: it is never sent again
         for attempt in range(_DECODE_ATTEMPTS):
-            with_kv = prefilled is not None and attempt < _DECODE_ATTEMPTS - 1
+            with_kv = prefilled is not None and not consumed and attempt < _DECODE_ATTEMPTS - 1
             snapshot = self.pool.snapshot()
             rank = choose_decode_rank(
                 snapshot, request.key.digest + request.request_id.encode(), cell, exclude=tried
@@ -317,6 +340,7 @@ class Handoff:
                 last = exc
                 # The server did not answer at all: its other ranks are as gone as this one.
                 tried.extend(r.name for r in snapshot.decode if r.url == rank.url)
+            consumed = consumed or (kv is not None and last.delivered)
             log.warning("decode on %s failed before the first token (%s)", rank.name, last)
             self.pool.failed(rank.name)
         if last is None:
@@ -384,7 +408,9 @@ class Handoff:
             if response is not None:
                 response.close()
             self.pool.end_decode(rank.name)
-            raise UpstreamTimeout("decode", "no first token in time") from exc
+            raise UpstreamTimeout(
+                "decode", "no first token in time", delivered=exc.delivered
+            ) from exc
         except BaseException:
             if response is not None:
                 response.close()
@@ -422,6 +448,34 @@ def decode_body(raw: bytes, kv_transfer_params: Mapping[str, object] | None) -> 
     """The decode leg's body: the client's bytes, with prefill's ``kv_transfer_params``
     (verbatim) when the KV is to be pulled."""
     return raw if kv_transfer_params is None else _with_kv(raw, kv_transfer_params)
+
+
+def missing_blocks(params: Mapping[str, object], block_size: int) -> int:
+    """How many KV blocks a prefill's ``kv_transfer_params`` lack for its ``remote_num_tokens``
+    at the prefill engine's ``block_size`` (0: not known yet), or 1 for params of a shape vLLM
+    never writes.
+
+    vLLM holds the whole prompt for the decode engine, one list of block ids per KV-cache group;
+    a decode engine given fewer blocks than it allocates fails an assertion and dies
+    (``_apply_prefix_caching`` in vLLM's NIXL connector). A group may have larger blocks than the
+    engine's block size (compressed attention) or one state block (Mamba), so the largest group
+    must cover the prompt at the block size, and every group must hold a block."""
+    groups = params.get("remote_block_ids")
+    tokens = params.get("remote_num_tokens")
+    if tokens is None:
+        return 0  # nothing to check against (an engine that does not say)
+    if (
+        not isinstance(tokens, int)
+        or not isinstance(groups, list)
+        or not groups
+        or not all(isinstance(group, list) for group in groups)
+    ):
+        return 1
+    if tokens <= 0:
+        return 0
+    needed = -(-tokens // block_size) if block_size > 0 else 1
+    largest = max(len(group) for group in groups)
+    return max(needed - largest, 0) or int(any(not group for group in groups))
 
 
 def engine_headers(request_id: str, dp_rank: int = -1) -> dict[str, str]:

@@ -32,7 +32,13 @@ COMPLETIONS_ROUTE = "/v1/completions"
 # 4xx relayed; stream_error: a stream ended by an SSE error event.
 OUTCOMES = ("ok", "rejected", "error", "engine_error", "stream_error", "client_disconnect")
 UPSTREAM_REASONS = ("error", "status", "timeout", "connection")  # router.errors' UpstreamErrors
-FALLBACK_REASONS = (*UPSTREAM_REASONS, "malformed", "no_kv_transfer_params", "decode_retry")
+FALLBACK_REASONS = (
+    *UPSTREAM_REASONS,
+    "malformed",
+    "no_kv_transfer_params",
+    "short_block_ids",
+    "decode_retry",
+)
 
 # Agentic TTFT reaches minutes (long prefills queued behind others); ITL sits below 10 ms.
 TTFT_BUCKETS = (

@@ -215,6 +215,7 @@ class _Server:
     up: bool = True  # the last active health check answered 200
     missed: int = 0  # health checks in a row it left unanswered (timed out)
     tokens: float = -1.0  # prompt + generation tokens the engine has counted, at the last sync
+    block_size: int = 0  # tokens per KV block, from vllm:cache_config_info (0: not seen yet)
     progressed_at: float = 0.0  # monotonic: when that count last moved, or the engine was idle
     stalled: bool = False
 
@@ -430,6 +431,12 @@ class Pool:
         while self._cached_count > self._cached_prompts:
             self._cached_count -= len(self._cached.popitem(last=False)[1])
 
+    def block_size(self, name: str) -> int:
+        """The KV block size target ``name``'s engine reports, or 0 before its first sync."""
+        target = self.prefill.get(name) or self.decode.get(name)
+        server = self._servers.get(target.url) if target is not None else None
+        return server.block_size if server is not None else 0
+
     def begin_decode(self, name: str) -> None:
         self.decode[name].in_flight += 1
 
@@ -620,7 +627,8 @@ class Pool:
         server = self._servers.get(url)
         if server is None:
             return
-        load, running, tokens = _engine_load(text)
+        load, running, tokens, block_size = _engine_load(text)
+        server.block_size = block_size or server.block_size
         if any(t.name in self.decode for t in server.targets):
             self._judge_progress(server, running, tokens)
         # Engines label global DP ranks; the header takes local indices: the n-th smallest label.
@@ -633,12 +641,17 @@ class Pool:
                 target.others = max(0, load[ranks[target.dp_rank]] - target.in_flight)
 
 
-def _engine_load(text: str) -> tuple[dict[str, int], int, float]:
-    """Requests per engine label, requests running, and prompt plus generation tokens counted."""
+def _engine_load(text: str) -> tuple[dict[str, int], int, float, int]:
+    """Requests per engine label, requests running, prompt plus generation tokens counted, and
+    the KV block size (0 when not reported)."""
     load: dict[str, int] = {}
     running = 0
     tokens = 0.0
+    block_size = 0
     for family in text_string_to_metric_families(text):
+        if family.name == "vllm:cache_config_info":
+            size = next(iter(family.samples)).labels.get("block_size", "") if family.samples else ""
+            block_size = int(size) if size.isdigit() else 0
         if family.name in ENGINE_LOAD_METRICS:
             for sample in family.samples:
                 engine = sample.labels.get("engine", "0")
@@ -647,4 +660,4 @@ def _engine_load(text: str) -> tuple[dict[str, int], int, float]:
                     running += int(sample.value)
         elif family.name in _PROGRESS_METRICS:
             tokens += sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return load, running, tokens
+    return load, running, tokens, block_size

@@ -322,10 +322,14 @@ class UpstreamPool:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(lambda: _Connection(key), *key)
         except TimeoutError as exc:
-            raise UpstreamTimeout("upstream", f"connecting to {key[0]}:{key[1]} timed out") from exc
+            raise UpstreamTimeout(
+                "upstream", f"connecting to {key[0]}:{key[1]} timed out", delivered=False
+            ) from exc
         except OSError as exc:
             raise UpstreamUnavailable(
-                "upstream", f"cannot connect to {key[0]}:{key[1]}: {exc.strerror or exc}"
+                "upstream",
+                f"cannot connect to {key[0]}:{key[1]}: {exc.strerror or exc}",
+                delivered=False,
             ) from exc
         return conn, False
 
@@ -367,7 +371,9 @@ def _bounded(conn: _Connection, within_s: float, deadline: float | None) -> floa
 def _key(base_url: str) -> tuple[str, int]:
     parts = urlsplit(base_url)
     if parts.scheme != "http" or not parts.hostname:
-        raise UpstreamUnavailable("upstream", f"'{base_url}' is not an http:// engine URL")
+        raise UpstreamUnavailable(
+            "upstream", f"'{base_url}' is not an http:// engine URL", delivered=False
+        )
     return parts.hostname, parts.port or 80
 
 

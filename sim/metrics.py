@@ -79,6 +79,19 @@ class EngineCollector(Collector):
             by_reason.add_metric([name, engine, "capacity"], len(rank.waiting))
             by_reason.add_metric([name, engine, "deferred"], len(rank.loading))
         yield by_reason
+        # vLLM's info gauge of its CacheConfig (every field a label, no model_name); the
+        # simulator labels the fields it models. The gateway reads the block size from it.
+        cache_info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"],
+        )
+        for engine, rank in ranks:
+            cache = rank.cache
+            cache_info.add_metric(
+                [str(cache.block_size), "True", str(cache.capacity_blocks), engine], 1
+            )
+        yield cache_info
         yield gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",

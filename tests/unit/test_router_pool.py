@@ -390,6 +390,19 @@ def test_a_prefill_instance_s_dp_ranks_are_learned_from_its_engine_labels() -> N
     assert p.prefill_dp_ranks() == {P0: 2, P1: 1}
 
 
+def test_an_engine_s_kv_block_size_is_read_from_its_cache_config_info() -> None:
+    p = two_instances()
+    assert p.block_size(P0) == 0  # before its first sync: not known
+    info = (
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="128",enable_prefix_caching="True",engine="0"} 1.0\n'
+    )
+    p.record_engine_load(P0, engine_metrics({"0": (0, 0)}) + info)
+    assert (p.block_size(P0), p.block_size(P1)) == (128, 0)
+    p.record_engine_load(P0, engine_metrics({"0": (0, 0)}))  # a page without it keeps it
+    assert p.block_size(P0) == 128
+
+
 # ---- load_pool_file
 
 

@@ -19,7 +19,8 @@ Requests (``op``):
   sampling parameters as vLLM's serving layer does (the max tokens it would allow, then
   ``to_sampling_params``).
 - ``metrics``: every ``vllm:*`` metric vLLM defines (its stat logger and the NIXL connector's),
-  with type and label names, read from vLLM's installed source.
+  with type and label names, read from vLLM's installed source; the CacheConfig info gauge's
+  labels from ``CacheConfig.metrics_info``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ logging.disable(logging.WARNING)
 
 import vllm  # noqa: E402
 from pydantic import TypeAdapter, ValidationError  # noqa: E402
-from vllm.config import EPLBConfig, KVTransferConfig, SpeculativeConfig  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    EPLBConfig,
+    KVTransferConfig,
+    SpeculativeConfig,
+)
 from vllm.config.speculative import SpeculativeMethod  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.entrypoints.cli.serve import ServeSubcommand  # noqa: E402
@@ -191,6 +197,13 @@ def metrics() -> dict[str, Any]:
             kind = next((k for k in ("gauge", "counter", "histogram") if k in callee), None)
             labels = _labels(keywords["labelnames"]) if "labelnames" in keywords else None
             found[str(name.value)] = {"type": kind, "labels": labels}
+    # An info gauge, named at run time: every CacheConfig field a label, and the engine
+    # (log_metrics_info in v1/metrics/loggers.py).
+    found["vllm:cache_config_info"] = {
+        "type": "gauge",
+        "labels": [*CacheConfig().metrics_info(), "engine"],
+        "info": True,
+    }
     return {"ok": True, "metrics": found}
 
 

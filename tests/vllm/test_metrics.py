@@ -46,4 +46,7 @@ def test_every_vllm_metric_the_simulator_exports_is_vllms_own(
         assert name in definitions, f"{name} is not a vLLM 0.33 metric"
         assert family.type == definitions[name]["type"], name
         labels = {key for sample in family.samples for key in sample.labels} - {"le"}
-        assert labels == set(definitions[name]["labels"]), name
+        if definitions[name].get("info"):  # the config fields the simulator models, and engine
+            assert "engine" in labels and labels <= set(definitions[name]["labels"]), name
+        else:
+            assert labels == set(definitions[name]["labels"]), name
