@@ -339,10 +339,13 @@ class DPGroup:
         request.state = RequestState.FINISHED
         request.finished_at = self.clock.now()
         assert request.finish_reason is not None  # every path to a close sets why
-        rank.success[request.finish_reason.value] += 1
-        rank.e2e.observe(request.finished_at - request.arrival)
-        if request.scheduled_at is not None:
-            rank.queue_time.observe(request.scheduled_at - request.arrival)
+        # vLLM's API server drops a request its client left before the engine's statistics see
+        # it finish: a disconnect counts in no request_success and no latency histogram.
+        if request.finish_reason is not FinishReason.ABORT:
+            rank.success[request.finish_reason.value] += 1
+            rank.e2e.observe(request.finished_at - request.arrival)
+            if request.scheduled_at is not None:
+                rank.queue_time.observe(request.scheduled_at - request.arrival)
         for callback in self.on_finished:
             callback(request)
         # A request held for a remote decode keeps its blocks; the NIXL side frees them.

