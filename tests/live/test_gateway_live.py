@@ -1,0 +1,313 @@
+"""Baton's gateway in front of live vLLM engines: a one-tray cell (one prefill instance, one decode
+rank) of the tiny Qwen3-MoE, started as the controller renders its pods, with the engines' API
+key on. The same assertions as the simulator's tests where they apply."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types import CompletionUsage
+from openai.types.chat import ChatCompletionMessageParam
+
+from rigs.processes import eventually, free_port
+from rigs.vllm_live import LiveEngine, LiveRig, live_spec
+from tests.helpers import SimHandle, cached_tokens_of, scrape, usage_of
+from tests.live.conftest import ENGINE_KEY, SECRETS, gateway_flags
+
+MODEL = "tiny-qwen3-moe"
+BLOCK = 128  # vLLM's block size on CPU: prefix caching works in whole blocks of 128 tokens
+_WORDS = ("engine", "handoff", "balance", "prompt", "token", "cache", "decode", "prefill")
+
+
+def prompt(tag: str, words: int = 300) -> str:
+    """A prompt of its own: ``tag``, then words of the tokenizer's picked by ``tag``'s digest."""
+    digest = hashlib.sha256(tag.encode()).digest() * (words // 32 + 1)
+    return f"{tag}: " + " ".join(_WORDS[byte % len(_WORDS)] for byte in digest[:words])
+
+
+def sources(engine: LiveEngine) -> dict[str, float]:
+    """The engine's prompt tokens by where their KV came from, so far."""
+    return {
+        source: scrape(engine.url, "vllm:prompt_tokens_by_source_total", source=source)
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
+
+
+def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in before}
+
+
+def completion(client: openai.OpenAI, text: str, stream: bool) -> tuple[str, CompletionUsage]:
+    if stream:
+        chunks = list(
+            client.completions.create(
+                model="tiny",
+                prompt=text,
+                max_tokens=12,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        return "".join(c.choices[0].text for c in chunks if c.choices), usage_of(chunks[-1])
+    answer = client.completions.create(model="tiny", prompt=text, max_tokens=12)
+    return answer.choices[0].text, usage_of(answer)
+
+
+def chat(client: openai.OpenAI, text: str, stream: bool) -> tuple[str, CompletionUsage]:
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": text}]
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=12,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, usage_of(chunks[-1])
+    answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12)
+    return answer.choices[0].message.content or "", usage_of(answer)
+
+
+@pytest.fixture(scope="module")
+def cell(rig: LiveRig) -> dict[str, LiveEngine]:
+    spec = live_spec(rig.env.model(MODEL), "tiny", api_key=True)
+    return rig.start_cell(spec, SECRETS)
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "engine-key"
+    path.write_text(ENGINE_KEY)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gateway(cell: dict[str, LiveEngine], key_file: Path, start_gateway_module) -> SimHandle:
+    handle: SimHandle = start_gateway_module(
+        *gateway_flags(cell["prefill"], cell["decode"], key_file)
+    )
+    eventually(lambda: httpx.get(f"{handle.url}/ready", timeout=5).status_code == 200, 120)
+    return handle
+
+
+@pytest.fixture(scope="module")
+def client(gateway: SimHandle) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+def test_the_engines_refuse_a_call_without_their_key(cell: dict[str, LiveEngine]) -> None:
+    for engine in cell.values():
+        answer = httpx.post(
+            f"{engine.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30
+        )
+        assert answer.status_code == 401
+        assert httpx.get(f"{engine.url}/health", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_every_prompt_token_reaches_decode_over_nixl_and_none_is_computed_there(
+    cell: dict[str, LiveEngine], client: openai.OpenAI, route: str, stream: bool
+) -> None:
+    text = prompt(f"pd {route} {stream}")
+    before = sources(cell["decode"])
+    prefill_before = sources(cell["prefill"])
+    generated, usage = (completion if route == "completions" else chat)(client, text, stream)
+    assert usage.completion_tokens == 12 and generated
+    pulled = moved(before, sources(cell["decode"]))
+    # the decode engine computed no prompt token: all came over NIXL (or its own prefix cache)
+    assert pulled["local_compute"] == 0
+    assert pulled["external_kv_transfer"] + pulled["local_cache_hit"] == usage.prompt_tokens
+    assert pulled["external_kv_transfer"] > 0
+    computed = moved(prefill_before, sources(cell["prefill"]))
+    assert computed["local_compute"] + computed["local_cache_hit"] == usage.prompt_tokens
+
+
+def test_pd_greedy_output_equals_a_direct_run_token_for_token(
+    cell: dict[str, LiveEngine], client: openai.OpenAI
+) -> None:
+    text = prompt("greedy", 500)
+    through = client.completions.create(
+        model="tiny", prompt=text, max_tokens=24, temperature=0, logprobs=1
+    )
+    direct = httpx.post(
+        f"{cell['prefill'].url}/v1/completions",
+        json={"model": "tiny", "prompt": text, "max_tokens": 24, "temperature": 0, "logprobs": 1},
+        headers={"Authorization": f"Bearer {ENGINE_KEY}"},
+        timeout=120,
+    ).json()
+    assert through.choices[0].logprobs is not None
+    assert through.choices[0].logprobs.tokens == direct["choices"][0]["logprobs"]["tokens"]
+    assert (
+        through.choices[0].logprobs.token_logprobs
+        == (direct["choices"][0]["logprobs"]["token_logprobs"])
+    )
+
+
+def test_a_shared_prefix_hits_the_prefix_cache_on_both_sides_and_usage_says_so(
+    cell: dict[str, LiveEngine], client: openai.OpenAI
+) -> None:
+    shared = prompt("shared prefix", 600)
+    first = client.completions.create(model="tiny", prompt=shared + " first", max_tokens=4)
+    assert cached_tokens_of(first) == 0
+    before = sources(cell["decode"])
+    second = client.completions.create(model="tiny", prompt=shared + " second turn", max_tokens=4)
+    cached = cached_tokens_of(second)  # what the prefill engine served from its prefix cache
+    assert cached >= BLOCK and cached % BLOCK == 0
+    assert cached <= usage_of(second).prompt_tokens
+    # the decode engine holds the first pull's blocks too: it pulls only the rest
+    pulled = moved(before, sources(cell["decode"]))
+    assert pulled["local_cache_hit"] >= BLOCK
+    assert pulled["external_kv_transfer"] < usage_of(second).prompt_tokens
+
+
+def test_a_client_gone_mid_stream_stops_the_decode_engines_work(
+    cell: dict[str, LiveEngine], gateway: SimHandle
+) -> None:
+    decode = cell["decode"]
+    generated = scrape(decode.url, "vllm:generation_tokens_total")
+    body = {
+        "model": "tiny",
+        "prompt": prompt("abort"),
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=120) as answer:
+        lines = answer.iter_lines()
+        assert [next(lines) for _ in range(6)]
+        assert scrape(decode.url, "vllm:num_requests_running") == 1
+    eventually(lambda: scrape(decode.url, "vllm:num_requests_running") == 0, timeout=60)
+    assert scrape(decode.url, "vllm:generation_tokens_total") - generated < 1500
+    assert httpx.get(f"{decode.url}/health", timeout=30).status_code == 200
+
+
+def test_the_gateway_reads_the_engines_real_metrics(gateway: SimHandle) -> None:
+    # the prefill instance's DP ranks come from the engine labels of its /metrics
+    eventually(lambda: scrape(gateway.url, "baton_gateway_prefill_dp_ranks") == 1, timeout=60)
+    assert "Traceback" not in gateway.log()
+
+
+# ---- what live vLLM does that the simulator did not, and how the gateway meets it
+
+
+class RewritingProxy:
+    """A prefill engine as the gateway sees it through ``rewrite``: every call is passed to the
+    live engine, and a prefill answer's ``kv_transfer_params`` are rewritten on the way back."""
+
+    def __init__(self, engine: LiveEngine) -> None:
+        self.engine = engine
+        self.rewrite: Callable[[dict[str, Any]], None] = lambda params: None
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self._relay(httpx.get(proxy.engine.url + self.path, headers=self._headers()))
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                answer = httpx.post(
+                    proxy.engine.url + self.path, content=body, headers=self._headers(), timeout=120
+                )
+                if answer.status_code == 200 and "kv_transfer_params" in answer.text:
+                    reply = answer.json()
+                    proxy.rewrite(reply["kv_transfer_params"])
+                    answer = httpx.Response(200, json=reply)
+                self._relay(answer)
+
+            def _headers(self) -> dict[str, str]:
+                return {k: v for k, v in self.headers.items() if k.lower() != "host"}
+
+            def _relay(self, answer: httpx.Response) -> None:
+                self.send_response(answer.status_code)
+                self.send_header("Content-Type", answer.headers.get("content-type", "text/plain"))
+                self.send_header("Content-Length", str(len(answer.content)))
+                self.end_headers()
+                self.wfile.write(answer.content)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def proxy(cell: dict[str, LiveEngine]) -> Iterator[RewritingProxy]:
+    rewriting = RewritingProxy(cell["prefill"])
+    yield rewriting
+    rewriting.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def proxied(
+    cell: dict[str, LiveEngine], proxy: RewritingProxy, key_file: Path, start_gateway_module
+) -> SimHandle:
+    """A second gateway, whose prefill instance answers through the proxy."""
+    handle: SimHandle = start_gateway_module(*gateway_flags(proxy.url, cell["decode"], key_file))
+    eventually(lambda: httpx.get(f"{handle.url}/ready", timeout=5).status_code == 200, 120)
+    # the prefill engine's block size, from its /metrics, before the first request
+    eventually(lambda: scrape(handle.url, "baton_gateway_prefill_dp_ranks") == 1, timeout=60)
+    return handle
+
+
+def through(gateway: SimHandle, text: str) -> httpx.Response:
+    body = {"model": "tiny", "prompt": text, "max_tokens": 6, "ignore_eos": True}
+    return httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
+
+
+def test_fewer_block_ids_than_the_prompt_needs_never_reach_decode(
+    cell: dict[str, LiveEngine], proxy: RewritingProxy, proxied: SimHandle
+) -> None:
+    # vLLM's decode engine asserts on such a handoff and dies (/health 503 until restarted)
+    def drop_blocks(params: dict[str, Any]) -> None:
+        params["remote_block_ids"] = [group[:1] for group in params["remote_block_ids"]]
+
+    proxy.rewrite = drop_blocks
+    decode = cell["decode"]
+    before = sources(decode)
+    answer = through(proxied, prompt("short blocks"))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 6
+    assert httpx.get(f"{decode.url}/health", timeout=30).status_code == 200
+    computed = moved(before, sources(decode))
+    assert computed["external_kv_transfer"] == 0  # decode alone
+    assert computed["local_compute"] > 0
+    assert scrape(proxied.url, "baton_gateway_fallbacks_total", reason="short_block_ids") == 1
+
+
+def test_an_unreachable_side_channel_is_decoded_alone_and_never_pulled_again(
+    cell: dict[str, LiveEngine], proxy: RewritingProxy, proxied: SimHandle
+) -> None:
+    # vLLM answers 500 after a few seconds when the pull cannot connect (kv_load_failure_policy
+    # "fail", the controller's default); the handoff was delivered, so it is never sent again
+    def closed_port(params: dict[str, Any]) -> None:
+        # a new engine id, so decode cannot reuse the handshake it made with the real one
+        params["remote_engine_id"] = f"moved-{params['remote_engine_id']}"
+        params["remote_port"] = free_port()
+
+    proxy.rewrite = closed_port
+    decode = cell["decode"]
+    retries = scrape(proxied.url, "baton_gateway_fallbacks_total", reason="decode_retry")
+    before = sources(decode)
+    answer = through(proxied, prompt("unreachable side channel"))
+    assert answer.status_code == 200, answer.text
+    assert scrape(proxied.url, "baton_gateway_fallbacks_total", reason="decode_retry") == (
+        retries + 1
+    )
+    computed = moved(before, sources(decode))
+    assert computed["external_kv_transfer"] == 0
+    assert httpx.get(f"{decode.url}/health", timeout=30).status_code == 200

@@ -1,0 +1,123 @@
+"""The same requests to a live vLLM P/D pair and to a ``baton sim`` pair: the same outcomes.
+
+Where they differed, the simulator was changed to follow vLLM (docs/simulator.md). Each case
+sends the handoff by hand, as the gateway's two legs would."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import httpx
+import pytest
+
+from rigs.processes import eventually
+from rigs.vllm_live import LiveRig, live_spec
+from tests.helpers import scrape
+
+PROMPT = "handoff balance engine prompt token cache decode prefill " * 30
+
+
+class Engine(Protocol):
+    url: str
+
+
+Pair = tuple[Engine, Engine]
+
+
+@pytest.fixture(scope="module")
+def live(rig: LiveRig) -> Pair:
+    cell = rig.start_cell(live_spec(rig.env.model("tiny-qwen3-moe"), "tiny"))
+    return cell["prefill"], cell["decode"]
+
+
+@pytest.fixture
+def sim(start_pd: Callable[..., Pair]) -> Pair:
+    return start_pd(flags=("--served-model-name", "tiny", "--profile", "instant"))
+
+
+def prefill(engine: Engine, tag: str) -> dict[str, Any]:
+    body = {
+        "model": "tiny",
+        "prompt": f"{tag} {PROMPT}",
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    answer = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    params: dict[str, Any] = answer.json()["kv_transfer_params"]
+    return params
+
+
+def decode(engine: Engine, tag: str, params: dict[str, Any]) -> int:
+    body = {
+        "model": "tiny",
+        "prompt": f"{tag} {PROMPT}",
+        "max_tokens": 4,
+        "kv_transfer_params": params,
+    }
+    return httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120).status_code
+
+
+def both(live: Pair, sim: Pair, case: Callable[[Pair], object]) -> None:
+    assert case(live) == case(sim)
+
+
+def test_a_replayed_handoff_is_answered_200(live: Pair, sim: Pair) -> None:
+    def replay(pair: Pair) -> tuple[int, int]:
+        params = prefill(pair[0], "replay")
+        return decode(pair[1], "replay", params), decode(pair[1], "replay", params)
+
+    both(live, sim, replay)
+    assert replay(sim) == (200, 200)
+
+
+def test_a_handoff_from_an_engine_decode_never_met_fails_the_request(live: Pair, sim: Pair) -> None:
+    def unknown(pair: Pair) -> int:
+        params = prefill(pair[0], "unknown engine")
+        return decode(pair[1], "unknown engine", {**params, "remote_engine_id": "no-such-engine"})
+
+    both(live, sim, unknown)
+    assert unknown(sim) == 500
+
+
+def test_a_client_gone_mid_stream_is_aborted_and_counted_as_no_finished_request(
+    live: Pair, sim: Pair
+) -> None:
+    def leave(pair: Pair) -> tuple[float, float]:
+        engine = pair[1]
+        finished = scrape(engine.url, "vllm:request_success_total")
+        body = {
+            "model": "tiny",
+            "prompt": "leave",
+            "max_tokens": 1000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream("POST", f"{engine.url}/v1/completions", json=body, timeout=60) as answer:
+            lines = answer.iter_lines()
+            assert [next(lines) for _ in range(4)]
+        eventually(lambda: scrape(engine.url, "vllm:num_requests_running") == 0, timeout=60)
+        return scrape(engine.url, "vllm:request_success_total") - finished, scrape(
+            engine.url, "vllm:num_requests_running"
+        )
+
+    both(live, sim, leave)
+    assert leave(sim) == (0, 0)
+
+
+def test_fewer_block_ids_than_the_prompt_fills_kill_the_decode_engine(
+    live: Pair, sim: Pair
+) -> None:
+    # the last test of the module: the live decode engine stays dead until stopped
+    def short(pair: Pair) -> tuple[int, bool]:
+        params = prefill(pair[0], "short")
+        params["remote_block_ids"] = [group[:1] for group in params["remote_block_ids"]]
+        status = decode(pair[1], "short", params)
+        # the engine core's death reaches the API server's /health a moment later
+        eventually(
+            lambda: httpx.get(f"{pair[1].url}/health", timeout=30).status_code == 503, timeout=60
+        )
+        return status, True
+
+    both(live, sim, short)
