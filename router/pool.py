@@ -42,6 +42,7 @@ __all__ = [
     "CACHED_PROMPTS",
     "CONVERSATIONS_PER_KEY",
     "ENGINE_LOAD_METRICS",
+    "METRICS_PAGE_BYTES",
     "MISSED_PROBES",
     "Breaker",
     "DecodeServerSpec",
@@ -71,6 +72,8 @@ CONVERSATIONS_PER_KEY = 8
 # This gateway's mean uncached tokens per prefill, which prices other replicas' prefills: the
 # plain mean of its first prefills, then a moving mean over about this many.
 _MEAN_PREFILLS = 1024
+# The largest /metrics page read: a DEP32 decode server's four ranks are about 200 KB.
+METRICS_PAGE_BYTES = 8 * 1024 * 1024
 # Counters that move with every step an engine makes on running requests.
 _PROGRESS_METRICS = ("vllm:prompt_tokens", "vllm:generation_tokens")
 
@@ -259,6 +262,7 @@ class Pool:
         self._models: tuple[str, ...] = ()
         self._context: dict[str, int] = {}
         self._generation = 0  # of target sets handed to apply(), newest wins
+        self._odd: set[str] = set()  # servers whose odd /metrics was told (until it is not)
         self.update(cells)
 
     # ---- targets
@@ -615,10 +619,29 @@ class Pool:
         try:
             timeout = aiohttp.ClientTimeout(total=max(1.0, self.probe_interval_s))
             async with self._session.get(f"{url}/metrics", timeout=timeout) as response:
-                text = await response.text()
-        except (aiohttp.ClientError, TimeoutError):
+                status, page = response.status, bytearray()
+                async for chunk in response.content.iter_chunked(1 << 16):
+                    page += chunk
+                    if len(page) > METRICS_PAGE_BYTES:
+                        break
+        except TimeoutError:
+            self._odd_metrics(url, "leaves /metrics unanswered")
             return
-        self.record_engine_load(url, text)
+        except aiohttp.ClientError:
+            return  # the health checks judge an engine that refuses or resets
+        if status != 200:
+            self._odd_metrics(url, f"answers /metrics with HTTP {status}")
+        elif len(page) > METRICS_PAGE_BYTES:
+            self._odd_metrics(url, f"serves a /metrics page over {METRICS_PAGE_BYTES} bytes")
+        else:
+            self.record_engine_load(url, page.decode("utf-8", "replace"))
+
+    def _odd_metrics(self, url: str, what: str) -> None:
+        """One engine's odd /metrics is told once, and leaves its load unknown: never an error
+        of the gateway's."""
+        if url not in self._odd:
+            self._odd.add(url)
+            log.warning("%s %s; its load is unknown until it serves Prometheus text", url, what)
 
     def record_engine_load(self, url: str, text: str) -> None:
         """Take one scrape of a server's ``/metrics``: other replicas' requests on each of its
@@ -627,7 +650,12 @@ class Pool:
         server = self._servers.get(url)
         if server is None:
             return
-        load, running, tokens, block_size = _engine_load(text)
+        try:
+            load, running, tokens, block_size = _engine_load(text)
+        except ValueError as exc:
+            self._odd_metrics(url, f"serves a /metrics page that is not Prometheus text ({exc})")
+            return
+        self._odd.discard(url)
         server.block_size = block_size or server.block_size
         if any(t.name in self.decode for t in server.targets):
             self._judge_progress(server, running, tokens)
