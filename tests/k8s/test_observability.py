@@ -20,7 +20,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from deploy.grafana.dashboards import DASHBOARDS, GPU_HOUR_PRICE, GPU_HOUR_PRICE_DEFAULT
+from deploy.grafana.dashboards import DASHBOARDS
 from rigs.devcluster import (
     ControlPlane,
     add_trays,
@@ -36,20 +36,12 @@ from rigs.observability import (
     baton_up,
     controller_drill,
     drill,
+    grafana_expr,
     start_prometheus,
 )
 from rigs.processes import free_port, stop_process
 from tests.helpers import documented, served
 from tests.k8s.helpers import MODEL, controller_log
-
-# What Grafana puts for its variables; five minutes spans the whole drill.
-RATE_WINDOW = "5m"
-
-
-def grafana_expr(expr: str) -> str:
-    return expr.replace("$__rate_interval", RATE_WINDOW).replace(
-        f"${GPU_HOUR_PRICE}", GPU_HOUR_PRICE_DEFAULT
-    )
 
 
 def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

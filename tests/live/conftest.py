@@ -7,14 +7,19 @@ of their own (a prompt another test sent may sit in a prefix cache).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from rigs.processes import eventually, free_port, stop_process
 from rigs.vllm_live import LiveEngine, LiveRig, live_rig
 from tests.conftest import _Launcher
-from tests.helpers import SimHandle
+from tests.helpers import ROOT, SimHandle
 
 # The engines' API key: the gateway sends it (--engine-api-key-file), clients never see it.
 ENGINE_KEY = "engine-secret"
@@ -63,3 +68,37 @@ def gateway_flags(prefill: LiveEngine | str, decode: LiveEngine, key_file: Path)
         "--engine-api-key-file",
         str(key_file),
     )
+
+
+@dataclass(frozen=True)
+class LiveStack:
+    process: subprocess.Popen[bytes]
+    url: str  # the gateway's
+    targets: Path  # its Prometheus file_sd targets
+    log: Path
+
+
+@contextmanager
+def baton_up_live(directory: Path) -> Iterator[LiveStack]:
+    """``baton up --engine vllm`` on a free port, once it says it is up; stopped after."""
+    port, log = free_port(), directory / "up.log"
+    targets = directory / "targets.json"
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "baton.cli", "up", "--engine", "vllm"),
+            *("--port", str(port), "--prometheus-targets", str(targets)),
+        ],
+        cwd=ROOT,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        eventually(
+            lambda: "Baton is up" in log.read_text() or process.poll() is not None,
+            timeout=900,
+            interval=1,
+        )
+        assert process.poll() is None, log.read_text()
+        yield LiveStack(process, f"http://127.0.0.1:{port}", targets, log)
+    finally:
+        stop_process(process)

@@ -14,31 +14,13 @@ import psutil
 import pytest
 
 from baton.up import LIVE_SERVED_NAME
-from rigs.processes import eventually, free_port
-from tests.helpers import ROOT, stop_process
+from tests.helpers import ROOT
+from tests.live.conftest import baton_up_live
 
 
 def test_baton_up_on_live_engines_serves_a_chat_and_stops_every_process(tmp_path: Path) -> None:
-    port, log_path = free_port(), tmp_path / "up.log"
-    targets = tmp_path / "targets.json"
-    process = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "baton.cli", "up", "--engine", "vllm"),
-            *("--port", str(port), "--prometheus-targets", str(targets)),
-        ],
-        cwd=ROOT,
-        stdout=log_path.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        eventually(
-            lambda: "Baton is up" in log_path.read_text() or process.poll() is not None,
-            timeout=900,
-            interval=1,
-        )
-        assert process.poll() is None, log_path.read_text()
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    with baton_up_live(tmp_path) as stack:
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(
             model=LIVE_SERVED_NAME,
             messages=[{"role": "user", "content": "plan the rollout of the next cell " * 40}],
@@ -49,17 +31,15 @@ def test_baton_up_on_live_engines_serves_a_chat_and_stops_every_process(tmp_path
         )
         chunks = list(stream)
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
-        assert '"role": "prefill"' in targets.read_text()
-        children = psutil.Process(process.pid).children(recursive=True)
+        assert '"role": "prefill"' in stack.targets.read_text()
+        children = psutil.Process(stack.process.pid).children(recursive=True)
         assert len(children) >= 5  # two engines with their engine cores, and the gateway
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=120) == 0
+        stack.process.send_signal(signal.SIGTERM)
+        assert stack.process.wait(timeout=120) == 0
         _, alive = psutil.wait_procs(children, timeout=60)
         assert not alive
         with pytest.raises(httpx.ConnectError):
-            httpx.get(f"{url}/health", timeout=5)
-    finally:
-        stop_process(process)
+            httpx.get(f"{stack.url}/health", timeout=5)
 
 
 @pytest.mark.parametrize(
