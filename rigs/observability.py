@@ -25,7 +25,6 @@ from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.core.model import SERVED_MODEL_NAME
-from deploy.grafana.dashboards import GPU_HOUR_PRICE, GPU_HOUR_PRICE_DEFAULT
 from rigs.devcluster import (
     ROOT,
     create_model_deployment,
@@ -37,26 +36,15 @@ from rigs.faults import FaultInjection
 from rigs.processes import eventually, free_port, stop_process
 
 __all__ = [
-    "RATE_WINDOW",
     "RULES",
     "BatonUp",
     "Prometheus",
     "baton_up",
     "drill",
-    "grafana_expr",
     "start_prometheus",
 ]
 
 RULES = ROOT / "deploy" / "prometheus" / "baton-rules.yaml"
-# What Grafana puts for its variables; five minutes spans a whole drill.
-RATE_WINDOW = "5m"
-
-
-def grafana_expr(expr: str) -> str:
-    """A dashboard's query as Grafana sends it, its variables given their values."""
-    return expr.replace("$__rate_interval", RATE_WINDOW).replace(
-        f"${GPU_HOUR_PRICE}", GPU_HOUR_PRICE_DEFAULT
-    )
 
 
 @dataclass

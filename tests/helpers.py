@@ -166,3 +166,16 @@ __all__ = [
     "usage_of",
     "wait_healthy",
 ]
+
+
+# What Grafana puts for its variables; five minutes spans a whole drill.
+RATE_WINDOW = "5m"
+
+
+def grafana_expr(expr: str) -> str:
+    """A dashboard's query as Grafana sends it, its variables given their values."""
+    from deploy.grafana.dashboards import GPU_HOUR_PRICE, GPU_HOUR_PRICE_DEFAULT
+
+    return expr.replace("$__rate_interval", RATE_WINDOW).replace(
+        f"${GPU_HOUR_PRICE}", GPU_HOUR_PRICE_DEFAULT
+    )

@@ -45,6 +45,8 @@ class OddEngine:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        # the gateway hangs up on a page it will not read whole: no traceback for that
+        self.server.handle_error = lambda request, client_address: None  # type: ignore[method-assign]
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 

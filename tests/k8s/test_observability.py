@@ -36,11 +36,10 @@ from rigs.observability import (
     baton_up,
     controller_drill,
     drill,
-    grafana_expr,
     start_prometheus,
 )
 from rigs.processes import free_port, stop_process
-from tests.helpers import documented, served
+from tests.helpers import documented, grafana_expr, served
 from tests.k8s.helpers import MODEL, controller_log
 
 

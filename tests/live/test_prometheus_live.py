@@ -13,8 +13,9 @@ import pytest
 from baton.up import LIVE_SERVED_NAME
 from deploy.grafana.dashboards import DASHBOARDS
 from rigs.devcluster import binaries_dir
-from rigs.observability import Prometheus, grafana_expr, start_prometheus
+from rigs.observability import Prometheus, start_prometheus
 from rigs.processes import free_port
+from tests.helpers import grafana_expr
 from tests.live.conftest import baton_up_live
 
 VLLM = re.compile(r"vllm:[a-z_:]+")
