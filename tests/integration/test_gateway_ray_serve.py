@@ -43,14 +43,24 @@ def write_pool(path: Path, prefill: SimHandle, decode: SimHandle) -> Path:
 def serve_port(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     """A local Ray with Serve's HTTP proxy on a free loopback port; both shut down after."""
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")  # no network here; Ray must not try
-    ray.init(
-        address="local",  # a fresh Ray for this test, never a cluster found on the machine
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=100 * 1024 * 1024,
-        log_to_driver=False,
-        logging_level=logging.WARNING,
-    )
+    # Ray gives its raylet a fixed 30 s to register, which a busy host can miss ("The current
+    # node timed out during startup", seen in a fresh clone's make test): a second start
+    # doubles the deadline.
+    for attempt in (1, 2):
+        try:
+            ray.init(
+                address="local",  # a fresh Ray for this test, never a cluster on the machine
+                num_cpus=2,
+                include_dashboard=False,
+                object_store_memory=100 * 1024 * 1024,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
+            break
+        except Exception as exc:
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
