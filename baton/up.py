@@ -459,15 +459,7 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
                 targets = prometheus_targets(layout.pool, gateway_url, eplb_metrics_url)
                 _write_targets(args.prometheus_targets, targets)
             _print_urls(layout, gateway_url, eplb_metrics_url)
-            while not stop.wait(0.5):
-                for process in processes:
-                    if process.poll() is not None:
-                        print(
-                            f"baton up: a component exited with {process.returncode}; stopping",
-                            file=sys.stderr,
-                        )
-                        return 1
-            return 0
+            return _watch(processes, stop)
         except (RuntimeError, TimeoutError) as exc:
             print(f"baton up: error: {exc}", file=sys.stderr)
             return 1
@@ -548,22 +540,26 @@ def _run_live(args: argparse.Namespace) -> int:
                 print(f"  {role:<17} {engine.url} (vLLM; log {engine.log_path})")
             print("  EPLB              off (vLLM refuses EPLB on CPU devices)")
             print("Ctrl-C stops everything.", flush=True)
-            while not stop.wait(0.5):
-                exited = [
-                    p
-                    for p in [*processes, *(e.process for e in rig.engines)]
-                    if p.poll() is not None
-                ]
-                if exited:
-                    print("baton up: a component exited; stopping", file=sys.stderr)
-                    return 1
-            return 0
+            return _watch([*processes, *(engine.process for engine in rig.engines)], stop)
     except (RuntimeError, TimeoutError) as exc:
         print(f"baton up: error: {exc}", file=sys.stderr)
         return 1
     finally:
         for process in processes:
             stop_process(process)
+
+
+def _watch(processes: Sequence[subprocess.Popen[bytes]], stop: threading.Event) -> int:
+    """Until Ctrl-C or SIGTERM (0), or until a component exits (1)."""
+    while not stop.wait(0.5):
+        for process in processes:
+            if process.poll() is not None:
+                print(
+                    f"baton up: a component exited with {process.returncode}; stopping",
+                    file=sys.stderr,
+                )
+                return 1
+    return 0
 
 
 def _write_targets(path: Path, targets: list[dict[str, Any]]) -> None:

@@ -55,19 +55,14 @@ def start_gateway_module(
     launcher.stop()
 
 
-def gateway_flags(prefill: LiveEngine | str, decode: LiveEngine, key_file: Path) -> tuple[str, ...]:
-    """A gateway in front of the cell: every prompt through P/D, the engines' key sent."""
+def gateway_flags(
+    prefill: LiveEngine | str, decode: LiveEngine, key_file: Path | None = None
+) -> tuple[str, ...]:
+    """A gateway in front of the cell: every prompt through P/D, the engines' key sent when
+    they have one."""
     prefill_url = prefill if isinstance(prefill, str) else prefill.url
-    return (
-        "--prefill",
-        prefill_url,
-        "--decode",
-        decode.url,
-        "--pd-threshold-tokens",
-        "0",
-        "--engine-api-key-file",
-        str(key_file),
-    )
+    flags = ("--prefill", prefill_url, "--decode", decode.url, "--pd-threshold-tokens", "0")
+    return (*flags, "--engine-api-key-file", str(key_file)) if key_file else flags
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import pytest
 from rigs.processes import eventually
 from rigs.vllm_live import LiveEngine, LiveRig, live_spec
 from tests.helpers import SimHandle, cached_tokens_of, scrape
+from tests.live.conftest import gateway_flags
 
 TEXT = "expert rank balance prefill decode handoff cache token " * 40
 
@@ -23,14 +24,7 @@ def cell(rig: LiveRig) -> dict[str, LiveEngine]:
 
 @pytest.fixture(scope="module")
 def client(cell: dict[str, LiveEngine], start_gateway_module) -> Iterator[openai.OpenAI]:
-    gateway: SimHandle = start_gateway_module(
-        "--prefill",
-        cell["prefill"].url,
-        "--decode",
-        cell["decode"].url,
-        "--pd-threshold-tokens",
-        "0",
-    )
+    gateway: SimHandle = start_gateway_module(*gateway_flags(cell["prefill"], cell["decode"]))
     eventually(lambda: httpx.get(f"{gateway.url}/ready", timeout=5).status_code == 200, 300)
     with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0) as c:
         yield c

@@ -10,6 +10,7 @@ import pytest
 from rigs.processes import eventually
 from rigs.vllm_live import LiveEngine, LiveRig, live_spec
 from tests.helpers import SimHandle, scrape_by
+from tests.live.conftest import gateway_flags
 
 WORDS = ("cache", "decode", "engine", "balance", "token", "prompt", "handoff", "prefill")
 
@@ -31,14 +32,7 @@ def gateway(cell: dict[str, LiveEngine], start_gateway_module) -> SimHandle:
             timeout=300,
         )
         assert answer.status_code == 200, answer.text
-    handle: SimHandle = start_gateway_module(
-        "--prefill",
-        cell["prefill"].url,
-        "--decode",
-        cell["decode"].url,
-        "--pd-threshold-tokens",
-        "0",
-    )
+    handle: SimHandle = start_gateway_module(*gateway_flags(cell["prefill"], cell["decode"]))
     # the instance's two ranks, from the engine labels of its /metrics
     eventually(
         lambda: (
