@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from baton.core.follow import DeploymentRef
 from baton.core.secrets import read_token
 from eplb.config import EplbServiceConfig, GroupSource, StaticGroups, load_config
-from eplb.discovery import ModelDeploymentGroups, model_names, publish_status
+from eplb.discovery import ModelDeploymentGroups, publish_status
 from eplb.engine_reports import EngineReports, create_report_app
 from eplb.heap import bound_heap_growth
 from eplb.metrics import EplbMetrics
@@ -80,7 +80,7 @@ async def _serve(
     report_address: tuple[str, int] | None,
 ) -> None:
     loop = asyncio.get_running_loop()
-    reports = EngineReports(metrics, lambda: model_names({}), config.expert_bytes_of, deployment)
+    reports = EngineReports(metrics, config.model_names, config.expert_bytes_of, deployment)
     source: GroupSource = StaticGroups(config.groups)
     follower = None
     if deployment is not None:

@@ -14,6 +14,9 @@
     commitTimeoutSeconds: 2
     reconnectSeconds: 1         # wait before reconnecting to a group's agents
     expertBytes: {target: 13369344, draft: 13369344}   # weight bytes of one expert of one layer
+    models:                     # plugin mode: the models the engines' reports name by experts
+      - {name: target, experts: 384, topK: 6}
+      - {name: draft, experts: 128, topK: 6}
     perLayerMetrics: false      # baton_eplb_layer_balance series (layers x groups x models)
     groups:
       - name: cell-0
@@ -33,6 +36,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from baton.core.api import EplbModelSpec, EplbSpec
 from baton.core.files import load_yaml_model
 from baton.core.model import DRAFT, EXPERT_BYTES, TARGET
 from eplb.decide import Policy
@@ -70,6 +74,10 @@ class EplbServiceConfig(_Spec):
         default_factory=lambda: {TARGET.name: EXPERT_BYTES, DRAFT.name: EXPERT_BYTES}
     )
     per_layer_metrics: bool = False
+    # What a ModelDeployment's spec.eplb.models says, for a service that follows none.
+    models: tuple[EplbModelSpec, ...] = Field(
+        default_factory=lambda: tuple(EplbSpec().models), min_length=1
+    )
     groups: tuple[GroupSpec, ...] = Field(default=(), min_length=1)
 
     @model_validator(mode="after")
@@ -87,7 +95,17 @@ class EplbServiceConfig(_Spec):
         names = [group.name for group in self.groups]
         if len(set(names)) != len(names):
             raise ValueError(f"group names must be unique, got {names}")
+        experts = [model.experts for model in self.models]
+        if len(set(experts)) != len(experts):
+            raise ValueError(
+                f"models: a report names its model by its expert count, so each model needs its "
+                f"own, got {experts}"
+            )
         return self
+
+    def model_names(self) -> dict[int, str]:
+        """Each model by its logical expert count, as the engines' reports name it."""
+        return {model.experts: model.name for model in self.models}
 
     @property
     def policy(self) -> Policy:

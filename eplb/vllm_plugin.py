@@ -69,8 +69,10 @@ __all__ = [
 
 log = logging.getLogger("baton.eplb.vllm_plugin")
 
-# The vLLM releases whose EPLB entry point and state this plugin was written against.
-SUPPORTED_VLLM = ("0.33.",)
+# The vLLM releases whose EPLB entry point and state this plugin was written against: 0.33, and
+# 0.32, whose vllm/distributed/eplb/policy is 0.33's line for line (tests/live checks it on the
+# CPU build of 0.32, where the plugin runs inside vLLM's loop).
+SUPPORTED_VLLM = ("0.32.", "0.33.")
 # How vLLM finds the plugin: pyproject.toml declares the same entry point for installs of Baton.
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "baton_eplb"
@@ -253,7 +255,7 @@ def _policy_class(default: Any, base: Any, version: str) -> Any:
                 reports=_reports_here,
                 version=version,
             )
-            return torch.from_numpy(np.ascontiguousarray(phy2log))
+            return torch.from_numpy(np.array(phy2log, dtype=np.int64))  # a writable copy
 
     return BatonEplbPolicy
 

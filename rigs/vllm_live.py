@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -30,7 +31,16 @@ from controller.placement import CellPlacement, PrefillInstance
 from controller.podspec import API_PORT, NIXL_PORT, render_cell
 from rigs.processes import ProcessExited, eventually, free_port, free_port_block
 
-__all__ = ["MODELS", "CpuVllm", "LiveEngine", "LiveRig", "cpu_vllm", "live_rig", "live_spec"]
+__all__ = [
+    "MODELS",
+    "CpuVllm",
+    "DpPorts",
+    "LiveEngine",
+    "LiveRig",
+    "cpu_vllm",
+    "live_rig",
+    "live_spec",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_SCRIPT = ROOT / "deploy" / "vllm" / "env.sh"
@@ -81,17 +91,20 @@ def live_spec(
     served_name: str,
     *,
     prefill_dep: int = 1,
+    decode_dep: int = 1,
     api_key: bool = False,
+    eplb: Mapping[str, Any] | None = None,
     args: Sequence[str] = (),
 ) -> ModelDeploymentSpec:
-    """A one-tray cell's ModelDeployment: one decode rank, one prefill instance of
-    ``prefill_dep`` ranks, every other field its default."""
+    """A one-host cell's ModelDeployment: a decode group of ``decode_dep`` ranks (one pod each),
+    one prefill instance of ``prefill_dep`` ranks, EPLB as ``eplb`` says (a ``spec.eplb``; None:
+    off), every other field its default."""
     return ModelDeploymentSpec.model_validate(
         {
             "model": str(model),
             "servedModelName": served_name,
             "cell": {
-                "decode": {"dep": 1, "gpusPerPod": 1, "spareTrays": 0},
+                "decode": {"dep": decode_dep, "gpusPerPod": 1, "spareTrays": 0},
                 "prefill": {"dep": prefill_dep, "instances": 1},
             },
             "topology": {"gpusPerTray": 1},
@@ -99,8 +112,7 @@ def live_spec(
                 "args": list(args),
                 **({"apiKeySecret": {"name": "engine-key", "key": "key"}} if api_key else {}),
             },
-            # vLLM's EPLB refuses CPU devices; the EPLB plugin's live tests add their own shims
-            "eplb": {"enabled": False},
+            "eplb": {"enabled": True, **eplb} if eplb is not None else {"enabled": False},
         }
     )
 
@@ -129,6 +141,8 @@ def _cpu_command(rendered: Sequence[str], env: CpuVllm, *, port: int, rpc_port: 
     - a decode leader's address is 127.0.0.1, and the DP RPC port a free one (added where vLLM
       would take its default);
     - ``--kv-transfer-config`` gains ``"kv_buffer_device":"cpu"``, the only buffer on CPU;
+    - ``--eplb-config`` gains ``"use_async":false``: vLLM's asynchronous EPLB thread needs a
+      device index, which a CPU has not (its synchronous mode runs the same policy);
     - ``--enforce-eager`` (torch.compile takes 85 s more at start), ``--distributed-executor-
       backend uni`` (one process fewer) and ``--kv-cache-memory-bytes`` (a GPU sizes its KV by
       memory share; 256 MiB here) are added.
@@ -143,9 +157,9 @@ def _cpu_command(rendered: Sequence[str], env: CpuVllm, *, port: int, rpc_port: 
         elif arg == "--data-parallel-rpc-port":
             command[i + 1] = str(rpc_port)
         elif arg == "--kv-transfer-config":
-            command[i + 1] = json.dumps(
-                {**json.loads(value), "kv_buffer_device": "cpu"}, separators=(",", ":")
-            )
+            command[i + 1] = _json_with(value, kv_buffer_device="cpu")
+        elif arg == "--eplb-config":
+            command[i + 1] = _json_with(value, use_async=False)
     if "--data-parallel-size" in command and "--data-parallel-rpc-port" not in command:
         command += ["--data-parallel-rpc-port", str(rpc_port)]  # vLLM's default: 29550
     return [
@@ -160,15 +174,23 @@ def _cpu_command(rendered: Sequence[str], env: CpuVllm, *, port: int, rpc_port: 
     ]
 
 
+def _json_with(value: str, **fields: Any) -> str:
+    return json.dumps({**json.loads(value), **fields}, separators=(",", ":"))
+
+
 def _pod_env(
-    container: Mapping[str, Any], secrets: Mapping[tuple[str, str], str]
+    container: Mapping[str, Any],
+    secrets: Mapping[tuple[str, str], str],
+    volumes: Mapping[str, Path],
 ) -> dict[str, str]:
-    """The container's environment as the kubelet fills it on a pod at 127.0.0.1."""
+    """The container's environment as the kubelet fills it on a pod at 127.0.0.1, its volumes'
+    mount paths named by the host directories that stand for them."""
     env: dict[str, str] = {}
     for var in container.get("env", []):
         source = var.get("valueFrom")
         if source is None:
-            env[var["name"]] = var.get("value", "")
+            value = var.get("value", "")
+            env[var["name"]] = str(volumes.get(value, value))
         elif "fieldRef" in source and source["fieldRef"]["fieldPath"] == "status.podIP":
             env[var["name"]] = "127.0.0.1"
         elif "secretKeyRef" in source:
@@ -217,6 +239,18 @@ class LiveEngine:
         self.process.wait()
 
 
+@dataclass(frozen=True, slots=True)
+class DpPorts:
+    """Where the ranks of one DP group meet: rank 0's RPC port and torch's master ports."""
+
+    rpc: int
+    master: int  # vLLM counts up from here (from 29500 by default)
+
+    @classmethod
+    def free(cls) -> DpPorts:
+        return cls(free_port(), free_port_block(16))
+
+
 @dataclass
 class LiveRig:
     """Starts the pods of one cell as live engines and stops them all."""
@@ -226,10 +260,14 @@ class LiveRig:
     engines: list[LiveEngine] = field(default_factory=list)
 
     def start_cell(
-        self, spec: ModelDeploymentSpec, secrets: Mapping[tuple[str, str], str] | None = None
+        self,
+        spec: ModelDeploymentSpec,
+        secrets: Mapping[tuple[str, str], str] | None = None,
+        hooks: Mapping[str, str] | None = None,
     ) -> dict[str, LiveEngine]:
         """Every engine pod of the spec's first cell, started together, by role (``decode``,
-        ``prefill``; more than one of a role: ``prefill-1`` and so on), once all are healthy."""
+        ``prefill``; more than one of a role: ``decode-1`` and so on), once all are healthy.
+        ``hooks``: environment of the test hooks deploy/vllm/cpu/rig offers, for every engine."""
         pods = [
             m
             for m in render_cell(
@@ -237,25 +275,41 @@ class LiveRig:
             )
             if m["kind"] == "Pod"
         ]
+        # The ports where a DP group's ranks meet, one set for the decode group (all its pods
+        # reach rank 0's) and one per prefill instance: the pod network gives each pod its own.
+        decode_group = DpPorts.free()
         started: dict[str, LiveEngine] = {}
         for pod in pods:
             role = pod["metadata"]["labels"][ROLE_LABEL]
-            name = role if role not in started else f"{role}-{len(started)}"
-            started[name] = self._start(pod, secrets or {})
+            count = sum(engine.role == role for engine in started.values())
+            name = role if count == 0 else f"{role}-{count}"
+            ports = decode_group if role == "decode" else DpPorts.free()
+            started[name] = self._start(pod, secrets or {}, ports, hooks or {})
         self.wait_healthy(started.values())
         return started
 
-    def _start(self, pod: Mapping[str, Any], secrets: Mapping[tuple[str, str], str]) -> LiveEngine:
+    def _start(
+        self,
+        pod: Mapping[str, Any],
+        secrets: Mapping[tuple[str, str], str],
+        ports: DpPorts,
+        hooks: Mapping[str, str],
+    ) -> LiveEngine:
+        name = pod["metadata"]["name"]
         container = pod["spec"]["containers"][0]
+        volumes = self._run_init_containers(pod)
         port, side_channel = free_port(), free_port_block(2)
-        env = _pod_env(container, secrets)
+        env = _pod_env(container, secrets, volumes)
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(NIXL_PORT)
         assert container["ports"][0]["containerPort"] == API_PORT
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel)  # one host, many pods
-        # where DP ranks meet (vLLM counts up from 29500 by default)
-        env["VLLM_DP_MASTER_PORT"] = str(free_port_block(16))
-        argv = _cpu_command(container["command"], self.env, port=port, rpc_port=free_port())
-        name = pod["metadata"]["name"]
+        env["VLLM_DP_MASTER_PORT"] = str(ports.master)
+        # One OpenMP thread per engine, not pinned: vLLM's CPU worker otherwise pins one thread
+        # to every core, and with several engines on two cores each of its barriers waits for
+        # a core another engine holds (a DP2 group stepped at 0.7 tokens/s).
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        env.update(hooks)
+        argv = _cpu_command(container["command"], self.env, port=port, rpc_port=ports.rpc)
         log_path = self.directory / f"{name}.log"
         process = subprocess.Popen(
             argv,
@@ -276,6 +330,38 @@ class LiveRig:
         )
         self.engines.append(engine)
         return engine
+
+    def _run_init_containers(self, pod: Mapping[str, Any]) -> dict[str, Path]:
+        """Run the pod's init containers here, Baton's image being Baton's own CLI, each
+        emptyDir a directory; the engine container's mount paths to those directories."""
+        directories = {
+            volume["name"]: self.directory / pod["metadata"]["name"] / volume["name"]
+            for volume in pod["spec"].get("volumes", [])
+            if "emptyDir" in volume
+        }
+        for directory in directories.values():
+            directory.mkdir(parents=True, exist_ok=True)
+
+        def mounted(container: Mapping[str, Any]) -> dict[str, Path]:
+            return {
+                mount["mountPath"]: directories[mount["name"]]
+                for mount in container.get("volumeMounts", [])
+                if mount["name"] in directories
+            }
+
+        for init in pod["spec"].get("initContainers", []):
+            program, *args = init["command"]
+            if program != "baton":
+                raise ValueError(f"the rig runs Baton's init containers only, not {program}")
+            paths = mounted(init)
+            subprocess.run(
+                [sys.executable, "-m", "baton.cli", *(str(paths.get(a, a)) for a in args)],
+                cwd=ROOT,
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
+        return mounted(pod["spec"]["containers"][0])
 
     def wait_healthy(self, engines: Iterable[LiveEngine]) -> None:
         for engine in engines:

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -33,6 +32,8 @@ from sim.cluster import ClusterSpec, DecodeGroupSpec
 from sim.config import EplbConfig
 from tests.helpers import (
     ROOT,
+    EplbReportsService,
+    eplb_reports_service,
     eventually,
     free_port,
     keep_decoding,
@@ -45,40 +46,11 @@ TOKEN = "engine-report-secret"
 RANKS, REDUNDANT = 32, 32
 
 
-@dataclass
-class Service:
-    url: str
-    metrics: str
-    log_path: Path
-
-
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    tmp = tmp_path_factory.mktemp("eplb-reports")
-    config = tmp / "eplb.yaml"
-    config.write_text("windowSize: 1000\nstepInterval: 3000\n")
-    token = tmp / "token"
-    token.write_text(TOKEN + "\n")
-    port, metrics_port = free_port(), free_port()
-    log_path = tmp / "eplb.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "baton.cli", "eplb", "--config", str(config)),
-                *("--report-port", str(port), "--metrics-port", str(metrics_port)),
-                *("--token-file", str(token)),
-            ],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, process, log_path)
-        yield Service(url, f"http://127.0.0.1:{metrics_port}", log_path)
-    finally:
-        stop_process(process)
-    assert process.returncode == 0, log_path.read_text()
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EplbReportsService]:
+    config = "windowSize: 1000\nstepInterval: 3000\n"
+    with eplb_reports_service(tmp_path_factory.mktemp("eplb-reports"), config, TOKEN) as running:
+        yield running
 
 
 def _drifting_load(seed: int, layers: int, experts: int) -> np.ndarray:
@@ -118,7 +90,7 @@ def _initial(layers: int, experts: int) -> np.ndarray:
 
 
 def test_window_reports_from_the_plugins_reporter_show_in_the_services_metrics(
-    service: Service,
+    service: EplbReportsService,
 ) -> None:
     reporter = Reporter(service.url, TOKEN)
     placement = _initial(TARGET.layers, TARGET.experts)
@@ -157,7 +129,7 @@ def test_window_reports_from_the_plugins_reporter_show_in_the_services_metrics(
     assert reporter.failed == 0
 
 
-def test_the_draft_model_is_named_by_its_expert_count(service: Service) -> None:
+def test_the_draft_model_is_named_by_its_expert_count(service: EplbReportsService) -> None:
     reporter = Reporter(service.url, TOKEN)
     load = _drifting_load(3, DRAFT.layers, DRAFT.experts)
     report, _ = _window("cell-1", load, _initial(DRAFT.layers, DRAFT.experts))
@@ -172,7 +144,9 @@ def test_the_draft_model_is_named_by_its_expert_count(service: Service) -> None:
     )
 
 
-def test_an_inactive_plugin_shows_until_its_cell_reports_a_window(service: Service) -> None:
+def test_an_inactive_plugin_shows_until_its_cell_reports_a_window(
+    service: EplbReportsService,
+) -> None:
     reporter = Reporter(service.url, TOKEN)
     inactive = PluginInactive(
         namespace="serving",
@@ -205,7 +179,7 @@ def test_an_inactive_plugin_shows_until_its_cell_reports_a_window(service: Servi
     )
 
 
-def _post(service: Service, body: object, token: str | None = TOKEN) -> httpx.Response:
+def _post(service: EplbReportsService, body: object, token: str | None = TOKEN) -> httpx.Response:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.post(service.url + REPORT_PATH, json=body, headers=headers, timeout=5)
 
@@ -231,7 +205,7 @@ def _report_body(**changes: object) -> dict[str, object]:
     ids=["no-token", "wrong-token", "balance-out-of-range", "load-shape", "unknown-field"],
 )
 def test_bad_reports_get_an_openai_error_and_change_nothing(
-    service: Service,
+    service: EplbReportsService,
     token: str | None,
     changes: dict[str, object],
     status: int,
@@ -247,7 +221,9 @@ def test_bad_reports_get_an_openai_error_and_change_nothing(
     assert scrape(service.metrics, "baton_eplb_engine_windows_total", group="cell-9") == 0
 
 
-def test_a_model_the_service_does_not_know_is_refused_with_the_fix(service: Service) -> None:
+def test_a_model_the_service_does_not_know_is_refused_with_the_fix(
+    service: EplbReportsService,
+) -> None:
     load = _drifting_load(6, 2, 64)
     report, _ = _window("cell-9", load, _initial(2, 64))
     response = _post(service, report.model_dump())
@@ -259,7 +235,7 @@ def test_a_model_the_service_does_not_know_is_refused_with_the_fix(service: Serv
 
 
 def test_simulated_engines_with_the_plugin_rebalance_in_engine_and_report_every_window(
-    service: Service, tmp_path: Path
+    service: EplbReportsService, tmp_path: Path
 ) -> None:
     # baton sim loads the plugin by its entry point, as vLLM does, and reports as a pod would.
     port = free_port()

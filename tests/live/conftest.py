@@ -7,19 +7,23 @@ of their own (a prompt another test sent may sit in a prefix cache).
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rigs.processes import eventually, free_port, stop_process
 from rigs.vllm_live import LiveEngine, LiveRig, live_rig
 from tests.conftest import _Launcher
-from tests.helpers import ROOT, SimHandle
+from tests.helpers import ROOT, SimHandle, scrape
 
 # The engines' API key: the gateway sends it (--engine-api-key-file), clients never see it.
 ENGINE_KEY = "engine-secret"
@@ -56,13 +60,38 @@ def start_gateway_module(
 
 
 def gateway_flags(
-    prefill: LiveEngine | str, decode: LiveEngine, key_file: Path | None = None
+    prefill: LiveEngine | str,
+    decode: LiveEngine | Sequence[LiveEngine],
+    key_file: Path | None = None,
 ) -> tuple[str, ...]:
-    """A gateway in front of the cell: every prompt through P/D, the engines' key sent when
-    they have one."""
+    """A gateway in front of the cell (its decode rank, or every rank of its decode group):
+    every prompt through P/D, the engines' key sent when they have one."""
     prefill_url = prefill if isinstance(prefill, str) else prefill.url
-    flags = ("--prefill", prefill_url, "--decode", decode.url, "--pd-threshold-tokens", "0")
+    ranks = [decode] if isinstance(decode, LiveEngine) else decode
+    flags = ("--prefill", prefill_url, "--pd-threshold-tokens", "0")
+    flags += tuple(flag for rank in ranks for flag in ("--decode", rank.url))
     return (*flags, "--engine-api-key-file", str(key_file)) if key_file else flags
+
+
+_WORDS = ("engine", "handoff", "balance", "prompt", "token", "cache", "decode", "prefill")
+
+
+def prompt(tag: str, words: int = 300) -> str:
+    """A prompt of its own: ``tag``, then words of the tokenizer's picked by ``tag``'s digest."""
+    digest = hashlib.sha256(tag.encode()).digest() * (words // 32 + 1)
+    return f"{tag}: " + " ".join(_WORDS[byte % len(_WORDS)] for byte in digest[:words])
+
+
+def sources(engine: LiveEngine) -> dict[str, float]:
+    """The engine's prompt tokens by where their KV came from, so far."""
+    return {
+        source: scrape(engine.url, "vllm:prompt_tokens_by_source_total", source=source)
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
+
+
+def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in before}
 
 
 @dataclass(frozen=True)
@@ -97,3 +126,20 @@ def baton_up_live(directory: Path) -> Iterator[LiveStack]:
         yield LiveStack(process, f"http://127.0.0.1:{port}", targets, log)
     finally:
         stop_process(process)
+
+
+def answer_with(handler: BaseHTTPRequestHandler, answer: httpx.Response) -> None:
+    """Write an engine's (or a service's) answer back to the client of a loopback proxy."""
+    handler.send_response(answer.status_code)
+    handler.send_header("Content-Type", answer.headers.get("content-type", "text/plain"))
+    handler.send_header("Content-Length", str(len(answer.content)))
+    handler.end_headers()
+    handler.wfile.write(answer.content)
+
+
+def serve_on_loopback(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, str]:
+    """``handler`` served on a free loopback port from a daemon thread; the server, its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}"

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 from rigs.vllm_live import MODELS, cpu_vllm
 from tests.helpers import ROOT
+from tests.vllm.conftest import vllm_python
 
 LOCK = ROOT / "deploy" / "vllm" / "cpu" / "requirements.txt"
 
@@ -39,3 +41,18 @@ def test_the_tiny_models_are_built_with_a_tokenizer_and_chat_template() -> None:
             path.name for path in model.iterdir()
         }
         assert "<|assistant|>" in (model / "chat_template.jinja").read_text()
+
+
+def test_vllm_032s_eplb_policy_is_033s_line_for_line() -> None:
+    # Baton's EPLB plugin accepts 0.32 because the policy interface it replaces is the same:
+    # the registry, the abstract class and vLLM's default policy.
+    def policy_sources(python: Path) -> dict[str, str]:
+        package = python.parent.parent / "lib" / "python3.11" / "site-packages" / "vllm"
+        return {
+            path.name: path.read_text()
+            for path in sorted((package / "distributed" / "eplb" / "policy").glob("*.py"))
+        }
+
+    cpu = policy_sources(cpu_vllm().python)
+    assert {"__init__.py", "abstract.py", "default.py"} <= set(cpu)
+    assert cpu == policy_sources(vllm_python())

@@ -4,10 +4,8 @@ key on. The same assertions as the simulator's tests where they apply."""
 
 from __future__ import annotations
 
-import hashlib
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -20,29 +18,19 @@ from openai.types.chat import ChatCompletionMessageParam
 from rigs.processes import eventually, free_port
 from rigs.vllm_live import LiveEngine, LiveRig, live_spec
 from tests.helpers import SimHandle, cached_tokens_of, scrape, usage_of
-from tests.live.conftest import ENGINE_KEY, SECRETS, gateway_flags
+from tests.live.conftest import (
+    ENGINE_KEY,
+    SECRETS,
+    answer_with,
+    gateway_flags,
+    moved,
+    prompt,
+    serve_on_loopback,
+    sources,
+)
 
 MODEL = "tiny-qwen3-moe"
 BLOCK = 128  # vLLM's block size on CPU: prefix caching works in whole blocks of 128 tokens
-_WORDS = ("engine", "handoff", "balance", "prompt", "token", "cache", "decode", "prefill")
-
-
-def prompt(tag: str, words: int = 300) -> str:
-    """A prompt of its own: ``tag``, then words of the tokenizer's picked by ``tag``'s digest."""
-    digest = hashlib.sha256(tag.encode()).digest() * (words // 32 + 1)
-    return f"{tag}: " + " ".join(_WORDS[byte % len(_WORDS)] for byte in digest[:words])
-
-
-def sources(engine: LiveEngine) -> dict[str, float]:
-    """The engine's prompt tokens by where their KV came from, so far."""
-    return {
-        source: scrape(engine.url, "vllm:prompt_tokens_by_source_total", source=source)
-        for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
-    }
-
-
-def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before[k] for k in before}
 
 
 def completion(client: openai.OpenAI, text: str, stream: bool) -> tuple[str, CompletionUsage]:
@@ -214,7 +202,7 @@ class RewritingProxy:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                self._relay(httpx.get(proxy.engine.url + self.path, headers=self._headers()))
+                answer_with(self, httpx.get(proxy.engine.url + self.path, headers=self._headers()))
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -225,24 +213,15 @@ class RewritingProxy:
                     reply = answer.json()
                     proxy.rewrite(reply["kv_transfer_params"])
                     answer = httpx.Response(200, json=reply)
-                self._relay(answer)
+                answer_with(self, answer)
 
             def _headers(self) -> dict[str, str]:
                 return {k: v for k, v in self.headers.items() if k.lower() != "host"}
 
-            def _relay(self, answer: httpx.Response) -> None:
-                self.send_response(answer.status_code)
-                self.send_header("Content-Type", answer.headers.get("content-type", "text/plain"))
-                self.send_header("Content-Length", str(len(answer.content)))
-                self.end_headers()
-                self.wfile.write(answer.content)
-
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serve_on_loopback(Handler)
 
 
 @pytest.fixture(scope="module")

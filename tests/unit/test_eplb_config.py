@@ -22,6 +22,14 @@ def test_a_minimal_file_takes_the_documented_defaults(tmp_path: Path) -> None:
     assert (policy.min_gain, policy.tolerance) == (0.002, 0.005)
     assert config.expert_bytes_of("draft") == EXPERT_BYTES
     assert config.groups[0].agents == ("h:1",)
+    assert config.model_names() == {384: "target", 128: "draft"}
+
+
+def test_the_models_a_report_may_name_are_the_files_own(tmp_path: Path) -> None:
+    # A service in plugin mode that follows no ModelDeployment serves whatever model its
+    # engines run, named by expert count as in spec.eplb.models.
+    text = "models: [{name: tiny, experts: 16, topK: 2}]\ngroups: [{name: a, agents: ['h:1']}]"
+    assert load_config(write(tmp_path, text)).model_names() == {16: "tiny"}
 
 
 @pytest.mark.parametrize(
@@ -47,6 +55,12 @@ def test_a_minimal_file_takes_the_documented_defaults(tmp_path: Path) -> None:
             "groups: [{name: a, agents: ['h:1']}, {name: a, agents: ['h:2']}]",
             "unique",
             id="duplicate group",
+        ),
+        pytest.param(
+            "models: [{name: a, experts: 16, topK: 2}, {name: b, experts: 16, topK: 2}]\n"
+            "groups: [{name: a, agents: ['h:1']}]",
+            "each model needs its own",
+            id="two models of one expert count",
         ),
     ],
 )

