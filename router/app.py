@@ -286,8 +286,19 @@ class _Api:
             probe_interval_s=settings.health_interval_s,
             stall_after_s=settings.stall_after_s,
             on_missed_probe=lambda url: self.metrics.missed_health_checks.labels(url).inc(),
+            on_ejected=self._ejected,
         )
         self.handoff: Handoff | None = None
+
+    def _ejected(self, url: str, reason: str, panic: bool) -> None:
+        """An engine server left the pool: count it, and send the requests that wait on it for
+        an answer elsewhere now (a frozen engine would hold them to their timeouts), unless
+        its pool is in panic, where every other target looks no better."""
+        self.metrics.child(self.metrics.ejections, reason).inc()
+        if self.handoff is not None and not panic:
+            given_up = self.handoff.upstream.abandon(url, reason.replace("_", " "))
+            if given_up:
+                log.warning("%d requests waiting on %s sent elsewhere", given_up, url)
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:

@@ -32,6 +32,7 @@ COMPLETIONS_ROUTE = "/v1/completions"
 # 4xx relayed; stream_error: a stream ended by an SSE error event.
 OUTCOMES = ("ok", "rejected", "error", "engine_error", "stream_error", "client_disconnect")
 UPSTREAM_REASONS = ("error", "status", "timeout", "connection")  # router.errors' UpstreamErrors
+EJECTION_REASONS = ("failed_health_check", "unanswered_health_checks")  # router.pool's
 FALLBACK_REASONS = (
     *UPSTREAM_REASONS,
     "malformed",
@@ -220,9 +221,26 @@ class GatewayMetrics:
         self.missed_health_checks = Counter(
             "baton_gateway_health_checks_missed",
             "Health checks an engine API server left unanswered (timed out); three in a row "
-            "eject it.",
+            "with no other sign of life eject it.",
             ["server"],
             registry=r,
+        )
+        self.ejections = Counter(
+            "baton_gateway_ejections",
+            "Engine API servers ejected by their health checks: failed_health_check (refused, "
+            "reset or an error answer: dead), unanswered_health_checks (three in a row with no "
+            "other sign of life).",
+            ["reason"],
+            registry=r,
+        )
+        # Workers: each judges panic on its own; the one that sees panic, as an alert wants.
+        self.panic = Gauge(
+            "baton_gateway_panic",
+            "1 while fewer than half of a role's targets are healthy and the gateway routes to "
+            "every target of that role not known dead (Envoy's panic threshold).",
+            ["role"],
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.peer_outstanding_tokens = Gauge(
             "baton_gateway_peer_outstanding_tokens",
@@ -270,6 +288,8 @@ class GatewayMetrics:
             self.child(self.fallbacks, reason)
         for reason in UPSTREAM_REASONS:
             self.child(self.retries, "decode", reason)
+        for reason in EJECTION_REASONS:
+            self.child(self.ejections, reason)
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: prometheus_client's lookup costs microseconds
@@ -299,6 +319,7 @@ class GatewayMetrics:
             self.healthy_targets: {
                 labels: count for labels, count in pool.healthy_targets().items()
             },
+            self.panic: {(role,): float(panic) for role, panic in pool.panic.items()},
         }
         # Every server's missed-check count exists from the start, at 0: a scrape shows the
         # family and rate() has a first point before the first miss.

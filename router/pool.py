@@ -1,7 +1,8 @@
 """The gateway's pool: prefill instances and decode ranks by cell, their health and their load.
 
 The pool owns every piece of mutable routing state: which targets are healthy (active checks of
-``/health`` plus passive ejection by a circuit breaker), how many requests and uncached prompt
+``/health`` plus passive ejection by a circuit breaker) and which of them it routes to (all but
+the dead while a role's pool is in panic), how many requests and uncached prompt
 tokens this gateway has in flight at each target, where each affinity key's last prefill ran and
 how many prompt tokens that instance holds cached for it, and every few seconds the load other
 gateway replicas put on each target: the engines' own ``vllm:num_requests_running`` plus
@@ -44,6 +45,7 @@ __all__ = [
     "ENGINE_LOAD_METRICS",
     "METRICS_PAGE_BYTES",
     "MISSED_PROBES",
+    "PANIC_THRESHOLD",
     "Breaker",
     "DecodeServerSpec",
     "Pool",
@@ -195,6 +197,7 @@ class _Target:
     cell: str
     breaker: Breaker
     up: bool = True  # the last active health check answered 200
+    dead: bool = False  # its server refused, reset or answered its health check with an error
     in_flight: int = 0  # this gateway's requests, exact
     others: int = 0  # other replicas' requests, estimated at the last load sync
     outstanding_tokens: int = 0  # prefill only: this gateway's uncached prompt tokens, exact
@@ -204,6 +207,10 @@ class _Target:
 
     def healthy(self, now: float) -> bool:
         return self.up and not self.stalled and self.breaker.allows(now)
+
+    def routable_in_panic(self) -> bool:
+        """Worth a request when most of its pool looks down: not known dead, not stalled."""
+        return not self.dead and not self.stalled
 
 
 @dataclass(slots=True)
@@ -216,6 +223,8 @@ class _Server:
     # each model's context length as the engine states it (vLLM's max_model_len), when it does
     context: dict[str, int] = field(default_factory=dict)
     up: bool = True  # the last active health check answered 200
+    dead: bool = False  # the last health check was refused, reset or answered with an error
+    alive_at: float = 0.0  # monotonic: its last sign of life (an answer to anything, a success)
     missed: int = 0  # health checks in a row it left unanswered (timed out)
     tokens: float = -1.0  # prompt + generation tokens the engine has counted, at the last sync
     block_size: int = 0  # tokens per KV block, from vllm:cache_config_info (0: not seen yet)
@@ -224,8 +233,14 @@ class _Server:
 
 
 # Health checks a server may leave unanswered in a row before it is ejected (Kubernetes' probe
-# default failureThreshold); an answer other than 200, or a refused connection, ejects at once.
+# default failureThreshold), unless it showed another sign of life meanwhile (it answered /metrics,
+# a request through it succeeded): then it is busy, not gone. An answer other than 200, or a
+# refused connection, ejects at once: that server is dead.
 MISSED_PROBES = 3
+# Below this share of healthy targets a role's pool is in panic and routes to every target not
+# known dead (Envoy's panic threshold, and its default): a busy host leaves every engine's health
+# checks unanswered together, and ejecting them all turns slow answers into 503s.
+PANIC_THRESHOLD = 0.5
 
 
 class Pool:
@@ -238,14 +253,21 @@ class Pool:
         breaker: Callable[[], Breaker] = Breaker,
         cached_prompts: int = CACHED_PROMPTS,
         on_missed_probe: Callable[[str], None] | None = None,
+        on_ejected: Callable[[str, str, bool], None] | None = None,
     ) -> None:
         """``probe_interval_s``: seconds between health checks, and between load syncs;
         ``stall_after_s``: seconds a decode server may run requests without counting a token
         before it is routed around; ``breaker`` makes each target's circuit breaker;
         ``cached_prompts``: how many conversations' cached prompts to remember;
-        ``on_missed_probe``: told the server's URL when a health check goes unanswered."""
+        ``on_missed_probe``: told the server's URL when a health check goes unanswered;
+        ``on_ejected``: told the server's URL, why (``failed_health_check``,
+        ``unanswered_health_checks``) and whether its pool is in panic, each time a health
+        check round ejects a server."""
         self.probe_interval_s = probe_interval_s
         self._on_missed_probe = on_missed_probe
+        self._on_ejected = on_ejected
+        self.panic: dict[str, bool] = {"prefill": False, "decode": False}
+        self._ejected: list[tuple[_Server, str]] = []  # in this health check round
         self.stall_after_s = stall_after_s
         self._new_breaker = breaker
         self._cached_prompts = cached_prompts
@@ -311,7 +333,7 @@ class Pool:
             if target not in server.targets:
                 server.targets.append(target)
                 if target.url in probed:
-                    target.up = server.up
+                    target.up, target.dead = server.up, server.dead
         for server in servers.values():
             server.targets = [t for t in server.targets if t.name in prefill or t.name in decode]
         self._servers = servers
@@ -330,12 +352,13 @@ class Pool:
         its parent) where the key's newest conversation starting with it ran; else nothing."""
         now = time.monotonic()
         cached_on, cached = self._cached_for(key, prompt, conversation) if key else ("", 0)
+        prefill, decode = self._routable(self.prefill, now), self._routable(self.decode, now)
         return PoolSnapshot(
             prefill=tuple(
                 PrefillView(
                     t.name,
                     t.cell,
-                    t.healthy(now),
+                    prefill[t.name],
                     t.outstanding_tokens + self._peer_tokens(t),
                     cached if t.name == cached_on else 0,
                     t.dp_ranks,
@@ -344,11 +367,38 @@ class Pool:
             ),
             decode=tuple(
                 DecodeRankView(
-                    t.name, t.url, t.cell, t.dp_rank, t.healthy(now), t.in_flight + t.others
+                    t.name, t.url, t.cell, t.dp_rank, decode[t.name], t.in_flight + t.others
                 )
                 for t in self.decode.values()
             ),
         )
+
+    @staticmethod
+    def _routable(targets: Mapping[str, _Target], now: float) -> dict[str, bool]:
+        """Which of a role's targets take requests: the healthy ones, or in panic (fewer than
+        ``PANIC_THRESHOLD`` of them healthy) every one not known dead or stalled."""
+        healthy = {name: t.healthy(now) for name, t in targets.items()}
+        if sum(healthy.values()) >= PANIC_THRESHOLD * len(targets):
+            return healthy
+        return {name: t.routable_in_panic() for name, t in targets.items()}
+
+    def _judge_panic(self) -> None:
+        now = time.monotonic()
+        for role, targets in (("prefill", self.prefill), ("decode", self.decode)):
+            healthy = sum(t.healthy(now) for t in targets.values())
+            panic = healthy < PANIC_THRESHOLD * len(targets)
+            if panic and not self.panic[role]:
+                live = sum(t.routable_in_panic() for t in targets.values())
+                log.warning(
+                    "panic: %d of %d %s targets healthy; routing to all %d not known dead",
+                    healthy,
+                    len(targets),
+                    role,
+                    live,
+                )
+            elif self.panic[role] and not panic:
+                log.info("%d of %d %s targets healthy; panic over", healthy, len(targets), role)
+            self.panic[role] = panic
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -365,7 +415,7 @@ class Pool:
         names: dict[str, None] = {}
         context: dict[str, int] = {}
         for server in self._servers.values():
-            if any(t.up for t in server.targets):
+            if not server.dead:  # a busy server still serves its models
                 names.update(dict.fromkeys(server.models))
                 for model, length in server.context.items():
                     context[model] = min(length, context.get(model, length))
@@ -373,10 +423,10 @@ class Pool:
         self._context = context
 
     def ready(self) -> bool:
-        """A healthy decode target whose models are known: it serves every request, alone
+        """A decode target to route to whose models are known: it serves every request, alone
         when no prefill instance is healthy."""
-        now = time.monotonic()
-        return any(t.healthy(now) for t in self.decode.values()) and bool(self.models)
+        routable = self._routable(self.decode, time.monotonic())
+        return any(routable.values()) and bool(self.models)
 
     def prefill_health(self) -> tuple[int, int]:
         """(healthy, configured) prefill instances."""
@@ -453,6 +503,9 @@ class Pool:
         target = self.prefill.get(name) or self.decode.get(name)
         if target is not None:
             target.breaker.success()
+            server = self._servers.get(target.url)
+            if server is not None:
+                server.alive_at = time.monotonic()
 
     def failed(self, name: str) -> None:
         target = self.prefill.get(name) or self.decode.get(name)
@@ -528,6 +581,15 @@ class Pool:
     async def check_health(self) -> None:
         await asyncio.gather(*(self._probe(server) for server in list(self._servers.values())))
         self._refresh_models()
+        self._judge_panic()
+        ejected, self._ejected = self._ejected, []
+        for server, reason in ejected:
+            if self._on_ejected is not None:
+                panic = any(
+                    self.panic["prefill" if t.name in self.prefill else "decode"]
+                    for t in server.targets
+                )
+                self._on_ejected(server.url, reason, panic)
 
     async def _probe(self, server: _Server) -> None:
         assert self._session is not None
@@ -557,29 +619,38 @@ class Pool:
                         }
         except TimeoutError:
             # Unanswered, not refused: a busy API server (a large prompt to tokenize, a long
-            # pause) misses a check now and then, and ejecting it at once would take every
-            # engine of a busy host out together. Only MISSED_PROBES in a row eject it.
+            # pause, a loaded host) misses a check now and then, and ejecting it at once would
+            # take every engine of a busy host out together. Only MISSED_PROBES in a row with
+            # no other sign of life eject it.
             server.missed += 1
             if self._on_missed_probe is not None:
                 self._on_missed_probe(server.url)
-            up = server.up and server.missed < MISSED_PROBES
+            silent_s = time.monotonic() - server.alive_at
+            up = server.up and (
+                server.missed < MISSED_PROBES or silent_s < MISSED_PROBES * self.probe_interval_s
+            )
+            dead = server.dead
         except (aiohttp.ClientError, ValueError, KeyError):
-            up = False  # refused, reset or nonsense: down now
+            up, dead = False, True  # refused, reset or nonsense: down now
         else:
-            server.missed = 0
+            server.missed, server.alive_at, dead = 0, time.monotonic(), not up
+        unanswered = server.missed >= MISSED_PROBES
         for target in server.targets:
             if up and not target.up:
                 log.info("target %s is healthy again; readmitted", target.name)
                 target.breaker.success()
             elif not up and target.up:
                 reason = (
-                    f"left {server.missed} health checks in a row unanswered"
-                    if server.missed >= MISSED_PROBES
+                    f"left {server.missed} health checks in a row unanswered, and nothing else"
+                    if unanswered
                     else "failed its health check"
                 )
                 log.warning("target %s %s; ejected", target.name, reason)
-            target.up = up
-        server.up = up
+            target.up, target.dead = up, dead
+        if server.up and not up:
+            reason = "unanswered_health_checks" if unanswered else "failed_health_check"
+            self._ejected.append((server, reason))
+        server.up, server.dead = up, dead
 
     async def sync_load(self) -> None:
         """Estimate the load other gateway replicas put on each target (decode rank, prefill
@@ -629,6 +700,9 @@ class Pool:
             return
         except aiohttp.ClientError:
             return  # the health checks judge an engine that refuses or resets
+        server = self._servers.get(url)
+        if server is not None:
+            server.alive_at = time.monotonic()  # it answered: busy perhaps, not gone
         if status != 200:
             self._odd_metrics(url, f"answers /metrics with HTTP {status}")
         elif len(page) > METRICS_PAGE_BYTES:

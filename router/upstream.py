@@ -67,6 +67,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.waiter: asyncio.Future[None] | None = None
         self.started = False  # response bytes arrived for the current request
+        self.abandoned = False  # failed by UpstreamPool.abandon: never retried on this engine
         self.paused = False
         self.sink: Sink | None = None  # set while relaying: body bytes go here at once
         self.segments = 0  # received segments, for the relay's idle check
@@ -272,6 +273,8 @@ class UpstreamPool:
         self.connect_timeout = connect_timeout
         self.headers = dict(headers or {})
         self.idle: defaultdict[tuple[str, int], list[_Connection]] = defaultdict(list)
+        # requests written and waiting for their answer's headers, per engine
+        self.awaiting: defaultdict[tuple[str, int], set[_Connection]] = defaultdict(set)
 
     async def post(
         self,
@@ -294,12 +297,14 @@ class UpstreamPool:
             # create_connection returns once connection_made has set it; it is never unset.
             assert conn.transport is not None
             conn.transport.write(head + body)
+            awaiting = self.awaiting[key]
+            awaiting.add(conn)
             try:
                 await self._headers(conn, _bounded(conn, within_s, deadline))
             except UpstreamUnavailable:
                 # An idle connection the engine closed just as it was reused: one retry on a
                 # fresh one is safe, since the engine received nothing of this request.
-                if reused and not conn.started and attempt == 0:
+                if reused and not conn.started and attempt == 0 and not conn.abandoned:
                     continue
                 raise
             except BaseException:
@@ -308,8 +313,28 @@ class UpstreamPool:
                 # the engine sees the request go away and aborts it.
                 conn.transport.close()
                 raise
+            finally:
+                awaiting.discard(conn)
             return UpstreamResponse(self, conn, within_s)
         raise AssertionError("unreachable")
+
+    def abandon(self, base_url: str, why: str) -> int:
+        """Fail every request to ``base_url`` still waiting for its answer, and drop the idle
+        connections there: the gateway gave that engine up (``why``), and its callers go
+        elsewhere now rather than at their timeouts. The engine may have read a request, so the
+        error counts as delivered. How many requests it failed."""
+        try:
+            key = _key(base_url)
+        except UpstreamUnavailable:
+            return 0
+        for conn in self.idle.pop(key, []):
+            if conn.transport is not None:
+                conn.transport.close()
+        waiting = list(self.awaiting.pop(key, ()))
+        for conn in waiting:
+            conn.abandoned = True
+            conn._fail(UpstreamUnavailable("upstream", f"{base_url} {why}; given up"))
+        return len(waiting)
 
     async def _connection(self, key: tuple[str, int]) -> tuple[_Connection, bool]:
         idle = self.idle[key]

@@ -19,6 +19,9 @@ them. The body is one of:
   ``--cluster`` mode every engine of the process freezes with it.
 - ``{"action": "slow", "factor": f, "seconds": s}``: for s simulated seconds every step of the
   group takes f times as long (a throttled or degraded GPU): requests progress, slowly.
+- ``{"action": "late_health", "delay": d, "seconds": s}``: for s wall seconds ``/health``
+  answers d seconds late, while requests and ``/metrics`` are served as before (a loaded host
+  whose probes time out while the engine keeps streaming).
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ __all__ = ["FaultInjector"]
 
 
 class _Fault(BaseModel):
-    action: Literal["kill", "stall", "fail_requests", "drop_kv", "freeze", "slow"]
+    action: Literal["kill", "stall", "fail_requests", "drop_kv", "freeze", "slow", "late_health"]
     rank: int | None = None
     seconds: Annotated[float, Field(gt=0)] = 1.0
     factor: Annotated[float, Field(ge=1)] = 10.0  # slow
+    delay: Annotated[float, Field(gt=0, le=60)] = 2.0  # late_health
     count: Annotated[int, Field(ge=0)] | None = None  # fail_requests: 1; drop_kv: 0
     status: Annotated[int, Field(ge=400, le=599)] = 500
 
@@ -55,6 +59,12 @@ class FaultInjector:
         self.local_ranks = local_ranks
         self._token_digest = hashlib.sha256(token.encode()).digest()
         self._failures: list[int] = []
+        self._late_health: tuple[float, float] = (0.0, 0.0)  # (until, delay), monotonic
+
+    def health_delay(self) -> float:
+        """How late ``/health`` answers now (late_health), in seconds."""
+        until, delay = self._late_health
+        return delay if time.monotonic() < until else 0.0
 
     def _authorized(self, http: web.Request) -> bool:
         scheme, _, presented = http.headers.get("Authorization", "").partition(" ")
@@ -102,6 +112,8 @@ class FaultInjector:
         elif fault.action == "slow":
             self.group.slow_factor = fault.factor
             self.group.slow_until = self.group.clock.now() + fault.seconds
+        elif fault.action == "late_health":
+            self._late_health = (time.monotonic() + fault.seconds, fault.delay)
         elif fault.action == "fail_requests":
             self._failures.extend([fault.status] * (1 if fault.count is None else fault.count))
         else:

@@ -154,6 +154,9 @@ class ApiServer:
         return web.json_response({"object": "list", "data": data})
 
     async def _health(self, _: web.Request) -> web.Response:
+        delay = self.faults.health_delay() if self.faults is not None else 0.0
+        if delay:
+            await asyncio.sleep(delay)
         return web.Response(status=503 if self.group.dead else 200)
 
     async def _load(self, _: web.Request) -> web.Response:

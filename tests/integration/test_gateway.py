@@ -72,6 +72,13 @@ def start_engine(start_sim, *flags: str) -> SimHandle:
     )
 
 
+def decode_only(start_sim, start_gateway, engines: int) -> tuple[list[SimHandle], Stack]:
+    """``engines`` decode engines behind one gateway, no prefill instance."""
+    started = [start_engine(start_sim) for _ in range(engines)]
+    gateway = start_gateway("--api-key", "k", *(f"--decode={e.url}" for e in started))
+    return started, Stack(gateway, [], started[-1])
+
+
 @pytest.fixture
 def stack(start_sim, start_gateway) -> Stack:
     prefill = [start_engine(start_sim) for _ in range(2)]
@@ -249,12 +256,93 @@ def test_an_engine_too_busy_to_answer_one_health_check_stays_in_the_pool(
 def test_an_engine_that_stays_silent_is_ejected_after_three_missed_health_checks(
     start_sim, start_gateway
 ) -> None:
-    decode = start_engine(start_sim)
-    gateway = start_gateway("--api-key", "k", f"--decode={decode.url}")
-    stack = Stack(gateway, [], decode)
-    stack.fault(decode, action="freeze", seconds=6)
+    (silent, _), stack = decode_only(start_sim, start_gateway, 2)
+    gateway = stack.gateway
+    stack.fault(silent, action="freeze", seconds=6)
     eventually(lambda: "ejected" in gateway.log(), timeout=15)
     assert stack.gateway_metric("baton_gateway_health_checks_missed_total") >= 3
+    assert (
+        stack.gateway_metric("baton_gateway_ejections_total", reason="unanswered_health_checks")
+        == 1
+    )
+    # one of two targets out is no panic: the other takes every request meanwhile
+    assert "panic" not in gateway.log()
+    assert chat(stack, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_requests_waiting_on_a_frozen_engine_go_elsewhere_once_it_is_ejected(
+    start_sim, start_gateway
+) -> None:
+    # A frozen engine (SIGSTOP, a hung API server) accepts connections and answers nothing:
+    # its requests used to wait for their own timeouts, minutes, after it was ejected.
+    (frozen, *_), stack = decode_only(start_sim, start_gateway, 3)
+    gateway = stack.gateway
+    stack.fault(frozen, action="freeze", seconds=30)
+
+    def waiting_on_frozen() -> float:
+        return scrape(gateway.url, "baton_gateway_in_flight_requests", target=frozen.url)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as threads:
+        answers = []
+        for turn in range(8):  # a request at a time until one waits on the frozen engine
+            answer = threads.submit(chat, stack, content=f"frozen {turn}", max_tokens=2)
+            answers.append(answer)
+            eventually(lambda a=answer: a.done() or waiting_on_frozen() >= 1, timeout=30)
+            if waiting_on_frozen() >= 1:
+                break
+        assert waiting_on_frozen() >= 1
+        assert all(a.result(timeout=120).usage.completion_tokens == 2 for a in answers)
+    # every request answered while the engine it waited on is still frozen
+    with pytest.raises(httpx.TimeoutException):
+        httpx.get(f"{frozen.url}/health", timeout=1)
+    assert "sent elsewhere" in gateway.log()
+    assert stack.gateway_metric("baton_gateway_retries_total", reason="connection") >= 1
+
+
+def test_engines_that_answer_health_late_but_keep_serving_stay_in_the_pool(
+    start_sim, start_gateway
+) -> None:
+    # A loaded host: every engine's health checks time out for a while, and the engines keep
+    # streaming and answering /metrics. vllm-router lost nothing here; the gateway ejected all.
+    engines, stack = decode_only(start_sim, start_gateway, 2)
+    gateway = stack.gateway
+    for engine in engines:
+        stack.fault(engine, action="late_health", delay=3, seconds=10)
+
+    def missed_enough() -> bool:
+        return all(
+            stack.gateway_metric("baton_gateway_health_checks_missed_total", server=e.url) >= 4
+            for e in engines
+        )
+
+    for turn in range(200):  # requests all along, each answered, until both missed 4 checks
+        assert chat(stack, content=f"busy {turn}", max_tokens=2).usage.completion_tokens == 2
+        if missed_enough():
+            break
+    assert missed_enough()
+    assert "ejected" not in gateway.log()
+    assert stack.gateway_metric("baton_gateway_ejections_total") == 0
+
+
+def test_a_pool_whose_every_engine_goes_silent_panics_and_waits_for_them_but_not_for_the_dead(
+    start_sim, start_gateway
+) -> None:
+    (dead, *frozen), stack = decode_only(start_sim, start_gateway, 3)
+    gateway = stack.gateway
+    dead.process.kill()
+    dead.process.wait()
+    eventually(
+        lambda: (
+            stack.gateway_metric("baton_gateway_ejections_total", reason="failed_health_check") == 1
+        )
+    )
+    for engine in frozen:
+        stack.fault(engine, action="freeze", seconds=8)
+    eventually(lambda: "panic: 0 of 3 decode targets healthy" in gateway.log(), timeout=20)
+    # the frozen engines are waited for (they are busy, perhaps); the dead one is never tried
+    assert chat(stack, content="in panic", max_tokens=2).usage.completion_tokens == 2
+    assert stack.gateway_metric("baton_gateway_retries_total") == 0
+    eventually(lambda: "panic over" in gateway.log(), timeout=20)
 
 
 def test_with_one_decode_target_a_lost_kv_is_decoded_alone_on_it(start_sim, start_gateway) -> None:

@@ -151,17 +151,32 @@ def test_snapshot_reflects_in_flight_accounting() -> None:
     assert p.in_flight() == {P0: 1, P1: 0, P2: 0, f"{D0}#0": 0, f"{D0}#1": 1, D1: 0}
 
 
-def test_failures_up_to_the_threshold_eject_a_target_from_the_snapshot() -> None:
-    p = Pool(
-        spec(("c0", (P0,), (DecodeServerSpec(url=D0),))),
+def decode_pool(*urls: str) -> Pool:
+    return Pool(
+        spec(("c0", (P0,), tuple(DecodeServerSpec(url=url) for url in urls))),
         probe_interval_s=2.0,
         breaker=lambda: Breaker(threshold=2),
     )
+
+
+def test_failures_up_to_the_threshold_eject_a_target_from_the_snapshot() -> None:
+    p = decode_pool(D0, D1)
     p.failed(D0)
     assert all(r.healthy for r in p.snapshot().decode)
     p.failed(D0)
-    assert [r.healthy for r in p.snapshot().decode] == [False]
-    assert not p.ready()
+    assert [r.healthy for r in p.snapshot().decode] == [False, True]
+
+
+def test_below_half_healthy_a_pool_panics_and_routes_to_every_target_not_known_dead() -> None:
+    p = decode_pool(D0, D1, "http://d2:1")
+    for _ in range(2):
+        p.failed(D0)
+        p.failed(D1)
+    # one of three healthy: in panic, the two whose circuits opened take requests again
+    assert [r.healthy for r in p.snapshot().decode] == [True, True, True]
+    p.decode["http://d2:1"].up = False
+    p.decode["http://d2:1"].dead = True  # its server refused a health check: never in panic
+    assert [r.healthy for r in p.snapshot().decode] == [True, True, False]
 
 
 def test_update_keeps_the_load_of_unchanged_targets_and_drops_removed_ones() -> None:
