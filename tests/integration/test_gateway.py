@@ -285,9 +285,12 @@ def test_requests_waiting_on_a_frozen_engine_go_elsewhere_once_it_is_ejected(
     with concurrent.futures.ThreadPoolExecutor(8) as threads:
         answers = []
         for turn in range(8):  # a request at a time until one waits on the frozen engine
-            answer = threads.submit(chat, stack, content=f"frozen {turn}", max_tokens=2)
-            answers.append(answer)
-            eventually(lambda a=answer: a.done() or waiting_on_frozen() >= 1, timeout=30)
+            answers.append(threads.submit(chat, stack, content=f"frozen {turn}", max_tokens=2))
+
+            def settled() -> bool:
+                return answers[-1].done() or waiting_on_frozen() >= 1
+
+            eventually(settled, timeout=30)
             if waiting_on_frozen() >= 1:
                 break
         assert waiting_on_frozen() >= 1

@@ -68,7 +68,7 @@ def gateway_flags(
     every prompt through P/D, the engines' key sent when they have one."""
     prefill_url = prefill if isinstance(prefill, str) else prefill.url
     ranks = [decode] if isinstance(decode, LiveEngine) else decode
-    flags = ("--prefill", prefill_url, "--pd-threshold-tokens", "0")
+    flags: tuple[str, ...] = ("--prefill", prefill_url, "--pd-threshold-tokens", "0")
     flags += tuple(flag for rank in ranks for flag in ("--decode", rank.url))
     return (*flags, "--engine-api-key-file", str(key_file)) if key_file else flags
 

@@ -5,6 +5,7 @@ sends the handoff by hand, as the gateway's two legs would."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -13,7 +14,7 @@ import pytest
 
 from rigs.processes import eventually
 from rigs.vllm_live import LiveRig, live_spec
-from tests.helpers import scrape
+from tests.helpers import scrape, scrape_by
 
 PROMPT = "handoff balance engine prompt token cache decode prefill " * 30
 
@@ -33,7 +34,10 @@ def live(rig: LiveRig) -> Pair:
 
 @pytest.fixture
 def sim(start_pd: Callable[..., Pair]) -> Pair:
-    return start_pd(flags=("--served-model-name", "tiny", "--profile", "instant"))
+    # vLLM's block size is the platform's: 16 tokens on CUDA (the simulator's default, as it
+    # stands for GPU engines), 128 on the CPU build these live engines run
+    flags = ("--served-model-name", "tiny", "--profile", "instant", "--block-size", "128")
+    return start_pd(flags=flags)
 
 
 def prefill(engine: Engine, tag: str) -> dict[str, Any]:
@@ -111,6 +115,25 @@ def test_a_client_gone_mid_stream_is_aborted_and_counted_as_no_finished_request(
 
     both(live, sim, leave)
     assert leave(sim) == (0, 0)
+
+
+def test_a_handoff_names_a_block_per_block_size_tokens_and_metrics_say_the_size(
+    live: Pair, sim: Pair
+) -> None:
+    def blocks(pair: Pair) -> tuple[int, bool]:
+        body = {
+            "model": "tiny",
+            "prompt": f"blocks {PROMPT}",
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
+        answer = httpx.post(f"{pair[0].url}/v1/completions", json=body, timeout=300).json()
+        [size] = map(int, scrape_by(pair[0].url, "vllm:cache_config_info", "block_size"))
+        [ids] = answer["kv_transfer_params"]["remote_block_ids"]
+        return size, len(ids) == math.ceil(answer["usage"]["prompt_tokens"] / size)
+
+    both(live, sim, blocks)
+    assert blocks(sim) == (128, True)
 
 
 def test_fewer_block_ids_than_the_prompt_fills_kill_the_decode_engine(
