@@ -258,9 +258,8 @@ def _outcome(exc: GatewayError) -> str:
 
 
 def _error(exc: GatewayError) -> Response:
-    headers = {"Connection": "close"} if exc.closes_connection else None
     return Response(
-        exc.body(), status_code=exc.status, media_type="application/json", headers=headers
+        exc.body(), status_code=exc.status, media_type="application/json", headers=exc.headers()
     )
 
 
@@ -287,6 +286,7 @@ class _Api:
             stall_after_s=settings.stall_after_s,
             on_missed_probe=lambda url: self.metrics.missed_health_checks.labels(url).inc(),
             on_ejected=self._ejected,
+            max_requests_per_rank=settings.max_requests_per_rank,
         )
         self.handoff: Handoff | None = None
 

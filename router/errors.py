@@ -8,6 +8,7 @@
     ├── ModelNotFound         404     the model is not served by the pool
     ├── RequestTimeout        408     the client sent its body too slowly
     ├── PayloadTooLarge       413     the body exceeds the gateway's limit
+    ├── Saturated             429     every decode rank is at its bound, and none freed in time
     ├── ClientClosedRequest   499     the client went away; nothing reaches it (nginx's code)
     ├── NoHealthyTarget       503     no healthy engine, or no healthy decode target
     └── UpstreamFailed        502/504 the engines failed and every fallback was spent
@@ -32,6 +33,7 @@ __all__ = [
     "NoHealthyTarget",
     "PayloadTooLarge",
     "RequestTimeout",
+    "Saturated",
     "Unauthorized",
     "UpstreamError",
     "UpstreamFailed",
@@ -80,6 +82,10 @@ class GatewayError(Exception):
     def body(self) -> bytes:
         return error_body(self.message, self.kind, self.code, self.param)
 
+    def headers(self) -> dict[str, str]:
+        """Response headers the error's status calls for."""
+        return {"Connection": "close"} if self.closes_connection else {}
+
 
 class InvalidRequest(GatewayError):
     """The request body or a parameter is invalid."""
@@ -127,6 +133,23 @@ class PayloadTooLarge(GatewayError):
     status = 413
     kind = "invalid_request_error"
     code = "request_too_large"
+
+
+class Saturated(GatewayError):
+    """Every decode rank the request could go to holds its bound of requests, and none freed a
+    place within the wait: come back later (the OpenAI clients retry a 429 after
+    ``Retry-After``)."""
+
+    status = 429
+    kind = "requests"  # OpenAI's type for a request-rate limit
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class NoHealthyTarget(GatewayError):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ import orjson
 
 from router.errors import (
     NoHealthyTarget,
+    Saturated,
     UpstreamError,
     UpstreamFailed,
     UpstreamStatus,
@@ -103,6 +105,7 @@ class Timeouts:
     prefill_s: float = 300.0  # a long prompt may queue behind others
     first_token_s: float = 300.0  # decode: until the first generated token
     idle_s: float = 120.0  # decode: between two chunks once streaming
+    queue_s: float = 10.0  # for a decode rank below the pool's bound, before 429
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +188,7 @@ class Handoff:
             timing,
         )
         prompt_tokens = estimate_prompt_tokens(body)
+        await self._admit()
         choice = None
         if needs_prefill(prompt_tokens, self.policy):
             snapshot = self.pool.snapshot(key, prompt, conversation)
@@ -202,6 +206,20 @@ class Handoff:
         (self.metrics.pd_routes if prefilled else self.metrics.decode_only_routes).inc()
         timing.prefill_done = time.perf_counter()
         return await self._decode(request, choice.view.cell if choice else None, prefilled)
+
+    async def _admit(self) -> None:
+        """Wait for a decode rank below the pool's bound of requests, or refuse with 429."""
+        placed = await self.pool.decode_place(self.timeouts.queue_s)
+        if placed == "free":
+            return
+        self.metrics.child(self.metrics.admission_waits, placed).inc()
+        if placed == "saturated":
+            bound = self.pool.max_requests_per_rank
+            raise Saturated(
+                f"every decode rank holds {bound} requests and none freed a place within "
+                f"{self.timeouts.queue_s:g} s; retry later",
+                retry_after_s=math.ceil(self.timeouts.queue_s),
+            )
 
     # ---- prefill
 

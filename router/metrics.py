@@ -33,6 +33,7 @@ COMPLETIONS_ROUTE = "/v1/completions"
 OUTCOMES = ("ok", "rejected", "error", "engine_error", "stream_error", "client_disconnect")
 UPSTREAM_REASONS = ("error", "status", "timeout", "connection")  # router.errors' UpstreamErrors
 EJECTION_REASONS = ("failed_health_check", "unanswered_health_checks")  # router.pool's
+ADMISSION_WAITS = ("waited", "saturated")  # router.pool's decode_place, past "free"
 FALLBACK_REASONS = (
     *UPSTREAM_REASONS,
     "malformed",
@@ -233,6 +234,20 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.admission_waits = Counter(
+            "baton_gateway_admission_waits",
+            "Requests that found every decode rank at --max-requests-per-rank: placed after a "
+            "wait (waited), or answered 429 when none freed a place in --queue-timeout "
+            "(saturated).",
+            ["result"],
+            registry=r,
+        )
+        self.waiting_requests = Gauge(
+            "baton_gateway_waiting_requests",
+            "Requests waiting now for a decode rank below --max-requests-per-rank.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         # Workers: each judges panic on its own; the one that sees panic, as an alert wants.
         self.panic = Gauge(
             "baton_gateway_panic",
@@ -290,6 +305,8 @@ class GatewayMetrics:
             self.child(self.retries, "decode", reason)
         for reason in EJECTION_REASONS:
             self.child(self.ejections, reason)
+        for result in ADMISSION_WAITS:
+            self.child(self.admission_waits, result)
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: prometheus_client's lookup costs microseconds
@@ -325,6 +342,7 @@ class GatewayMetrics:
         # family and rate() has a first point before the first miss.
         for url in pool.server_urls():
             self.missed_health_checks.labels(url)
+        self.waiting_requests.set(pool.waiting_for_place)
         for gauge, values in series.items():
             if self.multiprocess:
                 seen = self._pool_series.setdefault(gauge, set())

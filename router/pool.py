@@ -254,6 +254,7 @@ class Pool:
         cached_prompts: int = CACHED_PROMPTS,
         on_missed_probe: Callable[[str], None] | None = None,
         on_ejected: Callable[[str, str, bool], None] | None = None,
+        max_requests_per_rank: int = 0,
     ) -> None:
         """``probe_interval_s``: seconds between health checks, and between load syncs;
         ``stall_after_s``: seconds a decode server may run requests without counting a token
@@ -262,12 +263,16 @@ class Pool:
         ``on_missed_probe``: told the server's URL when a health check goes unanswered;
         ``on_ejected``: told the server's URL, why (``failed_health_check``,
         ``unanswered_health_checks``) and whether its pool is in panic, each time a health
-        check round ejects a server."""
+        check round ejects a server; ``max_requests_per_rank``: the requests a decode rank may
+        hold, this gateway's and other replicas' (0: no bound; see :meth:`decode_place`)."""
         self.probe_interval_s = probe_interval_s
         self._on_missed_probe = on_missed_probe
         self._on_ejected = on_ejected
         self.panic: dict[str, bool] = {"prefill": False, "decode": False}
         self._ejected: list[tuple[_Server, str]] = []  # in this health check round
+        self.max_requests_per_rank = max_requests_per_rank
+        self.waiting_for_place = 0  # requests waiting in decode_place now
+        self._place_freed: asyncio.Future[None] | None = None  # woken when a rank's load falls
         self.stall_after_s = stall_after_s
         self._new_breaker = breaker
         self._cached_prompts = cached_prompts
@@ -498,6 +503,44 @@ class Pool:
         target = self.decode.get(name)
         if target is not None:
             target.in_flight = max(0, target.in_flight - 1)
+            self._wake_waiting()
+
+    def _wake_waiting(self) -> None:
+        freed, self._place_freed = self._place_freed, None
+        if freed is not None and not freed.done():
+            freed.set_result(None)
+
+    def _has_place(self) -> bool:
+        """A decode rank to route to holds fewer requests than the bound (or there is none to
+        route to: that is for the routing to answer, not a wait)."""
+        routable = self._routable(self.decode, time.monotonic())
+        loads = [t.in_flight + t.others for name, t in self.decode.items() if routable[name]]
+        return not loads or min(loads) < self.max_requests_per_rank
+
+    async def decode_place(self, within_s: float) -> str:
+        """Whether a decode rank below ``max_requests_per_rank`` is there: ``free`` now (always,
+        with no bound), ``waited`` when one freed up within ``within_s`` (a request ended here,
+        a load sync found other replicas' requests gone, a rank came back), else ``saturated``.
+        Called before a request's prefill, so a request that cannot be placed holds no KV."""
+        if not self.max_requests_per_rank or self._has_place():
+            return "free"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        self.waiting_for_place += 1
+        try:
+            while not self._has_place():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return "saturated"
+                if self._place_freed is None:
+                    self._place_freed = loop.create_future()
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._place_freed), remaining)
+                except TimeoutError:
+                    return "waited" if self._has_place() else "saturated"
+            return "waited"
+        finally:
+            self.waiting_for_place -= 1
 
     def succeeded(self, name: str) -> None:
         target = self.prefill.get(name) or self.decode.get(name)
@@ -582,6 +625,7 @@ class Pool:
         await asyncio.gather(*(self._probe(server) for server in list(self._servers.values())))
         self._refresh_models()
         self._judge_panic()
+        self._wake_waiting()  # a rank back in the pool is a place
         ejected, self._ejected = self._ejected, []
         for server, reason in ejected:
             if self._on_ejected is not None:
@@ -741,6 +785,7 @@ class Pool:
                 target.dp_ranks = len(ranks)
             elif 0 <= target.dp_rank < len(ranks):
                 target.others = max(0, load[ranks[target.dp_rank]] - target.in_flight)
+        self._wake_waiting()  # other replicas' requests may have ended
 
 
 def _engine_load(text: str) -> tuple[dict[str, int], int, float, int]:

@@ -61,6 +61,17 @@ class GatewaySettings(BaseModel):
         description="seconds a decode server may run requests without counting a token before "
         "new requests avoid it",
     )
+    max_requests_per_rank: int = Field(
+        0,
+        ge=0,
+        description="requests a decode rank may hold (this gateway's and other replicas'); "
+        "beyond it a request waits for a place, then gets 429 (0: no bound)",
+    )
+    queue_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="seconds a request waits for a decode rank below --max-requests-per-rank",
+    )
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest request body")
     body_timeout_s: float = Field(
         60.0, gt=0, description="seconds a client may take to send its request body"
@@ -123,6 +134,7 @@ class GatewaySettings(BaseModel):
             prefill_s=self.prefill_timeout_s,
             first_token_s=self.first_token_timeout_s,
             idle_s=self.idle_timeout_s,
+            queue_s=self.queue_timeout_s,
         )
 
 

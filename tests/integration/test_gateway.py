@@ -302,6 +302,42 @@ def test_requests_waiting_on_a_frozen_engine_go_elsewhere_once_it_is_ejected(
     assert stack.gateway_metric("baton_gateway_retries_total", reason="connection") >= 1
 
 
+def test_past_the_bound_of_requests_a_rank_holds_a_request_waits_then_gets_429(
+    start_sim, start_gateway
+) -> None:
+    decode = start_engine(start_sim, "--time-scale", "100")  # a held request lasts minutes
+    gateway = start_gateway(
+        "--api-key",
+        "k",
+        f"--decode={decode.url}",
+        "--max-requests-per-rank",
+        "1",
+        "--queue-timeout",
+        "10",
+    )
+    stack = Stack(gateway, [], decode)
+    body = {"model": MODEL, "prompt": "hold the rank", "max_tokens": 5000, "ignore_eos": True}
+    headers = {"Authorization": "Bearer k"}
+    with (
+        httpx.Client(base_url=gateway.url, headers=headers, timeout=120) as client,
+        client.stream("POST", "/v1/completions", json={**body, "stream": True}) as held,
+    ):
+        assert held.status_code == 200
+        lines = held.iter_lines()  # one iterator: a dropped one closes the stream
+        assert next(lines)  # the rank now holds its one request
+        refused = client.post("/v1/completions", json={**body, "max_tokens": 2})
+        assert refused.status_code == 429
+        assert refused.headers["Retry-After"] == "10"
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        with concurrent.futures.ThreadPoolExecutor(1) as thread:
+            queued = thread.submit(client.post, "/v1/completions", json={**body, "max_tokens": 2})
+            eventually(lambda: stack.gateway_metric("baton_gateway_waiting_requests") == 1)
+            held.close()  # the first request ends: its place goes to the waiting one
+            assert queued.result(timeout=120).status_code == 200
+    waits = scrape_by(gateway.url, "baton_gateway_admission_waits_total", "result")
+    assert waits == {"waited": 1, "saturated": 1}
+
+
 def test_engines_that_answer_health_late_but_keep_serving_stay_in_the_pool(
     start_sim, start_gateway
 ) -> None:
