@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,6 +226,8 @@ class _Server:
     dead: bool = False  # the last health check was refused, reset or answered with an error
     alive_at: float = 0.0  # monotonic: its last sign of life (an answer to anything, a success)
     missed: int = 0  # health checks in a row it left unanswered (timed out)
+    # when its last MISSED_PROBES health checks began (monotonic), oldest first
+    probes: deque[float] = field(default_factory=lambda: deque(maxlen=MISSED_PROBES))
     tokens: float = -1.0  # prompt + generation tokens the engine has counted, at the last sync
     block_size: int = 0  # tokens per KV block, from vllm:cache_config_info (0: not seen yet)
     progressed_at: float = 0.0  # monotonic: when that count last moved, or the engine was idle
@@ -637,6 +639,7 @@ class Pool:
 
     async def _probe(self, server: _Server) -> None:
         assert self._session is not None
+        server.probes.append(time.monotonic())
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.probe_interval_s))
         try:
             async with self._session.get(f"{server.url}/health", timeout=timeout) as response:
@@ -669,9 +672,9 @@ class Pool:
             server.missed += 1
             if self._on_missed_probe is not None:
                 self._on_missed_probe(server.url)
-            silent_s = time.monotonic() - server.alive_at
+            # busy, not gone: something answered since the first of its last three checks began
             up = server.up and (
-                server.missed < MISSED_PROBES or silent_s < MISSED_PROBES * self.probe_interval_s
+                server.missed < MISSED_PROBES or server.alive_at >= server.probes[0]
             )
             dead = server.dead
         except (aiohttp.ClientError, ValueError, KeyError):

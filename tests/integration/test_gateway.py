@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ from tests.helpers import (
 
 MODEL = "dsv4"
 LONG = "The cell keeps prefill and decode in one NVLink domain. " * 40  # ~560 tokens
+NO_EOS = {"ignore_eos": True}  # the simulator ends a reply early now and then, as a model does
+TWO_TOKENS: dict[str, Any] = {"max_tokens": 2, "extra_body": NO_EOS}
 
 
 @dataclass
@@ -282,10 +285,12 @@ def test_requests_waiting_on_a_frozen_engine_go_elsewhere_once_it_is_ejected(
     def waiting_on_frozen() -> float:
         return scrape(gateway.url, "baton_gateway_in_flight_requests", target=frozen.url)
 
-    with concurrent.futures.ThreadPoolExecutor(8) as threads:
+    with concurrent.futures.ThreadPoolExecutor(40) as threads:
         answers = []
-        for turn in range(8):  # a request at a time until one waits on the frozen engine
-            answers.append(threads.submit(chat, stack, content=f"frozen {turn}", max_tokens=2))
+        # A request at a time until one waits on the frozen engine: each idle rank is as
+        # likely as the others (rendezvous hashing of the request), so one in three lands there.
+        for turn in range(40):
+            answers.append(threads.submit(chat, stack, f"frozen {turn}", **TWO_TOKENS))
 
             def settled() -> bool:
                 return answers[-1].done() or waiting_on_frozen() >= 1
@@ -354,9 +359,13 @@ def test_engines_that_answer_health_late_but_keep_serving_stay_in_the_pool(
             for e in engines
         )
 
-    for turn in range(200):  # requests all along, each answered, until both missed 4 checks
-        assert chat(stack, content=f"busy {turn}", max_tokens=2).usage.completion_tokens == 2
-        if missed_enough():
+    # requests all along, each answered, until both missed 4 checks (a quiet host answers
+    # thousands meanwhile, a busy one a few; bounded both ways)
+    deadline = time.monotonic() + 120
+    for turn in range(20_000):
+        answer = chat(stack, content=f"busy {turn}", max_tokens=2, extra_body=NO_EOS)
+        assert answer.usage.completion_tokens == 2
+        if missed_enough() or time.monotonic() > deadline:
             break
     assert missed_enough()
     assert "ejected" not in gateway.log()
@@ -379,7 +388,8 @@ def test_a_pool_whose_every_engine_goes_silent_panics_and_waits_for_them_but_not
         stack.fault(engine, action="freeze", seconds=8)
     eventually(lambda: "panic: 0 of 3 decode targets healthy" in gateway.log(), timeout=20)
     # the frozen engines are waited for (they are busy, perhaps); the dead one is never tried
-    assert chat(stack, content="in panic", max_tokens=2).usage.completion_tokens == 2
+    answer = chat(stack, content="in panic", max_tokens=2, extra_body=NO_EOS)
+    assert answer.usage.completion_tokens == 2
     assert stack.gateway_metric("baton_gateway_retries_total") == 0
     eventually(lambda: "panic over" in gateway.log(), timeout=20)
 
