@@ -28,6 +28,7 @@ BENCHMARKS = {
     "sim": "bench.sim_capacity",
     "gateway": "bench.gateway",
     "gateway-workers": "bench.gateway_workers",
+    "gateway-prompts": "bench.gateway_prompts",
     "placement": "bench.placement",
     "eplb": "bench.eplb",
     "controller": "bench.controller",

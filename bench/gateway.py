@@ -42,7 +42,16 @@ from bench.procstat import cpu_seconds, pin
 from rigs.processes import free_port, free_port_block, stop_process, wait_healthy
 from sim.profile import load_profile
 
-__all__ = ["MODEL", "PROMPT", "Scenario", "instant_profile", "run", "start_engine", "stream_load"]
+__all__ = [
+    "MODEL",
+    "PROMPT",
+    "Scenario",
+    "instant_profile",
+    "run",
+    "start_engine",
+    "start_routers",
+    "stream_load",
+]
 
 MODEL = "dsv4"
 NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
@@ -224,7 +233,9 @@ def _baton_phases(url: str) -> dict[str, float]:
     return phases
 
 
-def _routers(prefill: str, decode: str) -> dict[str, tuple[subprocess.Popen[bytes], str]]:
+def start_routers(prefill: str, decode: str) -> dict[str, tuple[subprocess.Popen[bytes], str]]:
+    """Baton's gateway and vllm-router (P/D, round robin) in front of the two engines, each
+    pinned to core 1: by name, their process and URL."""
     baton_port, vllm_port = free_port(), free_port()
     baton = [
         sys.executable,
@@ -274,7 +285,7 @@ def _scenario(directory: Path, scenario: Scenario, rounds: int) -> list[_Row]:
         prefill_process, prefill = start_engine(profile)
         decode_process, decode = start_engine(profile)
         processes += [prefill_process, decode_process]
-        routers = _routers(prefill, decode)
+        routers = start_routers(prefill, decode)
         processes += [process for process, _ in routers.values()]
         pin(os.getpid(), 0)
         targets = [("direct", decode, None)] + [

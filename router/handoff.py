@@ -187,7 +187,7 @@ class Handoff:
             prompt_prefix(prompt, head_bytes(body)),
             timing,
         )
-        prompt_tokens = estimate_prompt_tokens(body)
+        prompt_tokens = estimate_prompt_tokens(body, prompt)
         await self._admit()
         choice = None
         if needs_prefill(prompt_tokens, self.policy):

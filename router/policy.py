@@ -8,8 +8,11 @@ choice, so routing state never has to be shared between them.
 1. Affinity key. A session header (:data:`SESSION_HEADERS`, the agent harnesses' names; a
    subagent's parent first), else the ``user`` field, else the conversation
    (:func:`conversation_digest`): a hash chain over message boundaries up to and including the
-   first user message. Every turn of a conversation resends that prefix, so every turn (and
-   nothing else) shares the key, while conversations that only share a system prompt do not.
+   first user message, each message told apart by its length and its first and last
+   :data:`PREFIX_SAMPLE_BYTES` (a 500 KB system prompt is not hashed whole: a collision only
+   puts two conversations' prefills on one instance). Every turn of a conversation resends
+   that prefix, so every turn (and nothing else) shares the key, while conversations that only
+   share a system prompt do not.
    A completion prompt is keyed on its first :data:`PROMPT_KEY_BYTES` bytes.
 2. Rendezvous hashing of the key over healthy instances ranks them; the top two are the
    candidates (power of two choices).
@@ -191,7 +194,9 @@ def conversation_digest(body: Mapping[str, object]) -> bytes | None:
     if isinstance(messages, list) and messages:
         chain = b""
         for message in messages:
-            chain = _digest(chain, orjson.dumps(message, option=orjson.OPT_SORT_KEYS))
+            text = orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
+            ends = text[-PREFIX_SAMPLE_BYTES:] if len(text) > PREFIX_SAMPLE_BYTES else b""
+            chain = _digest(chain, len(text).to_bytes(8), text[:PREFIX_SAMPLE_BYTES], ends)
             if isinstance(message, Mapping) and message.get("role") == "user":
                 break
         return chain
@@ -203,8 +208,10 @@ def conversation_digest(body: Mapping[str, object]) -> bytes | None:
     return None
 
 
-def estimate_prompt_tokens(body: Mapping[str, object]) -> int:
-    """Prompt tokens estimated from text length (4 bytes a token) or counted from token ids."""
+def estimate_prompt_tokens(body: Mapping[str, object], serialized: bytes | None = None) -> int:
+    """Prompt tokens estimated from text length (4 bytes a token) or counted from token ids;
+    ``serialized``: the body's :func:`prompt_bytes`, when already made (a chat's then need not be
+    serialized again: they are as long as its messages' JSON)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list):
         if all(isinstance(item, int) for item in prompt):
@@ -214,7 +221,8 @@ def estimate_prompt_tokens(body: Mapping[str, object]) -> int:
         return len(prompt.encode()) // BYTES_PER_TOKEN + 1
     messages = body.get("messages")
     if isinstance(messages, list):
-        return len(orjson.dumps(messages)) // BYTES_PER_TOKEN + 1
+        length = len(serialized) if serialized is not None else len(orjson.dumps(messages))
+        return length // BYTES_PER_TOKEN + 1
     return 0
 
 

@@ -518,6 +518,24 @@ def test_prompt_tokens_are_estimated_from_bytes_or_counted_from_ids(
     body: dict[str, object], tokens: int
 ) -> None:
     assert estimate_prompt_tokens(body) == tokens
+    # the same from the prompt bytes the gateway made anyway, without serializing again
+    assert estimate_prompt_tokens(body, prompt_bytes(body)) == tokens
+
+
+def test_long_system_prompts_are_told_apart_by_length_and_ends_not_hashed_whole() -> None:
+    def keyed(system: str) -> bytes:
+        messages = [{"role": "system", "content": system}, user("go")]
+        return affinity_key({}, {"messages": messages}, "r").digest
+
+    document = "the cell keeps prefill and decode in one NVLink domain. " * 10_000
+    middle = len(document) // 2
+    edited = document[:middle] + "X" + document[middle + 1 :]
+    assert keyed(document) == keyed(document)
+    assert keyed(document + ".") != keyed(document)  # longer
+    assert keyed("X" + document[1:]) != keyed(document)  # another start
+    assert keyed(document[:-1] + "X") != keyed(document)  # another end
+    # by design: an edit deep inside, at the same length, shares the key (a routing choice only)
+    assert keyed(edited) == keyed(document)
 
 
 @pytest.mark.parametrize(

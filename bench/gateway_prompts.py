@@ -1,0 +1,199 @@
+"""``baton bench gateway-prompts``: what the gateway costs per request at real prompt sizes.
+
+Agentic prompts run to tens of thousands of tokens: request bodies of 50-500 KB. One run against
+the same instant engines (``baton sim`` prefill and decode on the ``instant`` profile, pinned to
+core 0; the load generator shares that core), with Baton's gateway and vllm-router (P/D mode,
+round robin) each pinned to core 1, side by side and interleaved round by round. Per body size,
+``BODY_MB`` of streamed chat requests (a system message of that size, different for every request,
+a short user turn, 2 output tokens) from ``CONCURRENCY`` clients:
+
+- router CPU milliseconds per request: the router process's utime + stime over the requests;
+- what one core of it sustains at that size: requests/s = 1 / CPU per request, and prompt MB/s
+  = body bytes / CPU per request;
+- TTFT p50, and the p50 added over sending the same requests straight to the decode engine
+  (which skips prefill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import TypedDict
+
+import aiohttp
+import orjson
+
+from bench.gateway import MODEL, instant_profile, start_engine, start_routers
+from bench.procstat import cpu_seconds, pin
+from rigs.processes import stop_process
+
+__all__ = ["run"]
+
+SIZES_KB = (50, 200, 500)
+# bodies per size and target: enough CPU time to measure in /proc's 10 ms ticks (about 1 s)
+BODY_MB, CONCURRENCY = 150, 8
+_WORDS = ("prefill", "decode", "handoff", "balance", "expert", "tray", "cell", "cache")
+
+
+class _Figures(TypedDict):
+    size_kb: int
+    target: str
+    router_cpu_ms_per_request: float
+    requests_per_core_s: float
+    prompt_mb_per_core_s: float
+    ttft_p50_ms: float
+
+
+def _bodies(size_kb: int, count: int) -> list[bytes]:
+    """``count`` chat bodies of about ``size_kb`` KB, each system prompt its own."""
+    bodies = []
+    for index in range(count):
+        words = [_WORDS[(index * 7 + i * 13 + i // 5) % len(_WORDS)] for i in range(size_kb * 150)]
+        system = f"request {index}: " + " ".join(words)
+        body = {
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": system[: size_kb * 1000]},
+                {"role": "user", "content": "Summarise the above."},
+            ],
+            "max_tokens": 2,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        bodies.append(orjson.dumps(body))
+    return bodies
+
+
+async def _send(url: str, bodies: list[bytes]) -> list[float]:
+    """Send every body with ``CONCURRENCY`` clients; each request's TTFT."""
+    ttfts: list[float] = []
+    queue = list(reversed(bodies))
+    headers = {"Content-Type": "application/json"}
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+    ) as session:
+
+        async def client() -> None:
+            while queue:
+                body = queue.pop()
+                sent = time.perf_counter()
+                async with session.post(
+                    f"{url}/v1/chat/completions", data=body, headers=headers
+                ) as response:
+                    if response.status != 200:
+                        text = await response.text()
+                        raise RuntimeError(f"{url}: HTTP {response.status}: {text}")
+                    first = True
+                    async for chunk in response.content.iter_any():
+                        if first and b'"content"' in chunk:
+                            ttfts.append(time.perf_counter() - sent)
+                            first = False
+
+        await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
+    return ttfts
+
+
+def _measure(
+    target: str, url: str, process: subprocess.Popen[bytes] | None, size_kb: int, count: int
+) -> _Figures:
+    bodies = _bodies(size_kb, count)
+    asyncio.run(_send(url, bodies[:2]))  # warm the connection pools
+    before = cpu_seconds(process.pid) if process is not None else 0.0
+    ttfts = asyncio.run(_send(url, bodies))
+    cpu = (cpu_seconds(process.pid) - before) / count if process is not None else 0.0
+    mean_bytes = sum(len(b) for b in bodies) / count
+    return {
+        "size_kb": size_kb,
+        "target": target,
+        "router_cpu_ms_per_request": cpu * 1000,
+        "requests_per_core_s": 1 / cpu if cpu else 0.0,
+        "prompt_mb_per_core_s": mean_bytes / cpu / 1e6 if cpu else 0.0,
+        "ttft_p50_ms": statistics.median(ttfts) * 1000,
+    }
+
+
+def run(quick: bool = False) -> dict[str, object]:
+    rounds, body_mb = (1, 10) if quick else (3, BODY_MB)
+    rows: list[_Figures] = []
+    processes: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory() as directory:
+        try:
+            profile = instant_profile(Path(directory), 0.0)
+            prefill_process, prefill = start_engine(profile)
+            decode_process, decode = start_engine(profile)
+            processes += [prefill_process, decode_process]
+            routers = start_routers(prefill, decode)
+            processes += [process for process, _ in routers.values()]
+            pin(os.getpid(), 0)
+            targets = [("direct", decode, None)] + [
+                (name, url, process) for name, (process, url) in routers.items()
+            ]
+            for _ in range(rounds):  # interleaved: drift on a shared machine hits all alike
+                for size_kb in SIZES_KB:
+                    for name, url, process in targets:
+                        count = body_mb * 1000 // size_kb
+                        rows.append(_measure(name, url, process, size_kb, count))
+        finally:
+            for process in processes:
+                stop_process(process)
+    summary = {
+        f"{size_kb} KB": {
+            target: {
+                key: statistics.median(
+                    float(r[key]) for r in rows if r["size_kb"] == size_kb and r["target"] == target
+                )
+                for key in (
+                    "router_cpu_ms_per_request",
+                    "requests_per_core_s",
+                    "prompt_mb_per_core_s",
+                    "ttft_p50_ms",
+                )
+            }
+            for target in ("direct", "baton", "vllm-router")
+        }
+        for size_kb in SIZES_KB
+    }
+    for figures in summary.values():
+        for target in ("baton", "vllm-router"):
+            figures[target]["added_ttft_p50_ms"] = (
+                figures[target]["ttft_p50_ms"] - figures["direct"]["ttft_p50_ms"]
+            )
+    ratios = {
+        size: figures["baton"]["router_cpu_ms_per_request"]
+        / figures["vllm-router"]["router_cpu_ms_per_request"]
+        for size, figures in summary.items()
+    }
+    _print(summary, ratios)
+    return {
+        "benchmark": "gateway-prompts",
+        "body_mb_per_size": body_mb,
+        "concurrency": CONCURRENCY,
+        "rounds": rows,
+        "median": summary,
+        "cpu_per_request_baton_over_vllm_router": ratios,
+    }
+
+
+def _print(summary: dict[str, dict[str, dict[str, float]]], ratios: dict[str, float]) -> None:
+    header = ("body", "target", "CPU ms/req", "req/s/core", "MB/s/core", "TTFT p50", "+p50")
+    print("  ".join(f"{h:>12}" for h in header))
+    for size, figures in summary.items():
+        for target in ("baton", "vllm-router"):
+            f = figures[target]
+            cells = (
+                size,
+                target,
+                f"{f['router_cpu_ms_per_request']:.2f}",
+                f"{f['requests_per_core_s']:.0f}",
+                f"{f['prompt_mb_per_core_s']:.1f}",
+                f"{f['ttft_p50_ms']:.1f} ms",
+                f"{f['added_ttft_p50_ms']:+.1f} ms",
+            )
+            print("  ".join(f"{c:>12}" for c in cells))
+        print(f"  {size}: Baton CPU/request = {ratios[size]:.2f}x vllm-router's", flush=True)
