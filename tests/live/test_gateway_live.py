@@ -166,10 +166,12 @@ def test_a_client_gone_mid_stream_stops_the_decode_engines_work(
 ) -> None:
     decode = cell["decode"]
     generated = scrape(decode.url, "vllm:generation_tokens_total")
+    # as many tokens as the context leaves: with one OpenMP thread an engine makes ~150 a
+    # second, and 1,500 were once all made before a busy host carried the abort through
     body = {
         "model": "tiny",
         "prompt": prompt("abort"),
-        "max_tokens": 1500,
+        "max_tokens": 3000,
         "ignore_eos": True,
         "stream": True,
     }
@@ -178,7 +180,7 @@ def test_a_client_gone_mid_stream_stops_the_decode_engines_work(
         assert [next(lines) for _ in range(6)]
         assert scrape(decode.url, "vllm:num_requests_running") == 1
     eventually(lambda: scrape(decode.url, "vllm:num_requests_running") == 0, timeout=180)
-    assert scrape(decode.url, "vllm:generation_tokens_total") - generated < 1500
+    assert scrape(decode.url, "vllm:generation_tokens_total") - generated < 3000
     assert httpx.get(f"{decode.url}/health", timeout=60).status_code == 200
 
 
