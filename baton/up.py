@@ -111,6 +111,7 @@ def layout_stack(
     fault_injection_token_file: str | None = None,
     eplb_steps: int | None = None,
     eplb_token_file: str | None = None,
+    request_log: str | None = None,
 ) -> StackLayout:
     """Engines at the placed roles, on free loopback ports, and the pool that routes to them.
     ``eplb_steps``: rebalance every that many decode steps from the load of as many, in place
@@ -175,6 +176,7 @@ def layout_stack(
         host="127.0.0.1",
         time_scale=time_scale,
         fault_injection_token_file=fault_injection_token_file,
+        request_log=request_log,
         decode_groups=decode_groups,
         prefill=prefill,
     )
@@ -338,6 +340,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="the EPLB service's /metrics port (default: a free port)",
     )
+    parser.add_argument(
+        "--request-log",
+        type=Path,
+        default=None,
+        help="every simulated engine appends one JSON line per finished request to this file "
+        "(`baton sim --request-log`): where it ran and what its prefix cache held",
+    )
     args = parser.parse_args(argv)
     if args.engine == "vllm":
         problem = _live_problem(args)
@@ -384,6 +393,7 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
             else None,
             eplb_steps=args.eplb_steps,
             eplb_token_file=str(token_file),
+            request_log=str(args.request_log) if args.request_log else None,
         )
         cluster_file = Path(workdir, "cluster.yaml")
         pool_file = Path(workdir, "pool.yaml")
@@ -482,6 +492,7 @@ def _live_problem(args: argparse.Namespace) -> str | None:
         ("--fault-injection-token-file", args.fault_injection_token_file is not None),
         ("--eplb-steps", args.eplb_steps is not None),
         ("--eplb-metrics-port", args.eplb_metrics_port is not None),
+        ("--request-log", args.request_log is not None),
     ):
         if given:
             return f"{flag} applies to the simulated rack only; leave it out"

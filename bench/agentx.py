@@ -301,7 +301,7 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 def summarize(
     records: Sequence[Record],
-    requests: Sequence[Request],
+    theoretical_reuse: float,
     *,
     time_scale: float,
     warmup_s: float,
@@ -309,8 +309,9 @@ def summarize(
     computed_prompt_tokens: float | None,
     usd_per_gpu_hour: float,
 ) -> dict[str, Any]:
-    """One point's figures (simulated seconds) from its records and the engines' count of
-    prompt tokens computed (None: take the responses' ``cached_tokens``)."""
+    """One point's figures (simulated seconds) from its records, the workload's theoretical
+    prefix reuse and the engines' count of prompt tokens computed (None: take the responses'
+    ``cached_tokens``)."""
     measured = [
         r for r in records if not r.warmup and r.start >= warmup_s * time_scale and r.error is None
     ]
@@ -322,7 +323,7 @@ def summarize(
     }
     sent = [r for r in records if r.end is not None and r.error is None]
     prompt_sent = sum(r.prompt_tokens for r in sent)
-    figures["prefix_reuse_theoretical"] = theoretical_reuse(list(requests))
+    figures["prefix_reuse_theoretical"] = theoretical_reuse
     if computed_prompt_tokens is not None and prompt_sent:
         figures["prefix_reuse_achieved"] = 1 - computed_prompt_tokens / prompt_sent
     else:
@@ -414,9 +415,11 @@ class _Stack:
 
 
 @contextmanager
-def _stack(directory: Path, time_scale: float, eplb: str) -> Iterator[_Stack]:
-    """A fresh ``baton up`` (one rack, ``--eplb-mode eplb``) and where its engines are, from the
-    targets file it writes for Prometheus."""
+def stack(
+    directory: Path, time_scale: float, eplb: str, extra: Sequence[str] = ()
+) -> Iterator[_Stack]:
+    """A fresh ``baton up`` (one rack, ``--eplb-mode eplb``, ``extra`` flags) and where its
+    engines are, from the targets file it writes for Prometheus."""
     port, targets = free_port(), directory / "targets.json"
     targets.unlink(missing_ok=True)
     log_path = directory / "baton-up.log"
@@ -435,6 +438,7 @@ def _stack(directory: Path, time_scale: float, eplb: str) -> Iterator[_Stack]:
             str(targets),
             "--eplb-mode",
             eplb,
+            *extra,
         ],
         stdout=log,
         stderr=log,
@@ -477,10 +481,10 @@ def _stack(directory: Path, time_scale: float, eplb: str) -> Iterator[_Stack]:
 
 
 @contextmanager
-def _router(name: str, stack: _Stack, directory: Path) -> Iterator[str]:
-    """The URL of router ``name`` in front of ``stack``'s engines."""
+def router(name: str, rack: _Stack, directory: Path) -> Iterator[str]:
+    """The URL of router ``name`` in front of ``rack``'s engines."""
     if name == "baton":
-        yield stack.gateway
+        yield rack.gateway
         return
     port = free_port()
     binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
@@ -496,8 +500,8 @@ def _router(name: str, stack: _Stack, directory: Path) -> Iterator[str]:
         "--port",
         str(port),
         "--vllm-pd-disaggregation",
-        *[arg for url in stack.prefill for arg in ("--prefill", url)],
-        *[arg for url in stack.decode for arg in ("--decode", url)],
+        *[arg for url in rack.prefill for arg in ("--prefill", url)],
+        *[arg for url in rack.decode for arg in ("--decode", url)],
         *policies,
         "--intra-node-data-parallel-size",
         str(GPUS_PER_DECODE_SERVER),
@@ -520,13 +524,13 @@ def _router(name: str, stack: _Stack, directory: Path) -> Iterator[str]:
         log.close()
 
 
-def _engine_counters(stack: _Stack) -> dict[str, float]:
+def engine_counters(rack: _Stack) -> dict[str, float]:
     """Prompt tokens the engines computed (every rank of every engine) and the simulator's
     timeline counters of every DP group (each prefill instance is one; the decode group's
     servers each show the whole group's, so one of them is read)."""
     totals = {"computed": 0.0, "steps": 0.0, "late_steps": 0.0, "lag_s": 0.0}
-    timelines = {*stack.prefill, stack.decode[0]}
-    for url in stack.engines:
+    timelines = {*rack.prefill, rack.decode[0]}
+    for url in rack.engines:
         text = httpx.get(f"{url}/metrics", timeout=10).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -542,7 +546,7 @@ def _engine_counters(stack: _Stack) -> dict[str, float]:
     return totals
 
 
-def _affinity(gateway: str) -> dict[str, float]:
+def gateway_affinity(gateway: str) -> dict[str, float]:
     """Baton's prefill choices that followed the affinity key (hit) or spilled (miss)."""
     totals = {"hit": 0.0, "miss": 0.0}
     for family in text_string_to_metric_families(httpx.get(f"{gateway}/metrics", timeout=10).text):
@@ -552,27 +556,27 @@ def _affinity(gateway: str) -> dict[str, float]:
     return totals
 
 
-def _model(url: str) -> str:
+def served_model(url: str) -> str:
     return str(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"])
 
 
 def _point(
-    settings: Settings, router: str, concurrency: int, directory: Path, eplb: str = "agent"
+    settings: Settings, name: str, concurrency: int, directory: Path, eplb: str = "agent"
 ) -> dict[str, Any]:
-    label = f"{router} c={concurrency}" + (f" EPLB {eplb}" if eplb != "agent" else "")
+    label = f"{name} c={concurrency}" + (f" EPLB {eplb}" if eplb != "agent" else "")
     with (
-        _stack(directory, settings.time_scale, eplb) as stack,
-        _router(router, stack, directory) as url,
+        stack(directory, settings.time_scale, eplb) as rack,
+        router(name, rack, directory) as url,
     ):
         records, requests, wall_s, timeline = asyncio.run(
-            _drive(url, _model(url), settings, concurrency, label, balance_of=stack.decode[0])
+            _drive(url, served_model(url), settings, concurrency, label, balance_of=rack.decode[0])
         )
-        counters = _engine_counters(stack)
-        affinity = _affinity(stack.gateway) if router == "baton" else None
-        gpus = stack.gpus
+        counters = engine_counters(rack)
+        affinity = gateway_affinity(rack.gateway) if name == "baton" else None
+        gpus = rack.gpus
     figures = summarize(
         records,
-        requests,
+        theoretical_reuse(requests),
         time_scale=settings.time_scale,
         warmup_s=settings.warmup_s,
         gpus=gpus,
@@ -582,7 +586,7 @@ def _point(
     late = counters["late_steps"] / counters["steps"] if counters["steps"] else 0.0
     measured = [p for p in timeline if p["t_s"] >= settings.warmup_s]
     return {
-        "router": router,
+        "router": name,
         "concurrency": concurrency,
         "eplb": eplb,
         "wall_s": wall_s,
@@ -602,7 +606,7 @@ def _point(
         "reuse_lost": reuse_lost(
             records, requests, warmup_wall_s=settings.warmup_s * settings.time_scale
         )
-        if router == "baton"
+        if name == "baton"
         else None,
         **figures,
     }
@@ -612,11 +616,11 @@ def _external(settings: Settings, concurrency: int) -> dict[str, Any]:
     assert settings.url is not None
     url = settings.url.rstrip("/").removesuffix("/v1")
     records, requests, wall_s, _ = asyncio.run(
-        _drive(url, _model(url), settings, concurrency, f"{url} c={concurrency}")
+        _drive(url, served_model(url), settings, concurrency, f"{url} c={concurrency}")
     )
     figures = summarize(
         records,
-        requests,
+        theoretical_reuse(requests),
         time_scale=1.0,
         warmup_s=settings.warmup_s,
         gpus=settings.gpus,

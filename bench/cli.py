@@ -34,6 +34,7 @@ BENCHMARKS = {
     "controller": "bench.controller",
     "observability": "bench.observability",
     "agentx": "bench.agentx",
+    "trace": "bench.trace",
     "prefill-dp": "bench.prefill_dp",
     "chaos": "bench.chaos",
 }

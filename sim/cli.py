@@ -143,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="file holding the bearer token POST /sim/faults requires",
     )
+    _flag(
+        sim,
+        "--request-log",
+        default=None,
+        help="append one JSON line per finished request to this file: the API server, DP "
+        "rank, arrival and first-token times, prompt and cached tokens, a digest of the prompt "
+        "(benchmarks read it to say where prompt reuse was lost)",
+    )
     _flag(sim, "--cluster", default=None, help="YAML: many engines in this one process")
     _flag(sim, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -224,6 +232,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         fault_injection_token_file=args.fault_injection_token_file
         if args.enable_fault_injection
         else None,
+        request_log=args.request_log,
     )
 
 

@@ -110,6 +110,7 @@ class ClusterSpec(_Spec):
     max_model_len: int = Field(default=1_048_576, ge=16)
     # POST /sim/faults on every engine, for the holders of the token in this file
     fault_injection_token_file: str | None = None
+    request_log: str | None = None  # every engine's finished requests, one JSON line each
     decode_groups: list[DecodeGroupSpec] = Field(default_factory=list)
     prefill: list[PrefillInstancesSpec] = Field(default_factory=list)
 
@@ -131,6 +132,7 @@ def engine_configs(spec: ClusterSpec) -> Iterator[tuple[EngineConfig, list[int],
         side_channel_host=spec.host,
         time_scale=spec.time_scale,
         fault_injection_token_file=spec.fault_injection_token_file,
+        request_log=spec.request_log,
     )
     for index, group in enumerate(spec.decode_groups):
         per_server = group.data_parallel_size // group.api_servers

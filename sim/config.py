@@ -96,6 +96,9 @@ class EngineConfig:
     seed: int = 0
     # POST /sim/faults, for the holders of the token in this file (None: no such route)
     fault_injection_token_file: str | None = None
+    # One JSON line per finished request appended here (None: no log): where it ran, what its
+    # prefix cache held; benchmarks read it to say where prompt reuse was lost
+    request_log: str | None = None
 
     @property
     def local_ranks(self) -> range:

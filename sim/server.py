@@ -101,6 +101,12 @@ class ApiServer:
             EngineCollector(config.served_model_names[0], group, local_ranks, self.nixl)
         )
         self._rng = random.Random(config.seed)
+        # line-buffered, appended to: one whole line per write, whichever server writes it
+        self._request_log = (
+            open(config.request_log, "a", buffering=1)  # noqa: SIM115 (closed in stop)
+            if config.request_log
+            else None
+        )
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self.app = self._build_app()
@@ -133,6 +139,8 @@ class ApiServer:
         if self._runner is not None:
             await self._runner.cleanup()
         await self.nixl.stop()
+        if self._request_log is not None:
+            self._request_log.close()
 
     # ---- small endpoints
 
@@ -217,6 +225,28 @@ class ApiServer:
         finally:
             if not request.finished:
                 self._abort(request)
+            elif self._request_log is not None and request.failure is None:
+                self._log_finished(request)
+
+    def _log_finished(self, request: SimRequest) -> None:
+        """One line of the request log: where the request ran, when (simulated seconds), and
+        what the rank's prefix cache held for it. ``prompt`` is the BLAKE2b-128 of the prompt's
+        bytes, which a client computes from what it sent (no request id survives every router)."""
+        assert self._request_log is not None
+        line = {
+            "server": f"{self.host}:{self.port}",
+            "dp_rank": request.dp_rank,
+            "request_id": request.external_id,
+            "arrival": request.arrival,
+            "scheduled": request.scheduled_at,  # when its prefix was looked up in the cache
+            "first_token": request.first_token_at,
+            "prompt_tokens": request.prompt_tokens,
+            "cached_tokens": request.cached_tokens,
+            "external_tokens": request.external_tokens,
+            "remote_decode": request.do_remote_decode,
+            "prompt": hashlib.blake2b(request.prompt, digest_size=16).hexdigest(),
+        }
+        self._request_log.write(orjson.dumps(line).decode() + "\n")
 
     def _build_request(
         self, http: web.Request, body: CompletionRequest | ChatCompletionRequest, chat: bool

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -187,3 +189,26 @@ def test_client_disconnect_on_decode_aborts_and_frees_kv(start_pd) -> None:
     assert scrape(decode.url, "vllm:kv_cache_usage_perc") == 0
     # as vLLM's API server does, a request its client left counts as no finished request
     assert scrape(decode.url, "vllm:request_success_total") == 0
+
+
+def test_the_request_log_says_which_rank_computed_a_prompt_and_what_it_found_cached(
+    start_pd, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    prefill, decode = start_pd(flags=("--request-log", str(log)))
+    params = run_prefill(prefill.url, "first")["kv_transfer_params"]
+    body = {"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params}
+    assert httpx.post(f"{decode.url}/v1/completions", json=body, timeout=30).status_code == 200
+    run_prefill(prefill.url, "again")  # the same prompt: its full blocks are cached now
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    by_id = {line["request_id"]: line for line in lines if line["remote_decode"]}
+    digest = hashlib.blake2b(PROMPT.encode(), digest_size=16).hexdigest()
+    first, again = by_id["first"], by_id["again"]
+    assert first["server"] == f"127.0.0.1:{prefill.port}" and first["dp_rank"] == 0
+    assert first["prompt"] == again["prompt"] == digest
+    assert first["cached_tokens"] == 0 and first["external_tokens"] == 0
+    assert 0 < again["cached_tokens"] < again["prompt_tokens"]
+    assert first["arrival"] <= first["scheduled"] <= first["first_token"]
+    [pulled] = [line for line in lines if not line["remote_decode"]]
+    assert pulled["server"] == f"127.0.0.1:{decode.port}"
+    assert pulled["external_tokens"] == pulled["prompt_tokens"]

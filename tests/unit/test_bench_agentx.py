@@ -21,10 +21,9 @@ def test_figures_follow_the_agentx_definitions_in_simulated_time() -> None:
         _record(1.0, 1.4, 5.4, 3000, 201),  # ITL 4.0 / 200 / 2 = 10 ms
         _record(2.0, 2.2, 2.4, 500, 11),  # ITL 0.2 / 10 / 2 = 10 ms
     ]
-    session = next(lane_sessions(1, 0))
     figures = summarize(
         records,
-        [Request(session, 0)],
+        0.5,
         time_scale=2.0,
         warmup_s=0.0,
         gpus=4,
@@ -54,7 +53,7 @@ def test_warmups_errors_and_requests_before_the_window_are_not_measured() -> Non
     kept = _record(4.0, 4.1, 5.1, 100, 11)
     figures = summarize(
         [warm, early, failed, kept],
-        [],
+        0.0,
         time_scale=1.0,
         warmup_s=2.0,
         gpus=None,

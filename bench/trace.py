@@ -1,0 +1,795 @@
+"""``baton bench trace``: a public production trace replayed on a whole simulated rack, Baton
+against vllm-router and round robin.
+
+The trace is a JSONL file in the format Mooncake published with its FAST'25 paper
+(github.com/kvcache-ai/Mooncake, ``FAST25-release/traces/``): one request a line, its arrival
+``timestamp`` (ms), ``input_length`` and ``output_length`` (tokens) and ``hash_ids``, one id
+per 512-token block of the prompt, equal ids for equal prefixes. Each request is replayed as
+recorded: sent at its timestamp (the clock sped up ``--speedups`` times: the load dial), a
+streamed completion whose prompt is built block by block so that equal ids are equal text (512
+four-byte words a block, one token each under the simulator's tokenizer), ``max_tokens`` = the
+recorded output with ``ignore_eos``. No session header goes with it unless
+``--session-header``, which names each request's conversation as a client that keeps one would:
+a request continuing an earlier prompt (every full block of it, then more) joins its session.
+
+Each point runs on a fresh ``baton up`` rack, as ``baton bench agentx`` does (the same rack,
+router pinning, figures and per-GPU counts): Baton's gateway, vllm-router (``cache_aware``
+prefill, ``power_of_two`` decode) or round robin in front of the same engines, cold caches.
+
+Reuse is judged against the trace itself: the theoretical reuse is the share of prompt tokens
+whose block (and every block before it) an earlier request of the window sent, as one infinite
+prefix cache would serve them. Where the rest went comes from the engines' request log
+(``baton up --request-log``: which DP rank of which engine computed each prompt, when, and how
+many of its tokens its prefix cache held), per request:
+
+- ``in_flight``: no engine had finished computing the prefix when the request's rank looked it
+  up (a concurrent request was still prefilling it, or had not arrived);
+- ``elsewhere``: some DP rank held it, but the request went to another (routing: a spill, a key
+  that did not follow the prefix, a rank chosen by load);
+- ``evicted``: the rank it went to had computed the prefix, and no longer held it all.
+
+Each is a share of the prompt tokens sent, as reuse is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import hashlib
+import math
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from tqdm import tqdm
+
+from bench.agentx import (
+    FIGURES,
+    ROOT,
+    Record,
+    engine_counters,
+    gateway_affinity,
+    router,
+    served_model,
+    stack,
+    summarize,
+)
+from bench.workload import text
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "SESSION_MIN_BLOCKS",
+    "TraceError",
+    "TraceRequest",
+    "add_arguments",
+    "compare",
+    "load_trace",
+    "prefill_spread",
+    "prompt_digest",
+    "prompt_text",
+    "reusable_tokens",
+    "reuse_lost",
+    "run",
+    "sessions",
+]
+
+BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's traces
+SESSION_MIN_BLOCKS = 2
+ROUTERS = ("baton", "vllm-router", "round-robin")
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be replayed: the message names the file, line and field."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    line: int  # in the trace file, from 1
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+    def block_tokens(self, index: int) -> int:
+        """Tokens of block ``index`` of this prompt (the last one may be short)."""
+        return max(0, min(BLOCK_TOKENS, self.input_length - index * BLOCK_TOKENS))
+
+
+def load_trace(
+    path: Path, start_s: float = 0.0, duration_s: float | None = None
+) -> list[TraceRequest]:
+    """The requests of ``path`` that arrive in [start_s, start_s + duration_s) of its clock,
+    in arrival order."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read the trace ({exc.strerror})") from None
+    end_ms = math.inf if duration_s is None else (start_s + duration_s) * 1000
+    requests = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        request = _parse(path, number, line)
+        if start_s * 1000 <= request.timestamp_ms < end_ms:
+            requests.append(request)
+    if not requests:
+        raise TraceError(
+            f"{path}: no request arrives in the window {start_s:g} s + "
+            f"{'the rest' if duration_s is None else f'{duration_s:g} s'}; "
+            "choose --window within the trace's timestamps"
+        )
+    requests.sort(key=lambda r: (r.timestamp_ms, r.line))
+    return requests
+
+
+def _parse(path: Path, number: int, line: str) -> TraceRequest:
+    where = f"{path}:{number}"
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not a JSON object ({exc}); one request per line") from None
+    if not isinstance(record, dict):
+        raise TraceError(f"{where}: not a JSON object; one request per line")
+
+    def integer(name: str, least: int) -> int:
+        value = record.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise TraceError(f"{where}: field {name!r} is {value!r}; give an integer >= {least}")
+        return value
+
+    request = TraceRequest(
+        number,
+        integer("timestamp", 0),
+        integer("input_length", 1),
+        integer("output_length", 1),
+        tuple(record.get("hash_ids") or ()),
+    )
+    blocks = -(-request.input_length // BLOCK_TOKENS)
+    if len(request.hash_ids) != blocks or not all(
+        isinstance(h, int) and not isinstance(h, bool) for h in request.hash_ids
+    ):
+        raise TraceError(
+            f"{where}: field 'hash_ids' must hold {blocks} integers, one per {BLOCK_TOKENS}-token "
+            f"block of input_length {request.input_length}; it has {len(request.hash_ids)}"
+        )
+    return request
+
+
+@functools.lru_cache(maxsize=65_536)
+def _block(hash_id: int) -> str:
+    return text(hash_id, BLOCK_TOKENS)
+
+
+def prompt_text(request: TraceRequest) -> str:
+    """The prompt: block by block, the same text for the same id (cut short in the last)."""
+    return "".join(_block(h)[: request.block_tokens(i) * 4] for i, h in enumerate(request.hash_ids))
+
+
+def _tokens(request: TraceRequest, blocks: int) -> int:
+    """Tokens of the first ``blocks`` blocks, less the one token an engine always computes."""
+    return min(sum(request.block_tokens(i) for i in range(blocks)), request.input_length - 1)
+
+
+def reusable_tokens(requests: Sequence[TraceRequest]) -> list[int]:
+    """Per request, the prompt tokens an infinite prefix cache would serve: its leading blocks
+    that an earlier request sent (ids are prefix hashes: a block's id names its whole prefix)."""
+    seen: set[int] = set()
+    reusable = []
+    for request in requests:
+        blocks = 0
+        for hash_id in request.hash_ids:
+            if hash_id not in seen:
+                break
+            blocks += 1
+        reusable.append(_tokens(request, blocks))
+        seen.update(request.hash_ids)
+    return reusable
+
+
+def sessions(requests: Sequence[TraceRequest]) -> list[str]:
+    """A session name per request, as a client keeping conversations would send it: a request
+    whose prompt continues an earlier one (it starts with all of that one's full blocks, at
+    least :data:`SESSION_MIN_BLOCKS` of them, and has more) joins the latest such request's
+    session; any other starts its own. The minimum keeps apart conversations that share no
+    more than a system prompt (every request of Mooncake's conversation trace opens with the
+    same block), which a short first turn would otherwise chain together."""
+    session_of: dict[tuple[int, ...], str] = {}  # full-block prefix -> its latest session
+    names = []
+    for request in requests:
+        full = request.input_length // BLOCK_TOKENS
+        name = next(
+            (
+                session_of[request.hash_ids[:k]]
+                for k in range(len(request.hash_ids) - 1, SESSION_MIN_BLOCKS - 1, -1)
+                if request.hash_ids[:k] in session_of
+            ),
+            f"trace-{request.line}",
+        )
+        names.append(name)
+        if full >= SESSION_MIN_BLOCKS:
+            session_of[request.hash_ids[:full]] = name
+    return names
+
+
+# ---- where reuse was lost
+
+
+@dataclass(frozen=True, slots=True)
+class _Computed:
+    """Where and when an engine computed a prompt, from its request log line."""
+
+    rank: tuple[str, int]  # (API server, DP rank)
+    scheduled: float  # simulated seconds: when the rank looked its prefix up
+    first_token: float  # when the rank had computed it
+    cached_tokens: int
+
+
+def _computed(log_lines: Iterable[dict[str, Any]]) -> dict[str, list[_Computed]]:
+    """Per prompt digest, in arrival order, the engine requests that computed the prompt: a
+    prefill for a remote decode, or a request served alone (not one pulling its KV)."""
+    by_digest: dict[str, list[_Computed]] = defaultdict(list)
+    for line in log_lines:
+        if line["external_tokens"] or line["first_token"] is None or line["scheduled"] is None:
+            continue
+        by_digest[line["prompt"]].append(
+            _Computed(
+                (line["server"], line["dp_rank"]),
+                line["scheduled"],
+                line["first_token"],
+                line["cached_tokens"],
+            )
+        )
+    for computed in by_digest.values():
+        computed.sort(key=lambda c: c.scheduled)
+    return by_digest
+
+
+def prompt_digest(prompt: str) -> str:
+    """What the simulator's request log names a prompt by (BLAKE2b-128 of its bytes)."""
+    return hashlib.blake2b(prompt.encode(), digest_size=16).hexdigest()
+
+
+def reuse_lost(
+    requests: Sequence[TraceRequest], log_lines: Iterable[dict[str, Any]]
+) -> dict[str, float] | None:
+    """The prompt tokens the trace let the rack reuse and it computed again, by cause (the
+    module's docstring), as shares of the prompt tokens of the requests the engines computed;
+    ``found_in_flight`` is the reverse: tokens found cached on a rank before the request that
+    computed them there had finished (vLLM caches each block as it is computed). None when no
+    request of the trace is in the log."""
+    computed = _computed(log_lines)
+    matched: list[tuple[TraceRequest, _Computed, int]] = []
+    taken: dict[str, int] = defaultdict(int)
+    for request, reusable in zip(requests, reusable_tokens(requests), strict=True):
+        digest = prompt_digest(prompt_text(request))
+        candidates = computed.get(digest, [])
+        if taken[digest] < len(candidates):  # equal prompts pair up in order
+            matched.append((request, candidates[taken[digest]], reusable))
+            taken[digest] += 1
+    if not matched:
+        return None
+    # When each block was first computed anywhere, and on each rank.
+    anywhere: dict[int, float] = {}
+    on_rank: dict[tuple[tuple[str, int], int], float] = {}
+    for request, done, _ in matched:
+        for hash_id in request.hash_ids:
+            anywhere[hash_id] = min(anywhere.get(hash_id, math.inf), done.first_token)
+            key = (done.rank, hash_id)
+            on_rank[key] = min(on_rank.get(key, math.inf), done.first_token)
+    lost = dict.fromkeys(("in_flight", "elsewhere", "evicted", "found_in_flight"), 0)
+    for request, done, reusable in matched:
+        available = _leading(request, reusable, lambda h: anywhere[h] <= done.scheduled)  # noqa: B023
+        there = _leading(
+            request,
+            reusable,
+            lambda h: on_rank[(done.rank, h)] <= done.scheduled,  # noqa: B023
+        )
+        lost["in_flight"] += reusable - available
+        lost["elsewhere"] += available - there
+        lost["evicted"] += max(0, there - done.cached_tokens)
+        lost["found_in_flight"] += max(0, min(done.cached_tokens, reusable) - there)
+    total = sum(request.input_length for request, _, _ in matched)
+    return {cause: tokens / total for cause, tokens in lost.items()} | {
+        "requests_matched": len(matched) / len(requests)
+    }
+
+
+def _leading(request: TraceRequest, reusable: int, ready: Callable[[int], bool]) -> int:
+    """Tokens of the request's leading blocks that are ``ready``, at most ``reusable``."""
+    blocks = 0
+    for hash_id in request.hash_ids:
+        if not ready(hash_id):
+            break
+        blocks += 1
+    return min(_tokens(request, blocks), reusable)
+
+
+def prefill_spread(log_lines: Iterable[dict[str, Any]]) -> dict[str, float] | None:
+    """How evenly prompts were computed over the engines' API servers: the busiest one's share
+    of prompt tokens computed, and the mean's."""
+    computed: dict[str, int] = defaultdict(int)
+    for line in log_lines:
+        if line["remote_decode"]:
+            computed[line["server"]] += line["prompt_tokens"] - line["cached_tokens"]
+    total = sum(computed.values())
+    if not total:
+        return None
+    return {"busiest_share": max(computed.values()) / total, "servers": len(computed)}
+
+
+# ---- the replay
+
+
+@dataclass(slots=True)
+class _Replay:
+    url: str
+    model: str
+    time_scale: float
+    speedup: float
+    session_header: bool
+    http: aiohttp.ClientSession
+    started: float = 0.0
+    records: list[Record] = field(default_factory=list)
+    progress: tqdm | None = None
+
+
+async def _send(replay: _Replay, request: TraceRequest, session: str, at_wall: float) -> Record:
+    await asyncio.sleep(max(0.0, replay.started + at_wall - time.perf_counter()))
+    record = Record(session, request.line, False, time.perf_counter() - replay.started)
+    body = {
+        "model": replay.model,
+        "prompt": prompt_text(request),
+        "max_tokens": request.output_length,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    headers = {"Content-Type": "application/json"}
+    if replay.session_header:
+        headers["X-Session-ID"] = session
+    try:
+        async with replay.http.post(
+            f"{replay.url}/v1/completions", data=orjson.dumps(body), headers=headers
+        ) as response:
+            if response.status != 200:
+                record.error = f"HTTP {response.status}"
+                await response.read()
+                return record
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = orjson.loads(line[6:])
+                choices = chunk.get("choices") or []
+                if record.first is None and choices and choices[0].get("text"):
+                    record.first = time.perf_counter() - replay.started
+                usage = chunk.get("usage")
+                if usage:
+                    record.prompt_tokens = usage.get("prompt_tokens") or 0
+                    record.output_tokens = usage.get("completion_tokens") or 0
+                    details = usage.get("prompt_tokens_details") or {}
+                    record.cached_tokens = details.get("cached_tokens")
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        record.error = type(exc).__name__
+        return record
+    record.end = time.perf_counter() - replay.started
+    if record.first is None or not record.output_tokens:
+        record.error = "no tokens"
+    elif replay.progress is not None:
+        replay.progress.update(1)
+    return record
+
+
+async def _replay(
+    url: str,
+    model: str,
+    requests: Sequence[TraceRequest],
+    *,
+    speedup: float,
+    time_scale: float,
+    session_header: bool,
+    label: str,
+) -> tuple[list[Record], float]:
+    """Every request at its timestamp (sped up), all of them answered or failed; the records
+    in trace order and the wall seconds it took."""
+    origin = requests[0].timestamp_ms
+    names = sessions(requests)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300 * time_scale)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as http:
+        replay = _Replay(url, model, time_scale, speedup, session_header, http)
+        replay.progress = tqdm(
+            total=len(requests), desc=label, unit=" req", leave=False, file=sys.stderr
+        )
+        replay.started = time.perf_counter()
+        try:
+            records = await asyncio.gather(
+                *(
+                    _send(
+                        replay,
+                        request,
+                        name,
+                        (request.timestamp_ms - origin) / 1000 / speedup * time_scale,
+                    )
+                    for request, name in zip(requests, names, strict=True)
+                )
+            )
+        finally:
+            replay.progress.close()
+    return list(records), time.perf_counter() - replay.started
+
+
+# ---- points
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    trace: str
+    window_start_s: float  # of the trace's clock
+    window_s: float
+    warmup_s: float  # of the trace's clock, from the window's start: not measured
+    speedups: tuple[float, ...]
+    routers: tuple[str, ...]
+    session_header: tuple[bool, ...]
+    time_scale: float
+    usd_per_gpu_hour: float
+
+
+def _point(
+    settings: Settings,
+    requests: Sequence[TraceRequest],
+    theoretical: float,
+    name: str,
+    speedup: float,
+    session_header: bool,
+    directory: Path,
+) -> dict[str, Any]:
+    label = f"{name} x{speedup:g}" + (" +session" if session_header else "")
+    log_path = directory / f"requests-{name}-{speedup:g}-{int(session_header)}.jsonl"
+    log_path.unlink(missing_ok=True)
+    with (
+        stack(
+            directory, settings.time_scale, "agent", extra=("--request-log", str(log_path))
+        ) as rack,
+        router(name, rack, directory) as url,
+    ):
+        records, wall_s = asyncio.run(
+            _replay(
+                url,
+                served_model(url),
+                requests,
+                speedup=speedup,
+                time_scale=settings.time_scale,
+                session_header=session_header,
+                label=label,
+            )
+        )
+        counters = engine_counters(rack)
+        affinity = gateway_affinity(rack.gateway) if name == "baton" else None
+        gpus = rack.gpus
+    log_lines = [orjson.loads(line) for line in log_path.read_text().splitlines() if line]
+    figures = summarize(
+        records,
+        theoretical,
+        time_scale=settings.time_scale,
+        warmup_s=settings.warmup_s / speedup,
+        gpus=gpus,
+        computed_prompt_tokens=counters["computed"],
+        usd_per_gpu_hour=settings.usd_per_gpu_hour,
+    )
+    late = counters["late_steps"] / counters["steps"] if counters["steps"] else 0.0
+    return {
+        "router": name,
+        "speedup": speedup,
+        "session_header": session_header,
+        "offered_requests_per_s": len(requests) / (settings.window_s / speedup),
+        "wall_s": wall_s,
+        "late_steps": late,
+        "affinity": affinity,
+        "reuse_lost": reuse_lost(requests, log_lines),
+        "prefill_spread": prefill_spread(log_lines),
+        **figures,
+    }
+
+
+def sweep(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every point (per speedup, each router and header setting in turn, so the machine's
+    drift hits them alike), and what the window holds."""
+    requests = load_trace(Path(settings.trace), settings.window_start_s, settings.window_s)
+    reusable = reusable_tokens(requests)
+    prompt = sum(r.input_length for r in requests)
+    window = {
+        "requests": len(requests),
+        "prompt_tokens": prompt,
+        "output_tokens": sum(r.output_length for r in requests),
+        "mean_input_tokens": prompt / len(requests),
+        "theoretical_reuse": sum(reusable) / prompt,
+        "sessions": len(set(sessions(requests))),
+    }
+    points = []
+    with tempfile.TemporaryDirectory(prefix="baton-bench-trace-") as tmp:
+        for speedup in settings.speedups:
+            for name in settings.routers:
+                # a session header is the trace's client keeping conversations: Baton's option
+                for header in settings.session_header if name == "baton" else (False,):
+                    point = _point(
+                        settings,
+                        requests,
+                        window["theoretical_reuse"],
+                        name,
+                        speedup,
+                        header,
+                        Path(tmp),
+                    )
+                    print(_row(point), file=sys.stderr)
+                    points.append(point)
+    return points, window
+
+
+def compare(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Baton against each other router at each speedup (without session headers on either
+    side, as the trace was recorded): TTFT p90, throughput per GPU and P90 per-user rate as
+    ratios, and each one's reuse as a share of the theoretical."""
+    by = {(p["router"], p["speedup"], p["session_header"]): p for p in points}
+    rows = []
+    for (name, speedup, header), point in by.items():
+        baton = by.get(("baton", speedup, False))
+        if name == "baton" or header or baton is None:
+            continue
+        if "ttft_ms" not in point or "ttft_ms" not in baton:
+            continue
+        rows.append(
+            {
+                "speedup": speedup,
+                "against": name,
+                "ttft_p90_ratio": baton["ttft_ms"]["p90"] / point["ttft_ms"]["p90"],
+                "throughput_per_gpu_ratio": baton["tokens_per_s_per_gpu"]
+                / point["tokens_per_s_per_gpu"],
+                "p90_per_user_ratio": baton["p90_tokens_per_s_per_user"]
+                / point["p90_tokens_per_s_per_user"],
+                "baton_reuse_of_theoretical": _of_theoretical(baton),
+                "their_reuse_of_theoretical": _of_theoretical(point),
+            }
+        )
+    return rows
+
+
+def _of_theoretical(point: dict[str, Any]) -> float:
+    achieved = point.get("prefix_reuse_achieved")
+    return achieved / point["prefix_reuse_theoretical"] if achieved is not None else math.nan
+
+
+# ---- report
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None or math.isnan(value) else format(value, spec)
+
+
+def _row(point: dict[str, Any]) -> str:
+    ttft = point.get("ttft_ms", {})
+    lost = point.get("reuse_lost") or {}
+    reuse = point.get("prefix_reuse_achieved")
+    return (
+        f"| {point['router']}{' +session' if point['session_header'] else ''} "
+        f"| x{point['speedup']:g} | {point['requests']} "
+        f"| {_fmt(point.get('tokens_per_s_per_gpu'), ',.0f')} "
+        f"| {_fmt(point.get('p90_tokens_per_s_per_user'), '.1f')} "
+        f"| {_fmt(ttft.get('p50'), ',.0f')} / {_fmt(ttft.get('p90'), ',.0f')} / "
+        f"{_fmt(ttft.get('p99'), ',.0f')} "
+        f"| {_fmt(reuse * 100 if reuse is not None else None, '.1f')}% of "
+        f"{point['prefix_reuse_theoretical'] * 100:.1f}% "
+        f"| {' / '.join(_fmt(lost.get(c, math.nan) * 100, '.1f') for c in LOST)} "
+        f"| {point['errors']} | {point.get('late_steps', math.nan) * 100:.1f}% |"
+    )
+
+
+LOST = ("in_flight", "elsewhere", "evicted")
+HEADER = (
+    "| router | speedup | requests | tokens/s/GPU | P90 tok/s/user | TTFT p50 / p90 / p99 ms "
+    "| prefix reuse (theoretical) | reuse lost: in flight / elsewhere / evicted (% of prompt) "
+    "| errors | late steps |\n|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def plot(points: Sequence[dict[str, Any]], window: dict[str, Any], path: Path) -> None:
+    """TTFT p90 by speedup, reuse against the theoretical, and where each router lost reuse."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def label(point: dict[str, Any]) -> str:
+        return point["router"] + (" +session" if point["session_header"] else "")
+
+    series = list(dict.fromkeys(label(p) for p in points))
+    fig, (ttft, reuse, lost) = plt.subplots(1, 3, figsize=(16, 4.8))
+    for name in series:
+        mine = sorted(
+            (p for p in points if label(p) == name and "ttft_ms" in p), key=lambda p: p["speedup"]
+        )
+        xs = [p["speedup"] for p in mine]
+        ttft.plot(xs, [p["ttft_ms"]["p90"] for p in mine], marker="o", label=name)
+        reuse.plot(
+            xs, [(p.get("prefix_reuse_achieved") or 0) * 100 for p in mine], marker="o", label=name
+        )
+    ttft.set(xlabel="trace speed-up", ylabel="TTFT p90 (ms)", yscale="log", title="TTFT p90")
+    ttft.legend(fontsize=8)
+    reuse.axhline(
+        window["theoretical_reuse"] * 100,
+        color="black",
+        linestyle=":",
+        label=f"theoretical {window['theoretical_reuse'] * 100:.1f}%",
+    )
+    reuse.set(
+        xlabel="trace speed-up",
+        ylabel="prompt tokens served from cache (%)",
+        ylim=(0, None),
+        title="Prefix reuse",
+    )
+    reuse.legend(fontsize=8)
+    bars = [p for p in points if p.get("reuse_lost")]
+    bottoms = [0.0] * len(bars)
+    for cause in LOST:
+        heights = [p["reuse_lost"][cause] * 100 for p in bars]
+        lost.bar(range(len(bars)), heights, bottom=bottoms, label=cause.replace("_", " "))
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    lost.set_xticks(
+        range(len(bars)),
+        [f"{label(p)}\nx{p['speedup']:g}" for p in bars],
+        fontsize=6,
+        rotation=60,
+    )
+    lost.set(ylabel="% of prompt tokens", title="Reuse lost, by cause")
+    lost.legend(fontsize=8)
+    fig.suptitle(
+        f"{window['trace']}: {window['requests']} requests, mean input "
+        f"{window['mean_input_tokens']:,.0f} tokens",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("trace")
+    group.add_argument("--trace", type=Path, help="a JSONL trace in Mooncake's format (required)")
+    group.add_argument(
+        "--window",
+        help="START:SECONDS of the trace's clock to replay (default 0:300; quick 0:60)",
+    )
+    group.add_argument(
+        "--warmup",
+        type=float,
+        help="trace seconds at the window's start whose requests are not measured (default "
+        "60; quick 15): the caches start cold",
+    )
+    group.add_argument(
+        "--speedups",
+        help="how many times faster than recorded the trace is replayed, comma-separated: the "
+        "load dial (default 4,8,16; quick 8)",
+    )
+    group.add_argument(
+        "--trace-routers",
+        help=f"routers to compare, comma-separated (default: {','.join(ROUTERS)})",
+    )
+    group.add_argument(
+        "--session-header",
+        choices=["no", "yes", "both"],
+        help="send each request's conversation in X-Session-ID (yes), not (no: as recorded), "
+        "or both for Baton (default: both; other routers never get it)",
+    )
+    group.add_argument(
+        "--time-scale",
+        type=float,
+        help="wall seconds per simulated second (default 2)",
+    )
+    group.add_argument(
+        "--usd-per-gpu-hour",
+        type=float,
+        help="GPU price for $/M tokens (default 3.00, an assumption, not a quote)",
+    )
+
+
+def _settings(args: argparse.Namespace, quick: bool) -> Settings:
+    given = vars(args)
+
+    def pick(name: str, full: Any, short: Any) -> Any:
+        value = given.get(name)
+        return (short if quick else full) if value is None else value
+
+    if given.get("trace") is None:
+        raise SystemExit(
+            "baton bench trace: --trace FILE is required: a JSONL trace in Mooncake's format, "
+            "e.g. FAST25-release/traces/conversation_trace.jsonl of github.com/kvcache-ai/Mooncake"
+        )
+    window = pick("window", "0:300", "0:60")
+    try:
+        start, seconds = (float(v) for v in window.split(":"))
+    except ValueError:
+        raise SystemExit(
+            f"baton bench trace: --window {window!r}: give START:SECONDS, e.g. 0:300"
+        ) from None
+    speedups_text = pick("speedups", "4,8,16", "8")
+    try:
+        speedups = tuple(float(v) for v in speedups_text.split(","))
+    except ValueError:
+        raise SystemExit(
+            f"baton bench trace: --speedups {speedups_text!r}: give numbers like 4,8"
+        ) from None
+    if seconds <= 0 or start < 0 or min(speedups) <= 0:
+        raise SystemExit(
+            "baton bench trace: --window needs START >= 0 and SECONDS > 0, --speedups numbers > 0"
+        )
+    routers = tuple(
+        r for r in pick("trace_routers", ",".join(ROUTERS), ",".join(ROUTERS)).split(",") if r
+    )
+    unknown = sorted(set(routers) - set(ROUTERS))
+    if unknown or not routers:
+        raise SystemExit(
+            f"baton bench trace: --trace-routers: unknown {unknown}; choose from {list(ROUTERS)}"
+        )
+    header = pick("session_header", "both", "both")
+    return Settings(
+        trace=str(given["trace"]),
+        window_start_s=start,
+        window_s=seconds,
+        warmup_s=float(pick("warmup", 60.0, 15.0)),
+        speedups=speedups,
+        routers=routers,
+        session_header={"no": (False,), "yes": (True,), "both": (False, True)}[header],
+        time_scale=float(pick("time_scale", 2.0, 2.0)),
+        usd_per_gpu_hour=float(pick("usd_per_gpu_hour", 3.0, 3.0)),
+    )
+
+
+def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str, object]:
+    settings = _settings(args or argparse.Namespace(), quick)
+    started = time.time()
+    try:
+        points, window = sweep(settings)
+    except TraceError as exc:
+        raise SystemExit(f"baton bench trace: {exc}") from None
+    window["trace"] = Path(settings.trace).name
+    result: dict[str, object] = {
+        "benchmark": "trace",
+        "settings": asdict(settings),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "window": window,
+        "points": points,
+        "comparison": compare(points),
+        "targets": {"reuse_of_theoretical_min": 0.95, "ttft_p90_ratio_max": 0.5},
+    }
+    print(
+        f"{window['trace']} {settings.window_start_s:g}+{settings.window_s:g} s: "
+        f"{window['requests']} requests, theoretical reuse {window['theoretical_reuse']:.1%}"
+    )
+    print(HEADER)
+    for point in points:
+        print(_row(point))
+    for row in result["comparison"]:  # type: ignore[attr-defined]
+        print(
+            f"x{row['speedup']:g}: Baton / {row['against']}: "
+            f"TTFT p90 {row['ttft_p90_ratio']:.2f}x, "
+            f"throughput per GPU {row['throughput_per_gpu_ratio']:.2f}x, P90 per-user "
+            f"{row['p90_per_user_ratio']:.2f}x; reuse of the theoretical: Baton "
+            f"{row['baton_reuse_of_theoretical']:.1%}, {row['against']} "
+            f"{row['their_reuse_of_theoretical']:.1%}"
+        )
+    if not quick:
+        FIGURES.mkdir(parents=True, exist_ok=True)
+        plot(points, window, FIGURES / "trace.png")
+        print(f"wrote {(FIGURES / 'trace.png').relative_to(ROOT)}", file=sys.stderr)
+    return result
