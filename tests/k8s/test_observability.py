@@ -38,7 +38,7 @@ from rigs.observability import (
     drill,
     start_prometheus,
 )
-from rigs.processes import free_port, stop_process
+from rigs.processes import eventually, free_port, stop_process
 from tests.helpers import documented, grafana_expr, served
 from tests.k8s.helpers import MODEL, controller_log
 
@@ -133,7 +133,8 @@ def test_the_drill_served_most_requests_and_failed_some_in_the_gateway(
     observed: Observed,
 ) -> None:
     statuses = observed.statuses
-    assert statuses[200] > 100 and statuses.get(502, 0) + statuses.get(503, 0) > 0
+    # every decode server fails its next four: the four requests after it fail every attempt
+    assert statuses[200] > 100 and statuses.get(502, 0) + statuses.get(503, 0) >= 4
 
 
 def test_every_recording_rule_returns_data_and_every_alert_evaluates(observed: Observed) -> None:
@@ -147,10 +148,19 @@ def test_every_recording_rule_returns_data_and_every_alert_evaluates(observed: O
         assert prometheus.query(name), f"{name} returned no data"
     states = {rule["name"]: rule["state"] for rule in rules if rule["type"] == "alerting"}
     assert len(states) == 8
-    # the drill's 502s and the quarantined tray: on their way to firing (their `for` is longer
-    # than a test)
-    assert states["BatonGatewayErrorRate"] in ("pending", "firing")
-    assert states["BatonCellDegraded"] in ("pending", "firing")
+    # the drill's 502s (at least 4 of about 340 requests: over the 1%) and the quarantined
+    # tray: on their way to firing (their `for` is longer than a test). The alert group reads
+    # what the recording group wrote at its own last evaluation, so on a busy host the state
+    # can trail the last scrape by an evaluation or two: wait for it.
+
+    def pending(alert: str) -> bool:
+        return any(
+            rule["name"] == alert and rule["state"] in ("pending", "firing")
+            for rule in prometheus.rules()
+        )
+
+    eventually(lambda: pending("BatonGatewayErrorRate"), timeout=60, interval=0.5)
+    eventually(lambda: pending("BatonCellDegraded"), timeout=60, interval=0.5)
 
 
 @pytest.mark.parametrize("uid", [spec.uid for spec in DASHBOARDS])
