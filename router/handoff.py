@@ -1,14 +1,14 @@
 """The P/D sequence for one request, as vLLM's NIXL connector expects it, with its fallbacks.
 
 1. Choose a prefill instance (``policy.choose_prefill``) unless the P/D decider sends the prompt
-   straight to decode. While the prefill runs, the request's uncached tokens there count as
-   outstanding on the instance; once it answers, the instance holds the prompt
-   (``usage.prompt_tokens``) cached for the request's affinity key.
+   straight to decode. The chosen DP rank is recorded as holding the prompt's blocks
+   (``router/prefix.py``) as soon as it is chosen; while the prefill runs, the request's
+   uncached tokens there count as outstanding on the instance.
 2. Prefill: the client's body with ``max_tokens=1`` (and ``max_completion_tokens=1`` when
    present), ``stream=false``, ``stream_options`` and ``min_tokens`` removed and
    ``kv_transfer_params={"do_remote_decode": true, ...}``, under the request's ``X-Request-Id``,
-   to the instance's DP rank for the request's key (``X-data-parallel-rank``) once the instance
-   has reported its ranks.
+   to the instance's DP rank holding its prefix, else the one for its key
+   (``X-data-parallel-rank``), once the instance has reported its ranks.
    - a 4xx goes back to the client as the engine wrote it;
    - a 5xx, a timeout or a connection error falls back to decode alone.
    - an answer whose ``remote_block_ids`` cannot hold its ``remote_num_tokens`` (fewer blocks
@@ -54,23 +54,19 @@ from router.errors import (
 from router.metrics import GatewayMetrics
 from router.policy import (
     AffinityKey,
-    AffinitySource,
     DecodeRankView,
     PrefillChoice,
     PrefillView,
-    PromptPrefix,
     RoutingPolicy,
     affinity_key,
     choose_decode_rank,
     choose_prefill,
-    conversation_digest,
     estimate_prompt_tokens,
-    head_bytes,
     needs_prefill,
     prompt_bytes,
-    prompt_prefix,
 )
 from router.pool import Pool
+from router.prefix import block_hashes
 from router.relay import DecodeRelay, Timing
 from router.stream import DecodeStream, FirstToken, StreamState
 from router.upstream import UpstreamPool, UpstreamResponse
@@ -130,9 +126,6 @@ class _Request:
     raw: bytes  # the client's exact bytes: what decode receives
     request_id: str
     key: AffinityKey
-    conversation: bytes  # policy.conversation_digest: what its turns share
-    prompt: PromptPrefix  # what its prefill leaves cached
-    head: PromptPrefix  # the prompt through its first message
     timing: Timing
 
     @property
@@ -173,27 +166,18 @@ class Handoff:
         timing = Timing(started=time.perf_counter())
         key = affinity_key(headers, body, request_id)
         prompt = prompt_bytes(body)
-        # the conversation is the key itself when no session header or user named one
-        keyed_on_it = key.source in (AffinitySource.CONVERSATION, AffinitySource.PROMPT)
-        conversation = key.digest if keyed_on_it else conversation_digest(body) or b""
-        request = _Request(
-            route,
-            body,
-            raw,
-            request_id,
-            key,
-            conversation,
-            prompt_prefix(prompt),
-            prompt_prefix(prompt, head_bytes(body)),
-            timing,
-        )
+        request = _Request(route, body, raw, request_id, key, timing)
         prompt_tokens = estimate_prompt_tokens(body, prompt)
         await self._admit()
         choice = None
         if needs_prefill(prompt_tokens, self.policy):
-            snapshot = self.pool.snapshot(key, prompt, conversation)
+            blocks = block_hashes(prompt)
+            snapshot = self.pool.snapshot(blocks)
             choice = choose_prefill(snapshot, key, prompt_tokens, self.policy)
             if choice is not None:
+                # recorded now, so that a request sharing the prefix while this one runs
+                # follows it to the rank that will hold it
+                self.pool.routed(choice.view.name, choice.dp_rank, blocks)
                 self.metrics.child(
                     self.metrics.affinity, key.source.value, "miss" if choice.spilled else "hit"
                 ).inc()
@@ -263,15 +247,9 @@ class Handoff:
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
         prompt = usage.get("prompt_tokens")
-        if isinstance(prompt, int):
-            # the prompt's KV stays in the instance's prefix cache (the decode output never
-            # reaches it), whether or not decode can pull it
-            self.pool.prefix_cached(
-                request.key, request.conversation, target.name, prompt, request.prompt, request.head
-            )
-            if isinstance(cached, int):
-                self.metrics.cached_tokens.inc(cached)
-                self.metrics.uncached_tokens.inc(prompt - cached)
+        if isinstance(prompt, int) and isinstance(cached, int):
+            self.metrics.cached_tokens.inc(cached)
+            self.metrics.uncached_tokens.inc(prompt - cached)
         if not isinstance(params, dict):
             log.warning(
                 "prefill %s answered without kv_transfer_params; decode prefills alone", target.name

@@ -14,18 +14,21 @@ choice, so routing state never has to be shared between them.
    that prefix, so every turn (and nothing else) shares the key, while conversations that only
    share a system prompt do not.
    A completion prompt is keyed on its first :data:`PROMPT_KEY_BYTES` bytes.
-2. Rendezvous hashing of the key over healthy instances ranks them; the top two are the
-   candidates (power of two choices).
-3. Load bound, in uncached prompt tokens: what the engines will compute, since a prompt's
+2. Prefixes. The pool's index (``router/prefix.py``) tells, per instance, how many leading
+   tokens of the prompt its DP ranks were sent: a conversation's earlier turns, a system prompt
+   or a document other requests shared, wherever they went, header or not.
+3. Candidates. Rendezvous hashing of the key ranks the healthy instances; the first candidate
+   is the one holding the longest prefix (the key's first when none holds more), the second
+   the key's first other one (power of two choices), so conversations that share only what
+   no instance holds yet spread by key.
+4. Load bound, in uncached prompt tokens: what the engines will compute, since a prompt's
    cached prefix costs an instance next to nothing (an agentic turn resends its whole history,
    nearly all of it cached where the session's last turn ran). A candidate's load with the
-   request is its outstanding uncached tokens plus the request's uncached tokens there: its
-   estimated prompt tokens less what its key holds cached there (the pool's view: the
-   conversation's last prompt when the request continues it, :func:`continues`; else a system
-   prompt the key's other conversations left there); the whole prompt on any other instance.
-   The candidate holding the key's cache (the first, when neither does) wins unless its load
-   exceeds the other's by more than ``imbalance_tokens``; a hot session then spills over
-   instead of queueing. (``least_loaded`` takes the lowest such load of all, whatever the key.)
+   request is its outstanding uncached tokens plus the request's estimated prompt tokens less
+   those its rank holds. The first candidate wins unless its load exceeds the other's by more
+   than ``imbalance_tokens``; a hot prefix then spills over instead of queueing.
+   (``least_loaded`` takes the lowest such load of all, whatever the key.) Its DP rank is the
+   one holding the prefix, else the key's (:func:`prefill_dp_rank`).
 
 **Decode** (one DP rank of the cell's decode group): the fewest in-flight requests among the
 cell's healthy ranks (request count is enough: the DeepSeek-V4.1-Flash GB300 study found decode
@@ -61,18 +64,15 @@ __all__ = [
     "PrefillChoice",
     "PrefillPolicy",
     "PrefillView",
-    "PromptPrefix",
     "RoutingPolicy",
     "affinity_key",
     "choose_decode_rank",
     "choose_prefill",
-    "continues",
     "conversation_digest",
     "estimate_prompt_tokens",
-    "head_bytes",
     "needs_prefill",
+    "prefill_dp_rank",
     "prompt_bytes",
-    "prompt_prefix",
     "uncached_tokens",
 ]
 
@@ -93,10 +93,8 @@ SESSION_HEADERS = (
     "x-correlation-id",
 )
 PROMPT_KEY_BYTES = 4096
-# A prompt is taken to continue a cached one when it has the same length of bytes at the same
-# start and end: comparing both ends finds a different prompt under the same key (another
-# conversation of one user, completions sharing a head) without hashing a 200K-token history
-# on every request.
+# A message of the conversation key is told apart by its length and the bytes at its start and
+# end, so a 500 KB system prompt is not hashed whole to make a key.
 PREFIX_SAMPLE_BYTES = 4096
 
 
@@ -107,8 +105,9 @@ class PrefillView:
     healthy: bool
     # uncached prompt tokens in flight there: this gateway's, plus other replicas' as estimated
     outstanding_tokens: int
-    cached_tokens: int  # prompt tokens the request's affinity key holds cached there
+    cached_tokens: int  # the request's prompt tokens its rank below was sent (router/prefix.py)
     dp_ranks: int = 0  # DP ranks its engine reports, each with a prefix cache; 0: not known yet
+    cached_dp_rank: int = -1  # the rank holding cached_tokens; -1: none, or the engine chose
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,43 +237,13 @@ def prompt_bytes(body: Mapping[str, object]) -> bytes:
     return b""
 
 
-def head_bytes(body: Mapping[str, object]) -> int:
-    """Bytes of :func:`prompt_bytes` through the first of several messages (the system prompt an
-    agent's subagents start from); 0 for one message or a completion prompt."""
-    messages = body.get("messages")
-    if isinstance(messages, list) and len(messages) > 1:
-        return 1 + len(orjson.dumps(messages[0]))  # after the list's "["
-    return 0
-
-
-@dataclass(frozen=True, slots=True)
-class PromptPrefix:
-    """A prompt's first ``length`` bytes, told apart by their ends (:data:`PREFIX_SAMPLE_BYTES`)."""
-
-    length: int
-    digest: bytes
-
-
-def prompt_prefix(text: bytes, length: int | None = None) -> PromptPrefix:
-    """The prefix of ``text`` of ``length`` bytes (all of it by default)."""
-    length = len(text) if length is None else length
-    head = text[: min(length, PREFIX_SAMPLE_BYTES)]
-    return PromptPrefix(length, _digest(head, text[max(0, length - PREFIX_SAMPLE_BYTES) : length]))
-
-
-def continues(text: bytes, prefix: PromptPrefix) -> bool:
-    """Whether the prompt ``text`` starts with the (non-empty) ``prefix``."""
-    return 0 < prefix.length <= len(text) and prompt_prefix(text, prefix.length) == prefix
-
-
 def needs_prefill(uncached_tokens: int, policy: RoutingPolicy) -> bool:
     """The P/D decider: short uncached prompts are prefilled by the decode rank itself."""
     return uncached_tokens >= policy.pd_threshold_tokens
 
 
 def uncached_tokens(view: PrefillView, prompt_tokens: int) -> int:
-    """The request's prompt tokens ``view``'s instance would compute: those its key has not
-    cached there."""
+    """The request's prompt tokens ``view``'s instance would compute: those not cached there."""
     return max(0, prompt_tokens - view.cached_tokens)
 
 
@@ -308,11 +277,11 @@ def choose_prefill(
     def load(view: PrefillView) -> int:  # the instance's uncached tokens with this request
         return view.outstanding_tokens + uncached_tokens(view, prompt_tokens)
 
-    # The pair, the one holding the key's cache first (after a spill, the second choice):
-    # leaving it costs the cached prefix, whichever rendezvous rank it has.
-    pair = ranked[:2]
-    if len(pair) > 1 and pair[1].cached_tokens > pair[0].cached_tokens:
-        pair.reverse()
+    # The pair: the instance holding the longest prefix of the prompt (the key's first choice
+    # when none holds more), then the key's first choice after it. Leaving the first costs
+    # its cached prefix.
+    holder = max(ranked, key=lambda view: view.cached_tokens)  # the first of equals
+    pair = [holder, *(view for view in ranked[:2] if view is not holder)][:2]
     if policy.prefill is PrefillPolicy.LEAST_LOADED:
         view = min(ranked, key=load)
     elif len(pair) > 1 and load(pair[0]) > load(pair[1]) + policy.imbalance_tokens:
@@ -328,13 +297,16 @@ def choose_prefill(
 
 
 def prefill_dp_rank(key: bytes, view: PrefillView) -> int:
-    """The DP rank of ``view``'s instance that prefills ``key``'s requests, or -1 (one rank, or
+    """The DP rank of ``view``'s instance that prefills ``key``'s request, or -1 (one rank, or
     not known yet: the engine chooses). Each rank of a DP instance has a prefix cache of its own,
     and vLLM's internal load balancer sends a request to the rank with the fewest requests: a
     session's next turn lands on whichever rank is free, where its history is not cached, more
-    often the busier the instance. Rendezvous hashing over the ranks keeps a key on one."""
+    often the busier the instance. The rank holding the prompt's longest prefix takes it; with
+    none, rendezvous hashing over the ranks keeps a key on one."""
     if view.dp_ranks <= 1:
         return -1
+    if 0 <= view.cached_dp_rank < view.dp_ranks:
+        return view.cached_dp_rank
     return max(range(view.dp_ranks), key=lambda rank: _score(key, f"{view.name}#{rank}"))
 
 

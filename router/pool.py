@@ -3,8 +3,8 @@
 The pool owns every piece of mutable routing state: which targets are healthy (active checks of
 ``/health`` plus passive ejection by a circuit breaker) and which of them it routes to (all but
 the dead while a role's pool is in panic), how many requests and uncached prompt
-tokens this gateway has in flight at each target, where each affinity key's last prefill ran and
-how many prompt tokens that instance holds cached for it, and every few seconds the load other
+tokens this gateway has in flight at each target, which prompt prefixes each prefill DP rank was
+sent (``router/prefix.py``), and every few seconds the load other
 gateway replicas put on each target: the engines' own ``vllm:num_requests_running`` plus
 ``vllm:num_requests_waiting`` less this gateway's share (so several replicas converge on the same
 view while each keeps its own count exact). It hands out immutable :class:`PoolSnapshot` objects
@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,18 +30,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from baton.core.files import load_yaml_model
-from router.policy import (
-    AffinityKey,
-    DecodeRankView,
-    PoolSnapshot,
-    PrefillView,
-    PromptPrefix,
-    continues,
-)
+from router.policy import DecodeRankView, PoolSnapshot, PrefillView
+from router.prefix import BLOCK_TOKENS, PrefixIndex
 
 __all__ = [
-    "CACHED_PROMPTS",
-    "CONVERSATIONS_PER_KEY",
     "ENGINE_LOAD_METRICS",
     "METRICS_PAGE_BYTES",
     "MISSED_PROBES",
@@ -62,15 +54,6 @@ log = logging.getLogger("baton.gateway.pool")
 # global DP rank): requests, not tokens; vLLM exports no gauge of the prompt tokens it has yet to
 # compute.
 ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-# Conversations whose cached prompt the pool remembers: those of the most recently prefilled keys,
-# in under 80 MB. A DEP2 prefill instance caches about 135M tokens (2 GPUs, 60 GB of KV each at
-# 890 bytes a token), a thousand or so agentic sessions of 100K tokens, so 100K conversations
-# cover what the prefill instances of several racks can hold; an older one has mostly lost its KV
-# to the engines' own LRU, and counting its prompt whole is then the truth.
-CACHED_PROMPTS = 100_000
-# Conversations remembered under one key (a session's own and its subagents', a user's), the
-# most recently prefilled.
-CONVERSATIONS_PER_KEY = 8
 # This gateway's mean uncached tokens per prefill, which prices other replicas' prefills: the
 # plain mean of its first prefills, then a moving mean over about this many.
 _MEAN_PREFILLS = 1024
@@ -176,20 +159,6 @@ class Breaker:
             self.open_until = now + self.cooldown_s
 
 
-@dataclass(frozen=True, slots=True)
-class _CachedPrompt:
-    """A conversation's last prefilled prompt: where it ran and what that instance holds."""
-
-    instance: str
-    tokens: int  # the engine's count of the prompt's tokens, all in the instance's prefix cache
-    prompt: PromptPrefix
-    head: PromptPrefix  # through the first message: the system prompt other conversations share
-
-    @property
-    def head_tokens(self) -> int:
-        return self.tokens * self.head.length // self.prompt.length if self.prompt.length else 0
-
-
 @dataclass(slots=True)
 class _Target:
     name: str
@@ -253,7 +222,7 @@ class Pool:
         probe_interval_s: float,
         stall_after_s: float = 30.0,
         breaker: Callable[[], Breaker] = Breaker,
-        cached_prompts: int = CACHED_PROMPTS,
+        prefixes: PrefixIndex | None = None,
         on_missed_probe: Callable[[str], None] | None = None,
         on_ejected: Callable[[str, str, bool], None] | None = None,
         max_requests_per_rank: int = 0,
@@ -261,7 +230,7 @@ class Pool:
         """``probe_interval_s``: seconds between health checks, and between load syncs;
         ``stall_after_s``: seconds a decode server may run requests without counting a token
         before it is routed around; ``breaker`` makes each target's circuit breaker;
-        ``cached_prompts``: how many conversations' cached prompts to remember;
+        ``prefixes``: the index of what each prefill DP rank was sent (a default one);
         ``on_missed_probe``: told the server's URL when a health check goes unanswered;
         ``on_ejected``: told the server's URL, why (``failed_health_check``,
         ``unanswered_health_checks``) and whether its pool is in panic, each time a health
@@ -277,10 +246,7 @@ class Pool:
         self._place_freed: asyncio.Future[None] | None = None  # woken when a rank's load falls
         self.stall_after_s = stall_after_s
         self._new_breaker = breaker
-        self._cached_prompts = cached_prompts
-        # affinity key digest -> conversation digest -> its cached prompt; oldest first in both
-        self._cached: OrderedDict[bytes, dict[bytes, _CachedPrompt]] = OrderedDict()
-        self._cached_count = 0
+        self.prefixes = prefixes or PrefixIndex()
         self._prefills = 0
         self._mean_uncached_tokens = 0.0
         self.prefill: dict[str, _Target] = {}
@@ -330,6 +296,7 @@ class Pool:
                     target = self.decode.get(name) or self._target(name, spec.url, cell.name)
                     target.cell, target.dp_rank = cell.name, rank
                     decode[name] = target
+        self._forget_prefixes([t for name, t in self.prefill.items() if name not in prefill])
         self.prefill, self.decode = prefill, decode
         servers: dict[str, _Server] = {}
         for target in [*prefill.values(), *decode.values()]:
@@ -349,16 +316,16 @@ class Pool:
     def _target(self, name: str, url: str, cell: str) -> _Target:
         return _Target(name, url, cell, self._new_breaker())
 
-    def snapshot(
-        self, key: AffinityKey | None = None, prompt: bytes = b"", conversation: bytes = b""
-    ) -> PoolSnapshot:
-        """The targets as the policy sees them now; the prefill views carry what ``key`` holds
-        cached on one instance for ``prompt`` (its ``policy.prompt_bytes``) of ``conversation``
-        (its ``policy.conversation_digest``): the conversation's last prompt where it ran, when
-        this one continues it; else the first message (the system prompt a subagent shares with
-        its parent) where the key's newest conversation starting with it ran; else nothing."""
+    def snapshot(self, prompt_blocks: Sequence[bytes] = ()) -> PoolSnapshot:
+        """The targets as the policy sees them now; each prefill view carries how many tokens
+        of the prompt whose ``prefix.block_hashes`` are ``prompt_blocks`` its DP rank that was
+        sent the longest run of them holds, and that rank."""
         now = time.monotonic()
-        cached_on, cached = self._cached_for(key, prompt, conversation) if key else ("", 0)
+        held: dict[str, tuple[int, int]] = {}  # instance -> (blocks, DP rank) of its best rank
+        for name, blocks in self.prefixes.match(prompt_blocks).items():
+            instance, _, rank = name.rpartition("#")
+            if blocks > held.get(instance, (0, -1))[0]:
+                held[instance] = (blocks, int(rank))
         prefill, decode = self._routable(self.prefill, now), self._routable(self.decode, now)
         return PoolSnapshot(
             prefill=tuple(
@@ -367,8 +334,9 @@ class Pool:
                     t.cell,
                     prefill[t.name],
                     t.outstanding_tokens + self._peer_tokens(t),
-                    cached if t.name == cached_on else 0,
+                    held.get(t.name, (0, -1))[0] * BLOCK_TOKENS,
                     t.dp_ranks,
+                    held.get(t.name, (0, -1))[1],
                 )
                 for t in self.prefill.values()
             ),
@@ -456,41 +424,16 @@ class Pool:
             target.in_flight -= 1
             target.outstanding_tokens -= uncached_tokens
 
-    def _cached_for(self, key: AffinityKey, prompt: bytes, conversation: bytes) -> tuple[str, int]:
-        conversations = self._cached.get(key.digest)
-        if not conversations:
-            return "", 0
-        own = conversations.get(conversation)
-        if own is not None and continues(prompt, own.prompt):
-            return own.instance, own.tokens
-        for entry in reversed(conversations.values()):
-            if continues(prompt, entry.head):
-                return entry.instance, entry.head_tokens
-        return "", 0
+    def routed(self, name: str, dp_rank: int, prompt_blocks: Sequence[bytes]) -> None:
+        """A prompt of ``prompt_blocks`` goes to DP rank ``dp_rank`` (-1: the engine chooses)
+        of prefill instance ``name``: that rank will hold its prefix."""
+        self.prefixes.routed(f"{name}#{dp_rank}", prompt_blocks)
 
-    def prefix_cached(
-        self,
-        key: AffinityKey,
-        conversation: bytes,
-        name: str,
-        prompt_tokens: int,
-        prompt: PromptPrefix,
-        head: PromptPrefix,
-    ) -> None:
-        """``key``'s prefill of ``prompt`` (``head``: through its first message) in
-        ``conversation`` ran on ``name``: that instance now holds its ``prompt_tokens`` (the
-        engine's count) in its prefix cache, and is the one place the conversation is counted
-        as cached."""
-        conversations = self._cached.pop(key.digest, {})
-        self._cached_count -= len(conversations)
-        conversations.pop(conversation, None)
-        conversations[conversation] = _CachedPrompt(name, prompt_tokens, prompt, head)
-        while len(conversations) > CONVERSATIONS_PER_KEY:
-            del conversations[next(iter(conversations))]
-        self._cached[key.digest] = conversations
-        self._cached_count += len(conversations)
-        while self._cached_count > self._cached_prompts:
-            self._cached_count -= len(self._cached.popitem(last=False)[1])
+    def _forget_prefixes(self, targets: Sequence[_Target]) -> None:
+        """What ``targets`` (prefill instances) were sent is gone: their engine died or left."""
+        ranks = {f"{t.name}#{rank}" for t in targets for rank in range(-1, max(t.dp_ranks, 1))}
+        if ranks:
+            self.prefixes.forget(ranks)
 
     def block_size(self, name: str) -> int:
         """The KV block size target ``name``'s engine reports, or 0 before its first sync."""
@@ -697,6 +640,8 @@ class Pool:
         if server.up and not up:
             reason = "unanswered_health_checks" if unanswered else "failed_health_check"
             self._ejected.append((server, reason))
+        if dead and not server.dead:  # a restarted engine starts with an empty prefix cache
+            self._forget_prefixes([t for t in server.targets if t.name in self.prefill])
         server.up, server.dead = up, dead
 
     async def sync_load(self) -> None:

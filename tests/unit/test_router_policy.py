@@ -11,7 +11,6 @@ import pytest
 
 from baton.core.model import BYTES_PER_TOKEN
 from router.policy import (
-    PREFIX_SAMPLE_BYTES,
     PROMPT_KEY_BYTES,
     SESSION_HEADERS,
     AffinityKey,
@@ -20,17 +19,15 @@ from router.policy import (
     PoolSnapshot,
     PrefillPolicy,
     PrefillView,
-    PromptPrefix,
     RoutingPolicy,
     affinity_key,
     choose_decode_rank,
     choose_prefill,
-    continues,
     conversation_digest,
     estimate_prompt_tokens,
     needs_prefill,
+    prefill_dp_rank,
     prompt_bytes,
-    prompt_prefix,
     uncached_tokens,
 )
 
@@ -378,12 +375,28 @@ def test_the_allowance_favours_the_candidate_holding_the_cache_whichever_rank_it
     assert pick(50_001 + POLICY.imbalance_tokens - 2_000) == (first, True)
 
 
-def test_a_cache_elsewhere_than_the_two_candidates_does_not_count() -> None:
+def test_the_instance_holding_the_longest_prefix_is_the_first_candidate_whatever_its_rank() -> None:
+    # a prompt sharing a document or an earlier turn with requests of other keys: found where
+    # they went, not only among the key's two choices
     k = key("session-1")
     first, second = candidates(k)
     third = next(v.name for v in FOUR if v.name not in (first, second))
-    views = views_with({third: (0, 50_000)})
-    assert chosen(snapshot(views), k) == first
+    views = views_with({third: (0, 40_000), second: (0, 20_000)})
+    choice = choose_prefill(snapshot(views), k, 50_000, POLICY)
+    assert choice is not None and choice.view.name == third and not choice.spilled
+    # past the bound it spills to the key's first choice, not to the next-longest prefix
+    views = views_with({third: (60_000, 40_000), second: (0, 20_000)})
+    choice = choose_prefill(snapshot(views), k, 50_000, POLICY)
+    assert choice is not None and choice.view.name == first and choice.spilled
+
+
+def test_the_dp_rank_holding_the_prefix_takes_the_prompt() -> None:
+    k = key("session-1")
+    view = prefill("http://p0", dp_ranks=2)
+    keyed = prefill_dp_rank(k.digest, view)
+    held = replace(view, cached_tokens=4_096, cached_dp_rank=1 - keyed)
+    choice = choose_prefill(snapshot([held]), k, 5_000, POLICY)
+    assert choice is not None and choice.dp_rank == 1 - keyed
 
 
 def test_least_loaded_policy_counts_the_requests_uncached_tokens_on_each_instance() -> None:
@@ -405,50 +418,6 @@ def test_uncached_tokens_are_never_negative() -> None:
     assert uncached_tokens(prefill("http://p0", cached=2_100), 2_000) == 0
     assert uncached_tokens(prefill("http://p0", cached=1_500), 2_000) == 500
     assert uncached_tokens(prefill("http://p0"), 2_000) == 2_000
-
-
-# ---- whether a prompt continues the one its key has cached
-
-
-def cached_prefix(body: dict[str, object]) -> PromptPrefix:
-    return prompt_prefix(prompt_bytes(body))
-
-
-def test_a_conversations_next_turn_continues_its_cached_prompt() -> None:
-    first = [SYSTEM, user("fix the bug in pool.py " * 500)]
-    second = [*first, assistant("done"), user("now add a test")]
-    assert continues(prompt_bytes({"messages": second}), cached_prefix({"messages": first}))
-    assert continues(prompt_bytes({"messages": first}), cached_prefix({"messages": first}))
-    # the earlier turn does not continue the later one
-    assert not continues(prompt_bytes({"messages": first}), cached_prefix({"messages": second}))
-
-
-def test_an_edited_history_or_another_conversation_does_not_continue_it() -> None:
-    first = [SYSTEM, user("fix the bug in pool.py"), assistant("done")]
-    edited = [SYSTEM, user("fix the bug in app.py"), assistant("done"), user("and test it")]
-    other = [SYSTEM, user("write the docs"), assistant("done"), user("and test them")]
-    for later in (edited, other):
-        assert not continues(prompt_bytes({"messages": later}), cached_prefix({"messages": first}))
-
-
-def test_completions_sharing_a_long_head_do_not_continue_each_other() -> None:
-    head = "x" * 3 * PREFIX_SAMPLE_BYTES  # the same key (PROMPT_KEY_BYTES) for both
-    one, two = head + "question one " * 100, head + "question two " * 100
-    assert affinity_key({}, {"prompt": one}, "r") == affinity_key({}, {"prompt": two}, "r")
-    assert not continues(prompt_bytes({"prompt": two}), cached_prefix({"prompt": one}))
-    assert continues(prompt_bytes({"prompt": one + " more"}), cached_prefix({"prompt": one}))
-
-
-def test_token_prompts_continue_by_their_ids() -> None:
-    cached = cached_prefix({"prompt": [1, 2, 3]})
-    assert continues(prompt_bytes({"prompt": [1, 2, 3, 4]}), cached)
-    assert not continues(prompt_bytes({"prompt": [1, 2, 30]}), cached)
-    assert not continues(prompt_bytes({"prompt": [1, 2]}), cached)
-
-
-def test_nothing_continues_an_empty_prompt() -> None:
-    assert prompt_bytes({}) == b""
-    assert not continues(prompt_bytes({"prompt": "anything"}), prompt_prefix(b""))
 
 
 # ---- choose_decode_rank

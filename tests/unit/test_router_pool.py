@@ -6,18 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from router.policy import (
-    AffinityKey,
-    RoutingPolicy,
-    affinity_key,
-    choose_prefill,
-    conversation_digest,
-    head_bytes,
-    prompt_bytes,
-    prompt_prefix,
-)
+from router.policy import AffinityKey, RoutingPolicy, affinity_key, choose_prefill, prompt_bytes
 from router.pool import (
-    CONVERSATIONS_PER_KEY,
     Breaker,
     DecodeServerSpec,
     Pool,
@@ -26,6 +16,7 @@ from router.pool import (
     load_pool_file,
     parse_decode_flag,
 )
+from router.prefix import BLOCK_BYTES, BLOCK_TOKENS, block_hashes
 
 P0, P1, P2 = "http://p0:1", "http://p1:1", "http://p2:1"
 D0, D1 = "http://d0:1", "http://d1:1"
@@ -243,120 +234,90 @@ def conversation(*contents: str, system: str | None = None) -> dict[str, object]
     return {"messages": messages}
 
 
-def remember(p: Pool, k: AffinityKey, instance: str, tokens: int, body: dict[str, object]) -> None:
-    """``body``'s prefill of ``tokens`` prompt tokens under ``k`` ran on ``instance``."""
-    prompt = prompt_bytes(body)
-    conversation_ = conversation_digest(body) or b""
-    p.prefix_cached(
-        k,
-        conversation_,
-        instance,
-        tokens,
-        prompt_prefix(prompt),
-        prompt_prefix(prompt, head_bytes(body)),
-    )
+def blocks(body: dict[str, object]) -> tuple[bytes, ...]:
+    return block_hashes(prompt_bytes(body))
 
 
-def cached(p: Pool, k: AffinityKey, body: dict[str, object]) -> dict[str, int]:
-    snapshot = p.snapshot(k, prompt_bytes(body), conversation_digest(body) or b"")
-    return {v.name: v.cached_tokens for v in snapshot.prefill}
+def cached(p: Pool, body: dict[str, object]) -> dict[str, int]:
+    return {v.name: v.cached_tokens for v in p.snapshot(blocks(body)).prefill}
+
+
+def tokens(body: dict[str, object]) -> int:
+    """The prompt's tokens in its full blocks: what the index can count cached."""
+    return len(blocks(body)) * BLOCK_TOKENS
+
+
+TASK = "fix the bug in the pool " * 2_000  # about 48 KB: a dozen blocks
+SYSTEM_PROMPT = "you are a coding agent " * 1_000
 
 
 def test_a_cached_turn_in_flight_counts_its_uncached_tokens_and_keeps_the_next_session() -> None:
-    """The agentic case end to end: a session with 195K tokens cached on its instance sends a
-    200K-token turn; while it runs, a second session keyed to the same instance, with 60K of
-    history cached there, sends a 62K-token turn. Counting whole prompts put 200K outstanding
-    on the instance and spilled the second session off its cache; counted uncached, both stay."""
+    """The agentic case end to end: a session with its history cached on its instance sends
+    its next turn; while it runs, a second session keyed to the same instance, with its own
+    history cached there, sends its next turn. Counting whole prompts put both whole on the
+    instance and spilled the second session off its cache; counted uncached, both stay."""
     p = two_instances()
     first, second = keyed_to(p, P0, 2)
-    remember(p, first, P0, 195_000, conversation("first task"))
-    remember(p, second, P0, 60_000, conversation("second task"))
-    body = conversation("first task", "done", "next")
-    snapshot = p.snapshot(first, prompt_bytes(body), conversation_digest(body) or b"")
-    turn = choose_prefill(snapshot, first, 200_000, RoutingPolicy())
+    first_history = conversation(TASK + "first")
+    p.routed(P0, -1, blocks(first_history))
+    second_history = conversation(TASK.upper() + "second")
+    p.routed(P0, -1, blocks(second_history))
+    body = conversation(TASK + "first", "done", "next")
+    estimate = tokens(first_history) + 5_000
+    turn = choose_prefill(p.snapshot(blocks(body)), first, estimate, RoutingPolicy())
     assert turn is not None and turn.view.name == P0 and turn.uncached_tokens == 5_000
     p.begin_prefill(P0, turn.uncached_tokens)
-    assert {v.name: v.outstanding_tokens for v in p.snapshot().prefill} == {P0: 5_000, P1: 0}
-    body = conversation("second task", "done", "next")
-    snapshot = p.snapshot(second, prompt_bytes(body), conversation_digest(body) or b"")
-    next_turn = choose_prefill(snapshot, second, 62_000, RoutingPolicy())
+    body = conversation(TASK.upper() + "second", "done", "next")
+    estimate = tokens(second_history) + 2_000
+    next_turn = choose_prefill(p.snapshot(blocks(body)), second, estimate, RoutingPolicy())
     assert next_turn is not None and next_turn.view.name == P0 and not next_turn.spilled
     assert next_turn.uncached_tokens == 2_000
 
 
-def test_a_conversation_counts_as_cached_only_where_its_last_prefill_ran() -> None:
+def test_a_prompt_counts_as_cached_where_its_longest_prefix_was_sent() -> None:
     p = two_instances()
-    k = session("agent-7")
-    remember(p, k, P0, 10_000, conversation("task"))
-    assert cached(p, k, conversation("task", "done", "next")) == {P0: 10_000, P1: 0}
-    # its next turn spilled: the newest cache is there
-    remember(p, k, P1, 12_000, conversation("task", "done", "next"))
-    assert cached(p, k, conversation("task", "done", "next", "ok", "go on")) == {P0: 0, P1: 12_000}
-    # another key, or none, has nothing cached
-    assert cached(p, session("other"), conversation("task", "done", "next")) == {P0: 0, P1: 0}
+    turn = conversation(TASK)
+    p.routed(P0, -1, blocks(turn))
+    later = conversation(TASK, "done", "next " * 2_000)
+    assert cached(p, later) == {P0: tokens(turn), P1: 0}
+    # its next turn went to P1: both hold a prefix, P1 the longer
+    p.routed(P1, -1, blocks(later))
+    assert cached(p, conversation(TASK, "done", "next " * 2_000, "ok")) == {
+        P0: tokens(turn),
+        P1: tokens(later),
+    }
+    # another conversation, whatever its key, finds nothing; the empty prompt neither
+    assert cached(p, conversation("write the docs " * 2_000)) == {P0: 0, P1: 0}
     assert {v.name: v.cached_tokens for v in p.snapshot().prefill} == {P0: 0, P1: 0}
 
 
-def test_a_key_counts_as_cached_only_for_a_prompt_continuing_one_of_its_conversations() -> None:
-    """One key, several conversations (a user's): only a prompt that starts with one cached finds
-    it cached, each conversation where its own last turn ran."""
+def test_a_subagent_finds_its_parents_system_prompt_where_the_parent_ran() -> None:
     p = two_instances()
-    k = affinity_key({}, {"user": "alice"}, "r")
-    remember(p, k, P0, 10_000, conversation("plan the trip"))
-    remember(p, k, P1, 4_000, conversation("fix my code"))
-    assert cached(p, k, conversation("plan the trip", "done", "book it")) == {P0: 10_000, P1: 0}
-    assert cached(p, k, conversation("plan the trip"))[P0] == 10_000  # the same prompt again
-    assert cached(p, k, conversation("fix my code", "done", "test it")) == {P0: 0, P1: 4_000}
-    assert cached(p, k, conversation("write a poem")) == {P0: 0, P1: 0}  # another conversation
-    assert cached(p, k, conversation("plan the trip to Rome", "done"))[P0] == 0  # edited
-    assert cached(p, k, {"messages": []})[P0] == 0
+    parent = conversation("fix the bug", "looking", "result", system=SYSTEM_PROMPT)
+    p.routed(P1, -1, blocks(parent))
+    task = cached(p, conversation("find where tokens are counted", system=SYSTEM_PROMPT))
+    system_blocks = len(prompt_bytes(conversation(system=SYSTEM_PROMPT))) // BLOCK_BYTES
+    assert task == {P0: 0, P1: system_blocks * BLOCK_TOKENS} and system_blocks > 3
+    # another system prompt finds nothing
+    assert cached(p, conversation("fix the bug", system="you are a poet " * 1_000))[P1] == 0
 
 
-def test_a_subagent_finds_its_parents_system_prompt_cached_and_the_parent_its_history() -> None:
-    """A subagent is keyed on its parent (X-Parent-Session-ID) and starts from the parent's
-    system prompt: it counts that prompt cached where the parent's last turn ran. Its own turns
-    then count their own history, and the parent's next turn still finds its whole history
-    cached: the subagent's prefill does not take the parent's place under the key."""
+def test_the_dp_rank_sent_the_prefix_is_the_one_the_view_names() -> None:
     p = two_instances()
-    parent = session("agent-7")
-    subagent = affinity_key({"x-session-id": "sub-1", "x-parent-session-id": "agent-7"}, {}, "r")
-    assert subagent == parent
-    system = "you are a coding agent " * 300
-    remember(p, parent, P1, 9_000, conversation("fix the bug", "looking", "result", system=system))
-    # the system prompt's share of the parent's 9,000 tokens, by bytes
-    share = 9_000 * len(system) / len(prompt_bytes(conversation("fix the bug", system=system)))
-    task = cached(p, subagent, conversation("find where tokens are counted", system=system))
-    assert task[P0] == 0 and share * 0.9 < task[P1] < 9_000
-    remember(p, subagent, P1, 2_500, conversation("find where tokens are counted", system=system))
-    subagent_turn = conversation("find where tokens are counted", "found", "read it", system=system)
-    assert cached(p, subagent, subagent_turn)[P1] == 2_500
-    parent_turn = conversation("fix the bug", "looking", "result", "ok", "go", system=system)
-    assert cached(p, parent, parent_turn)[P1] == 9_000
-    # a conversation with another system prompt, under the same key, finds nothing
-    assert cached(p, parent, conversation("fix the bug", system="you are a poet")) == {P0: 0, P1: 0}
+    p.record_engine_load(P0, engine_metrics({"0": (0, 0), "1": (0, 0)}))  # DEP2
+    body = conversation(TASK)
+    p.routed(P0, 1, blocks(body))
+    view = {v.name: v for v in p.snapshot(blocks(body)).prefill}[P0]
+    assert view.cached_dp_rank == 1 and view.cached_tokens == tokens(body)
 
 
-def test_the_pool_remembers_only_the_most_recently_prefilled_conversations() -> None:
-    p = Pool(spec(("c0", (P0, P1), (ranks(D0, 0),))), probe_interval_s=2.0, cached_prompts=2)
-    one, two, three = session("one"), session("two"), session("three")
-    body = conversation("task")
-    remember(p, one, P0, 100, body)
-    remember(p, two, P0, 200, body)
-    remember(p, one, P0, 150, body)  # prefilled again: the newest now
-    # over the bound: the oldest, two, is forgotten
-    remember(p, three, P1, 300, body)
-    totals = [sum(cached(p, k, body).values()) for k in (one, two, three)]
-    assert totals == [150, 0, 300]
-
-
-def test_a_key_remembers_its_most_recent_conversations() -> None:
+def test_an_instance_that_leaves_the_pool_comes_back_holding_nothing() -> None:
     p = two_instances()
-    k = affinity_key({}, {"user": "alice"}, "r")
-    tasks = [f"task {i}" for i in range(CONVERSATIONS_PER_KEY + 1)]
-    for index, task in enumerate(tasks):
-        remember(p, k, P0, 100 + index, conversation(task))
-    assert cached(p, k, conversation(tasks[0]))[P0] == 0  # the oldest, forgotten
-    assert cached(p, k, conversation(tasks[-1]))[P0] == 100 + CONVERSATIONS_PER_KEY
+    body = conversation(TASK)
+    p.routed(P0, -1, blocks(body))
+    p.update(spec(("c0", (P1,), (ranks(D0, 0),))))
+    p.update(spec(("c0", (P0, P1), (ranks(D0, 0),))))
+    assert cached(p, body) == {P0: 0, P1: 0}
 
 
 def engine_metrics(requests: dict[str, tuple[int, int]]) -> str:
