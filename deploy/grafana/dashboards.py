@@ -287,6 +287,24 @@ CELLS_AND_RANKS = (
         (Query("max by (cell, role) (baton_gateway_healthy_targets)", "{{cell}} {{role}}"),),
         unit="short",
     ),
+    PanelSpec(
+        "Panic per role",
+        "1 while fewer than half of a role's targets pass their health checks and a gateway "
+        "routes to every one not known dead (a busy host, or most engines down).",
+        (Query("max by (role) (baton_gateway_panic)", "{{role}}"),),
+        unit="short",
+    ),
+    PanelSpec(
+        "Ejections and admission waits",
+        "Engine servers ejected by their health checks, by reason, and requests that waited "
+        "for a decode rank below --max-requests-per-rank (waited) or got 429 (saturated).",
+        (
+            rate_by("baton_gateway_ejections_total", "reason"),
+            rate_by("baton_gateway_admission_waits_total", "result"),
+        ),
+        unit="reqps",
+        bars=True,
+    ),
 )
 
 EPLB = (
