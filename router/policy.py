@@ -17,10 +17,11 @@ choice, so routing state never has to be shared between them.
 2. Prefixes. The pool's index (``router/prefix.py``) tells, per instance, how many leading
    tokens of the prompt its DP ranks were sent: a conversation's earlier turns, a system prompt
    or a document other requests shared, wherever they went, header or not.
-3. Candidates. Rendezvous hashing of the key ranks the healthy instances; the first candidate
-   is the one holding the longest prefix (the key's first when none holds more), the second
-   the key's first other one (power of two choices), so conversations that share only what
-   no instance holds yet spread by key.
+3. Candidates. Rendezvous hashing of the key ranks the healthy instances; the two candidates
+   are the two holding the longest prefixes, equals in the key's order (power of two
+   choices): the key's first two when none holds any, so conversations that share only what
+   no instance holds yet spread by key, and requests of many keys that share a prefix spill
+   onto the instance that holds it next, not onto each key's own.
 4. Load bound, in uncached prompt tokens: what the engines will compute, since a prompt's
    cached prefix costs an instance next to nothing (an agentic turn resends its whole history,
    nearly all of it cached where the session's last turn ran). A candidate's load with the
@@ -277,11 +278,11 @@ def choose_prefill(
     def load(view: PrefillView) -> int:  # the instance's uncached tokens with this request
         return view.outstanding_tokens + uncached_tokens(view, prompt_tokens)
 
-    # The pair: the instance holding the longest prefix of the prompt (the key's first choice
-    # when none holds more), then the key's first choice after it. Leaving the first costs
-    # its cached prefix.
-    holder = max(ranked, key=lambda view: view.cached_tokens)  # the first of equals
-    pair = [holder, *(view for view in ranked[:2] if view is not holder)][:2]
+    # The pair: the two instances holding the longest prefixes of the prompt, equals in the
+    # key's order (with none holding any, the key's first two). Leaving the first costs its
+    # cached prefix; a spill goes where the prefix is too, when it is anywhere else, so that
+    # requests sharing a hot prefix under many keys spill onto one more instance, not many.
+    pair = sorted(ranked, key=lambda view: -view.cached_tokens)[:2]  # stable: key order
     if policy.prefill is PrefillPolicy.LEAST_LOADED:
         view = min(ranked, key=load)
     elif len(pair) > 1 and load(pair[0]) > load(pair[1]) + policy.imbalance_tokens:

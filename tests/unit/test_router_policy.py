@@ -375,17 +375,23 @@ def test_the_allowance_favours_the_candidate_holding_the_cache_whichever_rank_it
     assert pick(50_001 + POLICY.imbalance_tokens - 2_000) == (first, True)
 
 
-def test_the_instance_holding_the_longest_prefix_is_the_first_candidate_whatever_its_rank() -> None:
+def test_the_instances_holding_the_longest_prefixes_are_the_candidates_whatever_their_rank() -> (
+    None
+):
     # a prompt sharing a document or an earlier turn with requests of other keys: found where
     # they went, not only among the key's two choices
     k = key("session-1")
     first, second = candidates(k)
-    third = next(v.name for v in FOUR if v.name not in (first, second))
-    views = views_with({third: (0, 40_000), second: (0, 20_000)})
+    third, fourth = (v.name for v in FOUR if v.name not in (first, second))
+    views = views_with({third: (0, 40_000), fourth: (0, 20_000)})
     choice = choose_prefill(snapshot(views), k, 50_000, POLICY)
     assert choice is not None and choice.view.name == third and not choice.spilled
-    # past the bound it spills to the key's first choice, not to the next-longest prefix
-    views = views_with({third: (60_000, 40_000), second: (0, 20_000)})
+    # past the bound it spills to the next-longest prefix, not to the key's first choice
+    views = views_with({third: (60_000, 40_000), fourth: (0, 20_000)})
+    choice = choose_prefill(snapshot(views), k, 50_000, POLICY)
+    assert choice is not None and choice.view.name == fourth and choice.spilled
+    # with one holder, the key's first choice is the other candidate
+    views = views_with({third: (60_000, 40_000)})
     choice = choose_prefill(snapshot(views), k, 50_000, POLICY)
     assert choice is not None and choice.view.name == first and choice.spilled
 
