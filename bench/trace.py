@@ -38,11 +38,14 @@ import asyncio
 import functools
 import hashlib
 import math
+import os
+import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +66,7 @@ from bench.agentx import (
     summarize,
 )
 from bench.workload import text
+from rigs.processes import stop_process
 
 __all__ = [
     "BLOCK_TOKENS",
@@ -441,6 +445,22 @@ class Settings:
     session_header: tuple[bool, ...]
     time_scale: float
     usd_per_gpu_hour: float
+    busy_per_core: int = 0  # CPU-bound processes run beside the rack, per core
+
+
+@contextmanager
+def _busy_host(per_core: int) -> Iterator[None]:
+    """``per_core`` CPU-bound processes per core beside the rack while the block runs: the
+    shared, busy node a gateway and its engines meet in production."""
+    processes = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(per_core * (os.cpu_count() or 1))
+    ]
+    try:
+        yield
+    finally:
+        for process in processes:
+            stop_process(process)
 
 
 def _point(
@@ -456,6 +476,7 @@ def _point(
     log_path = directory / f"requests-{name}-{speedup:g}-{int(session_header)}.jsonl"
     log_path.unlink(missing_ok=True)
     with (
+        _busy_host(settings.busy_per_core),
         stack(
             directory, settings.time_scale, "agent", extra=("--request-log", str(log_path))
         ) as rack,
@@ -491,6 +512,7 @@ def _point(
         "speedup": speedup,
         "session_header": session_header,
         "offered_requests_per_s": len(requests) / (settings.window_s / speedup),
+        "busy_processes_per_core": settings.busy_per_core,
         "wall_s": wall_s,
         "late_steps": late,
         "affinity": affinity,
@@ -506,12 +528,14 @@ def sweep(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     requests = load_trace(Path(settings.trace), settings.window_start_s, settings.window_s)
     reusable = reusable_tokens(requests)
     prompt = sum(r.input_length for r in requests)
-    window = {
+    theoretical = sum(reusable) / prompt
+    window: dict[str, Any] = {
+        "trace_sha256": hashlib.sha256(Path(settings.trace).read_bytes()).hexdigest(),
         "requests": len(requests),
         "prompt_tokens": prompt,
         "output_tokens": sum(r.output_length for r in requests),
         "mean_input_tokens": prompt / len(requests),
-        "theoretical_reuse": sum(reusable) / prompt,
+        "theoretical_reuse": theoretical,
         "sessions": len(set(sessions(requests))),
     }
     points = []
@@ -523,7 +547,7 @@ def sweep(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
                     point = _point(
                         settings,
                         requests,
-                        window["theoretical_reuse"],
+                        theoretical,
                         name,
                         speedup,
                         header,
@@ -679,7 +703,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--speedups",
         help="how many times faster than recorded the trace is replayed, comma-separated: the "
-        "load dial (default 4,8,16; quick 8)",
+        "load dial (default 8,16,24; quick 8)",
     )
     group.add_argument(
         "--trace-routers",
@@ -694,7 +718,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--time-scale",
         type=float,
-        help="wall seconds per simulated second (default 2)",
+        help="wall seconds per simulated second (default 4; quick 2)",
+    )
+    group.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="run this many CPU-bound processes per core beside the rack at every point (a "
+        "busy host); the result is saved as trace-busy.json",
     )
     group.add_argument(
         "--usd-per-gpu-hour",
@@ -722,7 +753,7 @@ def _settings(args: argparse.Namespace, quick: bool) -> Settings:
         raise SystemExit(
             f"baton bench trace: --window {window!r}: give START:SECONDS, e.g. 0:300"
         ) from None
-    speedups_text = pick("speedups", "4,8,16", "8")
+    speedups_text = pick("speedups", "8,16,24", "8")
     try:
         speedups = tuple(float(v) for v in speedups_text.split(","))
     except ValueError:
@@ -750,8 +781,9 @@ def _settings(args: argparse.Namespace, quick: bool) -> Settings:
         speedups=speedups,
         routers=routers,
         session_header={"no": (False,), "yes": (True,), "both": (False, True)}[header],
-        time_scale=float(pick("time_scale", 2.0, 2.0)),
+        time_scale=float(pick("time_scale", 4.0, 2.0)),
         usd_per_gpu_hour=float(pick("usd_per_gpu_hour", 3.0, 3.0)),
+        busy_per_core=int(given.get("busy") or 0),
     )
 
 
@@ -764,7 +796,7 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
         raise SystemExit(f"baton bench trace: {exc}") from None
     window["trace"] = Path(settings.trace).name
     result: dict[str, object] = {
-        "benchmark": "trace",
+        "benchmark": "trace-busy" if settings.busy_per_core else "trace",
         "settings": asdict(settings),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "window": window,
@@ -788,7 +820,7 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
             f"{row['baton_reuse_of_theoretical']:.1%}, {row['against']} "
             f"{row['their_reuse_of_theoretical']:.1%}"
         )
-    if not quick:
+    if not quick and not settings.busy_per_core:
         FIGURES.mkdir(parents=True, exist_ok=True)
         plot(points, window, FIGURES / "trace.png")
         print(f"wrote {(FIGURES / 'trace.png').relative_to(ROOT)}", file=sys.stderr)
