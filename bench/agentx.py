@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -179,23 +179,38 @@ async def _send(load: _Load, request: Request, chat: list[dict[str, str]]) -> No
         headers["X-Parent-Session-ID"] = request.session.parent
     load.records.append(record)
     load.requests.append(request)
+    url = f"{load.url}/v1/chat/completions"
+    answered = await stream_into(record, load.http, url, body, headers, load.started)
+    if answered and load.progress is not None and not record.warmup:
+        load.progress.update(1)
+
+
+async def stream_into(
+    record: Record,
+    http: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    started: float,
+) -> bool:
+    """Send a streamed chat or text completion and fill ``record`` (wall seconds since
+    ``started``) from its chunks and usage; whether it ended with tokens (else ``record.error``
+    says why)."""
     try:
-        async with load.http.post(
-            f"{load.url}/v1/chat/completions",
-            data=orjson.dumps(body),
-            headers=headers,
-        ) as response:
+        async with http.post(url, data=orjson.dumps(body), headers=headers) as response:
             if response.status != 200:
                 record.error = f"HTTP {response.status}"
                 await response.read()
-                return
+                return False
             async for line in response.content:
                 if not line.startswith(b"data: {"):
                     continue
                 chunk = orjson.loads(line[6:])
                 choices = chunk.get("choices") or []
-                if record.first is None and choices and choices[0].get("delta", {}).get("content"):
-                    record.first = time.perf_counter() - load.started
+                if record.first is None and choices:
+                    choice = choices[0]
+                    if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                        record.first = time.perf_counter() - started
                 usage = chunk.get("usage")
                 if usage:
                     record.prompt_tokens = usage.get("prompt_tokens") or 0
@@ -204,12 +219,12 @@ async def _send(load: _Load, request: Request, chat: list[dict[str, str]]) -> No
                     record.cached_tokens = details.get("cached_tokens")
     except (aiohttp.ClientError, TimeoutError) as exc:
         record.error = type(exc).__name__
-        return
-    record.end = time.perf_counter() - load.started
+        return False
+    record.end = time.perf_counter() - started
     if record.first is None or not record.output_tokens:
         record.error = "no tokens"
-    elif load.progress is not None and not record.warmup:
-        load.progress.update(1)
+        return False
+    return True
 
 
 async def _drive(
@@ -664,11 +679,11 @@ def _eplb_row(point: dict[str, Any]) -> str:
     steps = max((p.get("steps", 0.0) for p in point.get("balance_timeline", [])), default=0.0)
     return (
         f"| {EPLB_NAMES.get(point['eplb'], point['eplb'])} "
-        f"| {_fmt(balance.get('target'), '.3f')} / {_fmt(balance.get('draft'), '.3f')} "
-        f"| {steps:,.0f} | {_fmt(point.get('tokens_per_s_per_gpu'), ',.0f')} "
-        f"| {_fmt(point.get('output_per_s_per_gpu'), ',.0f')} "
-        f"| {_fmt(point.get('p90_tokens_per_s_per_user'), '.1f')} "
-        f"| {point['errors']} | {_fmt(point.get('late_steps', math.nan) * 100, '.1f')}% |"
+        f"| {fmt(balance.get('target'), '.3f')} / {fmt(balance.get('draft'), '.3f')} "
+        f"| {steps:,.0f} | {fmt(point.get('tokens_per_s_per_gpu'), ',.0f')} "
+        f"| {fmt(point.get('output_per_s_per_gpu'), ',.0f')} "
+        f"| {fmt(point.get('p90_tokens_per_s_per_user'), '.1f')} "
+        f"| {point['errors']} | {fmt(point.get('late_steps', math.nan) * 100, '.1f')}% |"
     )
 
 
@@ -686,7 +701,8 @@ EPLB_HEADER = (
 # ---- report
 
 
-def _fmt(value: float | None, spec: str) -> str:
+def fmt(value: float | None, spec: str) -> str:
+    """``value`` formatted by ``spec``; ``-`` for none or NaN."""
     return (
         "-"
         if value is None or (isinstance(value, float) and math.isnan(value))
@@ -699,16 +715,16 @@ def _row(point: dict[str, Any]) -> str:
     reuse = point.get("prefix_reuse_achieved")
     return (
         f"| {point['router']} | {point['concurrency']} | {point['requests']} "
-        f"| {_fmt(point.get('tokens_per_s_per_gpu'), ',.0f')} "
-        f"| {_fmt(point.get('output_per_s_per_gpu'), ',.0f')} "
-        f"| {_fmt(point.get('p90_tokens_per_s_per_user'), '.1f')} "
-        f"| {_fmt(ttft.get('p50'), ',.0f')} / {_fmt(ttft.get('p90'), ',.0f')} / "
-        f"{_fmt(ttft.get('p99'), ',.0f')} "
-        f"| {_fmt(reuse * 100 if reuse is not None else None, '.1f')}% of "
+        f"| {fmt(point.get('tokens_per_s_per_gpu'), ',.0f')} "
+        f"| {fmt(point.get('output_per_s_per_gpu'), ',.0f')} "
+        f"| {fmt(point.get('p90_tokens_per_s_per_user'), '.1f')} "
+        f"| {fmt(ttft.get('p50'), ',.0f')} / {fmt(ttft.get('p90'), ',.0f')} / "
+        f"{fmt(ttft.get('p99'), ',.0f')} "
+        f"| {fmt(reuse * 100 if reuse is not None else None, '.1f')}% of "
         f"{point['prefix_reuse_theoretical'] * 100:.1f}% "
-        f"| {_fmt(point.get('usd_per_million_tokens'), '.4f')} "
+        f"| {fmt(point.get('usd_per_million_tokens'), '.4f')} "
         f"| {point['errors']} "
-        f"| {_fmt(point.get('late_steps', math.nan) * 100, '.1f')}% |"
+        f"| {fmt(point.get('late_steps', math.nan) * 100, '.1f')}% |"
     )
 
 
@@ -916,13 +932,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _settings(args: argparse.Namespace, quick: bool) -> Settings:
-    """The run's settings from the command line (``baton bench all`` gives none: defaults)."""
+def option_picker(args: argparse.Namespace, quick: bool) -> Callable[[str, Any, Any], Any]:
+    """``pick(name, full, short)``: the option as given, else its full or quick run's default
+    (``baton bench all`` gives no options: every one is a default)."""
     given = vars(args)
 
     def pick(name: str, full: Any, short: Any) -> Any:
         value = given.get(name)
         return (short if quick else full) if value is None else value
+
+    return pick
+
+
+def _settings(args: argparse.Namespace, quick: bool) -> Settings:
+    """The run's settings from the command line (``baton bench all`` gives none: defaults)."""
+    given = vars(args)
+    pick = option_picker(args, quick)
 
     text = pick("concurrency", "16,64,192", "16")
     try:
@@ -993,9 +1018,17 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
             f"Baton's reuse {row['baton_reuse_of_theoretical']:.1%} of the theoretical"
         )
     if not quick and settings.url is None:  # the docs' plots, beside the JSON baton bench saves
-        FIGURES.mkdir(parents=True, exist_ok=True)
-        plot(points, FIGURES / "agentx.png")
+        directory = plots_directory(args)
+        plot(points, directory / "agentx.png")
         if eplb:
-            plot_eplb(eplb, FIGURES / "agentx_eplb.png")
-        print(f"wrote {FIGURES.relative_to(ROOT)}/agentx*.png", file=sys.stderr)
+            plot_eplb(eplb, directory / "agentx_eplb.png")
+        print(f"wrote {directory}/agentx*.png", file=sys.stderr)
     return result
+
+
+def plots_directory(args: argparse.Namespace | None) -> Path:
+    """Where a full run draws its plots: beside its JSON (``baton bench --out``, else
+    docs/figures)."""
+    directory = Path(getattr(args, "out", None) or FIGURES)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory

@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
@@ -46,6 +48,7 @@ __all__ = [
     "MODEL",
     "PROMPT",
     "Scenario",
+    "direct_and_routed",
     "instant_profile",
     "run",
     "start_engine",
@@ -277,26 +280,38 @@ def start_routers(prefill: str, decode: str) -> dict[str, tuple[subprocess.Popen
     }
 
 
-def _scenario(directory: Path, scenario: Scenario, rounds: int) -> list[_Row]:
-    profile = instant_profile(directory, scenario.token_delay_s)
+Target = tuple[str, str, "subprocess.Popen[bytes] | None"]
+
+
+@contextmanager
+def direct_and_routed(profile: str) -> Iterator[list[Target]]:
+    """A prefill and a decode engine of ``profile`` (core 0) and the routers in front of them
+    (core 1), this process on core 0; what to measure: the decode engine directly, then each
+    router, by name with its URL and process (None for the engine). Stopped when the block
+    ends."""
     processes: list[subprocess.Popen[bytes]] = []
-    rows: list[_Row] = []
     try:
         prefill_process, prefill = start_engine(profile)
+        processes.append(prefill_process)
         decode_process, decode = start_engine(profile)
-        processes += [prefill_process, decode_process]
+        processes.append(decode_process)
         routers = start_routers(prefill, decode)
         processes += [process for process, _ in routers.values()]
         pin(os.getpid(), 0)
-        targets = [("direct", decode, None)] + [
+        yield [("direct", decode, None)] + [
             (name, url, process) for name, (process, url) in routers.items()
         ]
-        for _ in range(rounds):  # interleaved, so drift on a shared machine hits all alike
-            for name, url, process in targets:
-                rows.append(_measure(name, url, process, scenario))
     finally:
         for process in processes:
             stop_process(process)
+
+
+def _scenario(directory: Path, scenario: Scenario, rounds: int) -> list[_Row]:
+    rows: list[_Row] = []
+    with direct_and_routed(instant_profile(directory, scenario.token_delay_s)) as targets:
+        for _ in range(rounds):  # interleaved, so drift on a shared machine hits all alike
+            for name, url, process in targets:
+                rows.append(_measure(name, url, process, scenario))
     return rows
 
 

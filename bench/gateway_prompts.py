@@ -17,7 +17,6 @@ a short user turn, 2 output tokens) from ``CONCURRENCY`` clients:
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import subprocess
 import tempfile
@@ -28,9 +27,8 @@ from typing import TypedDict
 import aiohttp
 import orjson
 
-from bench.gateway import MODEL, instant_profile, start_engine, start_routers
-from bench.procstat import cpu_seconds, pin
-from rigs.processes import stop_process
+from bench.gateway import MODEL, direct_and_routed, instant_profile
+from bench.procstat import cpu_seconds
 
 __all__ = ["run"]
 
@@ -121,27 +119,15 @@ def _measure(
 def run(quick: bool = False) -> dict[str, object]:
     rounds, body_mb = (1, 10) if quick else (3, BODY_MB)
     rows: list[_Figures] = []
-    processes: list[subprocess.Popen[bytes]] = []
-    with tempfile.TemporaryDirectory() as directory:
-        try:
-            profile = instant_profile(Path(directory), 0.0)
-            prefill_process, prefill = start_engine(profile)
-            decode_process, decode = start_engine(profile)
-            processes += [prefill_process, decode_process]
-            routers = start_routers(prefill, decode)
-            processes += [process for process, _ in routers.values()]
-            pin(os.getpid(), 0)
-            targets = [("direct", decode, None)] + [
-                (name, url, process) for name, (process, url) in routers.items()
-            ]
-            for _ in range(rounds):  # interleaved: drift on a shared machine hits all alike
-                for size_kb in SIZES_KB:
-                    for name, url, process in targets:
-                        count = body_mb * 1000 // size_kb
-                        rows.append(_measure(name, url, process, size_kb, count))
-        finally:
-            for process in processes:
-                stop_process(process)
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        direct_and_routed(instant_profile(Path(directory), 0.0)) as targets,
+    ):
+        for _ in range(rounds):  # interleaved: drift on a shared machine hits all alike
+            for size_kb in SIZES_KB:
+                for name, url, process in targets:
+                    count = body_mb * 1000 // size_kb
+                    rows.append(_measure(name, url, process, size_kb, count))
     summary = {
         f"{size_kb} KB": {
             target: {

@@ -55,14 +55,16 @@ import orjson
 from tqdm import tqdm
 
 from bench.agentx import (
-    FIGURES,
-    ROOT,
     Record,
     engine_counters,
+    fmt,
     gateway_affinity,
+    option_picker,
+    plots_directory,
     router,
     served_model,
     stack,
+    stream_into,
     summarize,
 )
 from bench.workload import text
@@ -359,34 +361,9 @@ async def _send(replay: _Replay, request: TraceRequest, session: str, at_wall: f
     headers = {"Content-Type": "application/json"}
     if replay.session_header:
         headers["X-Session-ID"] = session
-    try:
-        async with replay.http.post(
-            f"{replay.url}/v1/completions", data=orjson.dumps(body), headers=headers
-        ) as response:
-            if response.status != 200:
-                record.error = f"HTTP {response.status}"
-                await response.read()
-                return record
-            async for line in response.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                chunk = orjson.loads(line[6:])
-                choices = chunk.get("choices") or []
-                if record.first is None and choices and choices[0].get("text"):
-                    record.first = time.perf_counter() - replay.started
-                usage = chunk.get("usage")
-                if usage:
-                    record.prompt_tokens = usage.get("prompt_tokens") or 0
-                    record.output_tokens = usage.get("completion_tokens") or 0
-                    details = usage.get("prompt_tokens_details") or {}
-                    record.cached_tokens = details.get("cached_tokens")
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        record.error = type(exc).__name__
-        return record
-    record.end = time.perf_counter() - replay.started
-    if record.first is None or not record.output_tokens:
-        record.error = "no tokens"
-    elif replay.progress is not None:
+    url = f"{replay.url}/v1/completions"
+    answered = await stream_into(record, replay.http, url, body, headers, replay.started)
+    if answered and replay.progress is not None:
         replay.progress.update(1)
     return record
 
@@ -594,10 +571,6 @@ def _of_theoretical(point: dict[str, Any]) -> float:
 # ---- report
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None or math.isnan(value) else format(value, spec)
-
-
 def _row(point: dict[str, Any]) -> str:
     ttft = point.get("ttft_ms", {})
     lost = point.get("reuse_lost") or {}
@@ -605,13 +578,13 @@ def _row(point: dict[str, Any]) -> str:
     return (
         f"| {point['router']}{' +session' if point['session_header'] else ''} "
         f"| x{point['speedup']:g} | {point['requests']} "
-        f"| {_fmt(point.get('tokens_per_s_per_gpu'), ',.0f')} "
-        f"| {_fmt(point.get('p90_tokens_per_s_per_user'), '.1f')} "
-        f"| {_fmt(ttft.get('p50'), ',.0f')} / {_fmt(ttft.get('p90'), ',.0f')} / "
-        f"{_fmt(ttft.get('p99'), ',.0f')} "
-        f"| {_fmt(reuse * 100 if reuse is not None else None, '.1f')}% of "
+        f"| {fmt(point.get('tokens_per_s_per_gpu'), ',.0f')} "
+        f"| {fmt(point.get('p90_tokens_per_s_per_user'), '.1f')} "
+        f"| {fmt(ttft.get('p50'), ',.0f')} / {fmt(ttft.get('p90'), ',.0f')} / "
+        f"{fmt(ttft.get('p99'), ',.0f')} "
+        f"| {fmt(reuse * 100 if reuse is not None else None, '.1f')}% of "
         f"{point['prefix_reuse_theoretical'] * 100:.1f}% "
-        f"| {' / '.join(_fmt(lost.get(c, math.nan) * 100, '.1f') for c in LOST)} "
+        f"| {' / '.join(fmt(lost.get(c, math.nan) * 100, '.1f') for c in LOST)} "
         f"| {point['errors']} | {point.get('late_steps', math.nan) * 100:.1f}% |"
     )
 
@@ -736,10 +709,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _settings(args: argparse.Namespace, quick: bool) -> Settings:
     given = vars(args)
-
-    def pick(name: str, full: Any, short: Any) -> Any:
-        value = given.get(name)
-        return (short if quick else full) if value is None else value
+    pick = option_picker(args, quick)
 
     if given.get("trace") is None:
         raise SystemExit(
@@ -821,7 +791,7 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
             f"{row['their_reuse_of_theoretical']:.1%}"
         )
     if not quick and not settings.busy_per_core:
-        FIGURES.mkdir(parents=True, exist_ok=True)
-        plot(points, window, FIGURES / "trace.png")
-        print(f"wrote {(FIGURES / 'trace.png').relative_to(ROOT)}", file=sys.stderr)
+        path = plots_directory(args) / "trace.png"
+        plot(points, window, path)
+        print(f"wrote {path}", file=sys.stderr)
     return result

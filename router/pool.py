@@ -334,11 +334,12 @@ class Pool:
                     t.cell,
                     prefill[t.name],
                     t.outstanding_tokens + self._peer_tokens(t),
-                    held.get(t.name, (0, -1))[0] * BLOCK_TOKENS,
+                    blocks * BLOCK_TOKENS,
                     t.dp_ranks,
-                    held.get(t.name, (0, -1))[1],
+                    rank,
                 )
                 for t in self.prefill.values()
+                for blocks, rank in (held.get(t.name, (0, -1)),)
             ),
             decode=tuple(
                 DecodeRankView(
