@@ -65,7 +65,9 @@ def test_each_sessions_prefills_go_to_one_dp_rank_and_decode_pulls_from_it(
 ) -> None:
     prefill, decode = cell["prefill"], cell["decode"]
     ranks_used: set[str] = set()
-    for session in range(6):
+    # rendezvous hashing over the instance's ranks (named by its URL, a free port each run):
+    # six sessions all hashed to one rank in 1 run of 32 (seen in CI); ten, in 1 of 512
+    for session in range(10):
         turns = []
         for turn in range(2):
             before = prompt_tokens(prefill)
@@ -87,4 +89,4 @@ def test_each_sessions_prefills_go_to_one_dp_rank_and_decode_pulls_from_it(
             assert now["local_compute"] == pulled["local_compute"]
         assert turns[0] == turns[1]  # the session's turns stay on its rank
         ranks_used.add(turns[0])
-    assert ranks_used == {"0", "1"}  # rendezvous hashing spread six sessions over both
+    assert ranks_used == {"0", "1"}  # rendezvous hashing spread the sessions over both
