@@ -66,6 +66,7 @@ from rigs.processes import (
     ProcessExited,
     eventually,
     free_port_block,
+    reserve_ports,
     stop_process,
     wait_healthy,
 )
@@ -348,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(`baton sim --request-log`): where it ran and what its prefix cache held",
     )
     args = parser.parse_args(argv)
+    reserve_ports(args.port, args.eplb_metrics_port)
     if args.engine == "vllm":
         problem = _live_problem(args)
         if problem:

@@ -21,6 +21,7 @@ __all__ = [
     "free_port",
     "free_port_block",
     "process_running",
+    "reserve_ports",
     "stop_pid",
     "stop_process",
     "wait_healthy",
@@ -72,6 +73,12 @@ def free_port_block(count: int = 1) -> int:
 
 def free_port() -> int:
     return free_port_block(1)
+
+
+def reserve_ports(*ports: int | None) -> None:
+    """Never hand out these ports: a caller named them (``--port``) and its server binds them
+    later, so a check that binds them now would find them free."""
+    _HANDED_OUT.update(port for port in ports if port is not None)
 
 
 class ProcessExited(RuntimeError):

@@ -19,6 +19,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from baton.core.model import SERVED_MODEL_NAME
+from rigs.processes import ProcessExited
 from tests.helpers import ROOT, eventually, free_port, scrape_by, stop_process
 
 
@@ -33,13 +34,15 @@ def baton_up(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[byt
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if process.poll() is not None:
+            output = (tmp_path / "up.log").read_text()
+            raise ProcessExited(f"baton up exited with {process.returncode}:\n{output}")
+        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+
     try:
-        eventually(
-            lambda: (
-                process.poll() is None and httpx.get(f"{url}/ready", timeout=2).status_code == 200
-            ),
-            timeout=180,
-        )
+        eventually(ready, timeout=180)
         yield process, url, tmp_path / "up.log"
     finally:
         stop_process(process)

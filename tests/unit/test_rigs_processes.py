@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from rigs.processes import ProcessExited, eventually, free_port, wait_healthy
+from rigs import processes
+from rigs.processes import ProcessExited, eventually, free_port, reserve_ports, wait_healthy
 
 
 def test_waiting_for_health_ends_as_soon_as_the_process_exits() -> None:
@@ -28,3 +29,20 @@ def test_eventually_keeps_trying_through_other_errors() -> None:
         return value
 
     assert eventually(check, timeout=60, interval=0) == "done"
+
+
+def test_a_port_a_caller_named_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen in CI: a test named baton up's EPLB metrics port, and baton up's own free-port check
+    # (which binds and closes) found that port free and gave it to an engine: the service
+    # could not bind it, and baton up exited.
+    named, other = free_port(), free_port()
+    processes._HANDED_OUT.difference_update({named, other})
+    bases = iter([named, other])
+
+    class Draws:
+        def randrange(self, start: int, stop: int) -> int:
+            return next(bases)
+
+    monkeypatch.setattr(processes, "_RANDOM", Draws())
+    reserve_ports(named, None)
+    assert free_port() == other
