@@ -177,7 +177,7 @@ class Handoff:
             if choice is not None:
                 # recorded now, so that a request sharing the prefix while this one runs
                 # follows it to the rank that will hold it
-                self.pool.routed(choice.view.name, choice.dp_rank, blocks)
+                self.pool.routed(choice.view.name, choice.view.dp_rank, blocks)
                 self.metrics.child(
                     self.metrics.affinity, key.source.value, "miss" if choice.spilled else "hit"
                 ).inc()
@@ -211,14 +211,14 @@ class Handoff:
         self, choice: PrefillChoice, request: _Request
     ) -> _Prefilled | JsonReply | None:
         target = choice.view
-        self.pool.begin_prefill(target.name, choice.uncached_tokens)
+        self.pool.begin_prefill(target.name, target.dp_rank, choice.uncached_tokens)
         started = time.perf_counter()
         try:
             data, status = await self._call(
                 target.name,
                 request.route,
                 prefill_body(request.body),
-                engine_headers(request.request_id, choice.dp_rank),
+                engine_headers(request.request_id, target.dp_rank),
                 self.timeouts.prefill_s,
             )
             if status != 200:
@@ -239,7 +239,7 @@ class Handoff:
             self._fall_back(target, "malformed", exc)
             return None
         finally:
-            self.pool.end_prefill(target.name, choice.uncached_tokens)
+            self.pool.end_prefill(target.name, target.dp_rank, choice.uncached_tokens)
         self.pool.succeeded(target.name)
         self.metrics.prefill_seconds.observe(time.perf_counter() - started)
         params = reply.get("kv_transfer_params")

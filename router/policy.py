@@ -14,22 +14,27 @@ choice, so routing state never has to be shared between them.
    that prefix, so every turn (and nothing else) shares the key, while conversations that only
    share a system prompt do not.
    A completion prompt is keyed on its first :data:`PROMPT_KEY_BYTES` bytes.
-2. Prefixes. The pool's index (``router/prefix.py``) tells, per instance, how many leading
-   tokens of the prompt its DP ranks were sent: a conversation's earlier turns, a system prompt
-   or a document other requests shared, wherever they went, header or not.
-3. Candidates. Rendezvous hashing of the key ranks the healthy instances; the two candidates
-   are the two holding the longest prefixes, equals in the key's order (power of two
-   choices): the key's first two when none holds any, so conversations that share only what
-   no instance holds yet spread by key, and requests of many keys that share a prefix spill
-   onto the instance that holds it next, not onto each key's own.
+2. Prefixes. The unit of prefill is a DP rank of an instance: each rank has a prefix cache and a
+   queue of its own (vLLM's internal load balancer would send a session's next turn to whichever
+   rank has fewest requests, where its history is not cached). The pool's index
+   (``router/prefix.py``) tells, per rank, how many leading tokens of the prompt it was sent: a
+   conversation's earlier turns, a system prompt or a document other requests shared, wherever
+   they went, header or not. An instance whose ranks are not known yet is one unit, and its
+   engine chooses the rank.
+3. Candidates. Rendezvous hashing of the key ranks the healthy ranks; the two candidates are the
+   two holding the longest prefixes, equals in the key's order (power of two choices): the
+   key's first two when none holds any, so conversations that share only what no rank holds yet
+   spread by key, and requests of many keys that share a prefix spill onto the rank that holds
+   it next, not onto each key's own.
 4. Load bound, in uncached prompt tokens: what the engines will compute, since a prompt's
-   cached prefix costs an instance next to nothing (an agentic turn resends its whole history,
+   cached prefix costs a rank next to nothing (an agentic turn resends its whole history,
    nearly all of it cached where the session's last turn ran). A candidate's load with the
-   request is its outstanding uncached tokens plus the request's estimated prompt tokens less
-   those its rank holds. The first candidate wins unless its load exceeds the other's by more
-   than ``imbalance_tokens``; a hot prefix then spills over instead of queueing.
-   (``least_loaded`` takes the lowest such load of all, whatever the key.) Its DP rank is the
-   one holding the prefix, else the key's (:func:`prefill_dp_rank`).
+   request is its rank's outstanding uncached tokens plus the request's estimated prompt tokens
+   less those the rank holds. The first candidate wins unless its load exceeds the other's by
+   more than ``imbalance_tokens``; a hot prefix then spills over instead of queueing, to the
+   sibling rank of the same instance as readily as to another instance, since a rank's queue,
+   not its instance's, is what a prefill waits in. (``least_loaded`` takes the lowest such load
+   of all, whatever the key.)
 
 **Decode** (one DP rank of the cell's decode group): the fewest in-flight requests among the
 cell's healthy ranks (request count is enough: the DeepSeek-V4.1-Flash GB300 study found decode
@@ -72,7 +77,6 @@ __all__ = [
     "conversation_digest",
     "estimate_prompt_tokens",
     "needs_prefill",
-    "prefill_dp_rank",
     "prompt_bytes",
     "uncached_tokens",
 ]
@@ -101,14 +105,21 @@ PREFIX_SAMPLE_BYTES = 4096
 
 @dataclass(frozen=True, slots=True)
 class PrefillView:
+    """One DP rank of a prefill instance, or the whole instance while its ranks are not known."""
+
     name: str  # stable identity: the instance's URL
     cell: str
     healthy: bool
-    # uncached prompt tokens in flight there: this gateway's, plus other replicas' as estimated
+    # uncached prompt tokens in flight on the rank: this gateway's, plus other replicas' as
+    # estimated
     outstanding_tokens: int
-    cached_tokens: int  # the request's prompt tokens its rank below was sent (router/prefix.py)
-    dp_ranks: int = 0  # DP ranks its engine reports, each with a prefix cache; 0: not known yet
-    cached_dp_rank: int = -1  # the rank holding cached_tokens; -1: none, or the engine chose
+    cached_tokens: int  # the request's prompt tokens the rank was sent (router/prefix.py)
+    dp_rank: int = -1  # what X-data-parallel-rank carries; -1: the engine chooses
+
+    @property
+    def unit(self) -> str:
+        """The rank's identity: ``<url>#<rank>``, or the URL where the engine chooses."""
+        return self.name if self.dp_rank < 0 else f"{self.name}#{self.dp_rank}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +137,6 @@ class PrefillChoice:
     view: PrefillView
     spilled: bool  # the first candidate (its cache, else its first choice) was too loaded
     uncached_tokens: int  # the request's estimate there: what it adds to the outstanding tokens
-    dp_rank: int = -1  # the instance's DP rank for the key (X-data-parallel-rank), -1 for none
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,25 +273,25 @@ def choose_prefill(
     policy: RoutingPolicy,
     exclude: Sequence[str] = (),
 ) -> PrefillChoice | None:
-    """The prefill instance for ``key``'s request of ``prompt_tokens`` (estimated), or None when
-    no cell can take it."""
+    """The prefill rank for ``key``'s request of ``prompt_tokens`` (estimated), or None when no
+    cell can take it; ``exclude`` names instances."""
     serving_cells = {rank.cell for rank in snapshot.decode if rank.healthy}
     candidates = {
-        view.name: view
+        view.unit: view
         for view in snapshot.prefill
         if view.healthy and view.cell in serving_cells and view.name not in exclude
     }
     if not candidates:
         return None
-    ranked = [candidates[name] for name in _ranked(key.digest, candidates)]
+    ranked = [candidates[unit] for unit in _ranked(key.digest, candidates)]
 
-    def load(view: PrefillView) -> int:  # the instance's uncached tokens with this request
+    def load(view: PrefillView) -> int:  # the rank's uncached tokens with this request
         return view.outstanding_tokens + uncached_tokens(view, prompt_tokens)
 
-    # The pair: the two instances holding the longest prefixes of the prompt, equals in the
-    # key's order (with none holding any, the key's first two). Leaving the first costs its
-    # cached prefix; a spill goes where the prefix is too, when it is anywhere else, so that
-    # requests sharing a hot prefix under many keys spill onto one more instance, not many.
+    # The pair: the two ranks holding the longest prefixes of the prompt, equals in the key's
+    # order (with none holding any, the key's first two). Leaving the first costs its cached
+    # prefix; a spill goes where the prefix is too, when it is anywhere else, so that requests
+    # sharing a hot prefix under many keys spill onto one more rank, not many.
     pair = sorted(ranked, key=lambda view: -view.cached_tokens)[:2]  # stable: key order
     if policy.prefill is PrefillPolicy.LEAST_LOADED:
         view = min(ranked, key=load)
@@ -289,26 +299,7 @@ def choose_prefill(
         view = pair[1]
     else:
         view = pair[0]
-    return PrefillChoice(
-        view,
-        view is not pair[0],
-        uncached_tokens(view, prompt_tokens),
-        prefill_dp_rank(key.digest, view),
-    )
-
-
-def prefill_dp_rank(key: bytes, view: PrefillView) -> int:
-    """The DP rank of ``view``'s instance that prefills ``key``'s request, or -1 (one rank, or
-    not known yet: the engine chooses). Each rank of a DP instance has a prefix cache of its own,
-    and vLLM's internal load balancer sends a request to the rank with the fewest requests: a
-    session's next turn lands on whichever rank is free, where its history is not cached, more
-    often the busier the instance. The rank holding the prompt's longest prefix takes it; with
-    none, rendezvous hashing over the ranks keeps a key on one."""
-    if view.dp_ranks <= 1:
-        return -1
-    if 0 <= view.cached_dp_rank < view.dp_ranks:
-        return view.cached_dp_rank
-    return max(range(view.dp_ranks), key=lambda rank: _score(key, f"{view.name}#{rank}"))
+    return PrefillChoice(view, view is not pair[0], uncached_tokens(view, prompt_tokens))
 
 
 def choose_decode_rank(

@@ -168,10 +168,14 @@ class _Target:
     up: bool = True  # the last active health check answered 200
     dead: bool = False  # its server refused, reset or answered its health check with an error
     in_flight: int = 0  # this gateway's requests, exact
-    others: int = 0  # other replicas' requests, estimated at the last load sync
-    outstanding_tokens: int = 0  # prefill only: this gateway's uncached prompt tokens, exact
+    others: int = 0  # decode only: other replicas' requests, estimated at the last load sync
     dp_rank: int = -1  # decode only: the X-data-parallel-rank value, -1 for none
     dp_ranks: int = 0  # prefill only: DP ranks its engine reports (engine labels), 0 before
+    # prefill only, per DP rank sent to (-1: the engine chose): this gateway's requests and
+    # uncached prompt tokens, exact, and other replicas' requests as of the last load sync
+    rank_requests: dict[int, int] = field(default_factory=dict)
+    rank_tokens: dict[int, int] = field(default_factory=dict)
+    rank_others: dict[int, int] = field(default_factory=dict)
     stalled: bool = False  # decode only: its server runs requests but makes no progress
 
     def healthy(self, now: float) -> bool:
@@ -317,15 +321,11 @@ class Pool:
         return _Target(name, url, cell, self._new_breaker())
 
     def snapshot(self, prompt_blocks: Sequence[bytes] = ()) -> PoolSnapshot:
-        """The targets as the policy sees them now; each prefill view carries how many tokens
-        of the prompt whose ``prefix.block_hashes`` are ``prompt_blocks`` its DP rank that was
-        sent the longest run of them holds, and that rank."""
+        """The targets as the policy sees them now: a prefill view per DP rank (per instance
+        while its ranks are not known), each with how many tokens of the prompt whose
+        ``prefix.block_hashes`` are ``prompt_blocks`` that rank was sent."""
         now = time.monotonic()
-        held: dict[str, tuple[int, int]] = {}  # instance -> (blocks, DP rank) of its best rank
-        for name, blocks in self.prefixes.match(prompt_blocks).items():
-            instance, _, rank = name.rpartition("#")
-            if blocks > held.get(instance, (0, -1))[0]:
-                held[instance] = (blocks, int(rank))
+        held = self.prefixes.match(prompt_blocks)  # "<url>#<rank>" -> leading blocks
         prefill, decode = self._routable(self.prefill, now), self._routable(self.decode, now)
         return PoolSnapshot(
             prefill=tuple(
@@ -333,13 +333,12 @@ class Pool:
                     t.name,
                     t.cell,
                     prefill[t.name],
-                    t.outstanding_tokens + self._peer_tokens(t),
-                    blocks * BLOCK_TOKENS,
-                    t.dp_ranks,
+                    self._rank_tokens(t, rank),
+                    held.get(f"{t.name}#{rank}", 0) * BLOCK_TOKENS,
                     rank,
                 )
                 for t in self.prefill.values()
-                for blocks, rank in (held.get(t.name, (0, -1)),)
+                for rank in (range(t.dp_ranks) if t.dp_ranks > 1 else (-1,))
             ),
             decode=tuple(
                 DecodeRankView(
@@ -411,19 +410,21 @@ class Pool:
 
     # ---- load accounting (called by the handoff)
 
-    def begin_prefill(self, name: str, uncached_tokens: int) -> None:
+    def begin_prefill(self, name: str, dp_rank: int, uncached_tokens: int) -> None:
         target = self.prefill[name]
         target.in_flight += 1
-        target.outstanding_tokens += uncached_tokens
+        target.rank_requests[dp_rank] = target.rank_requests.get(dp_rank, 0) + 1
+        target.rank_tokens[dp_rank] = target.rank_tokens.get(dp_rank, 0) + uncached_tokens
         self._prefills += 1
         weight = min(self._prefills, _MEAN_PREFILLS)
         self._mean_uncached_tokens += (uncached_tokens - self._mean_uncached_tokens) / weight
 
-    def end_prefill(self, name: str, uncached_tokens: int) -> None:
+    def end_prefill(self, name: str, dp_rank: int, uncached_tokens: int) -> None:
         target = self.prefill.get(name)
-        if target is not None:
+        if target is not None and dp_rank in target.rank_requests:
             target.in_flight -= 1
-            target.outstanding_tokens -= uncached_tokens
+            target.rank_requests[dp_rank] -= 1
+            target.rank_tokens[dp_rank] -= uncached_tokens
 
     def routed(self, name: str, dp_rank: int, prompt_blocks: Sequence[bytes]) -> None:
         """A prompt of ``prompt_blocks`` goes to DP rank ``dp_rank`` (-1: the engine chooses)
@@ -532,13 +533,24 @@ class Pool:
     def peer_outstanding_tokens(self) -> dict[str, int]:
         """Uncached prompt tokens other gateway replicas have in flight per prefill instance, as
         estimated at the last load sync (see :meth:`_peer_tokens`)."""
-        return {t.name: self._peer_tokens(t) for t in self.prefill.values()}
+        return {
+            t.name: self._peer_tokens(sum(t.rank_others.values())) for t in self.prefill.values()
+        }
 
-    def _peer_tokens(self, target: _Target) -> int:
+    def _rank_tokens(self, target: _Target, dp_rank: int) -> int:
+        """Uncached prompt tokens in flight on one DP rank of a prefill instance (-1: on the
+        whole instance), this gateway's and other replicas'."""
+        if dp_rank < 0:
+            own = sum(target.rank_tokens.values())
+            return own + self._peer_tokens(sum(target.rank_others.values()))
+        mine = target.rank_tokens.get(dp_rank, 0)
+        return mine + self._peer_tokens(target.rank_others.get(dp_rank, 0))
+
+    def _peer_tokens(self, requests: int) -> int:
         """An estimate: the engines count requests, not the tokens left to compute, so other
-        replicas' requests on a prefill instance are priced at this gateway's mean uncached
-        tokens per prefill (none until it has run one)."""
-        return round(target.others * self._mean_uncached_tokens)
+        replicas' requests on a prefill rank are priced at this gateway's mean uncached tokens
+        per prefill (none until it has run one)."""
+        return round(requests * self._mean_uncached_tokens)
 
     # ---- background: health and load
 
@@ -730,8 +742,13 @@ class Pool:
         ranks = sorted(load, key=int)
         for target in server.targets:
             if target.name in self.prefill:
-                target.others = max(0, sum(load.values()) - target.in_flight)
                 target.dp_ranks = len(ranks)
+                target.rank_others = {
+                    rank: max(0, load[label] - target.rank_requests.get(rank, 0))
+                    for rank, label in enumerate(ranks)
+                }
+                if len(ranks) <= 1:  # requests sent while the ranks were not known count too
+                    target.rank_others = {-1: max(0, sum(load.values()) - target.in_flight)}
             elif 0 <= target.dp_rank < len(ranks):
                 target.others = max(0, load[ranks[target.dp_rank]] - target.in_flight)
         self._wake_waiting()  # other replicas' requests may have ended

@@ -20,7 +20,6 @@ from router.policy import (
     affinity_key,
     choose_prefill,
     estimate_prompt_tokens,
-    prefill_dp_rank,
 )
 from tests.helpers import SimHandle, cached_tokens_of, eventually, scrape, scrape_by
 from tests.integration.test_gateway import LONG, MODEL, Stack, start_engine
@@ -191,13 +190,15 @@ def dep2_stack(
 
 def sessions_on_rank(prefill: SimHandle, rank: int) -> list[str]:
     """Session names the gateway keys to DP rank ``rank`` of a DEP2 instance."""
-    view = PrefillView(prefill.url, "default", True, 0, 0, dp_ranks=2)
-    names = (f"session-{i}" for i in range(64))
-    return [
-        name
-        for name in names
-        if prefill_dp_rank(affinity_key({"x-session-id": name}, {}, "r").digest, view) == rank
-    ]
+    views = tuple(PrefillView(prefill.url, "default", True, 0, 0, dp_rank) for dp_rank in (0, 1))
+    decode = (DecodeRankView("d", "http://d", "default", 0, True, 0),)
+    found = []
+    for name in (f"session-{i}" for i in range(64)):
+        key = affinity_key({"x-session-id": name}, {}, "r")
+        choice = choose_prefill(PoolSnapshot(views, decode), key, 0, RoutingPolicy())
+        if choice is not None and choice.view.dp_rank == rank:
+            found.append(name)
+    return found
 
 
 def test_a_sessions_turns_reach_the_dp_rank_that_holds_its_history(
@@ -218,7 +219,9 @@ def test_a_sessions_turns_reach_the_dp_rank_that_holds_its_history(
     turn = follow_up(first, ask(gateway, session, first))
     stack.fault(prefill, action="stall", seconds=STALL_S)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        held = pool.submit(ask, gateway, other, history(other, 36))
+        # shorter than the session's history: queueing behind it costs less than recomputing
+        # the history on the idle rank, so the rank holding the history takes the turn
+        held = pool.submit(ask, gateway, other, history(other, 10))
         eventually(lambda: scrape(prefill.url, "vllm:num_requests_running", engine="0") == 1)
         reply = ask(gateway, session, turn)
         held.result()

@@ -26,7 +26,6 @@ from router.policy import (
     conversation_digest,
     estimate_prompt_tokens,
     needs_prefill,
-    prefill_dp_rank,
     prompt_bytes,
     uncached_tokens,
 )
@@ -43,9 +42,17 @@ def prefill(
     tokens: int = 0,
     cached: int = 0,
     healthy: bool = True,
-    dp_ranks: int = 0,
+    dp_rank: int = -1,
 ) -> PrefillView:
-    return PrefillView(name, cell, healthy, tokens, cached, dp_ranks)
+    return PrefillView(name, cell, healthy, tokens, cached, dp_rank)
+
+
+def instance(name: str, dp_ranks: int) -> list[PrefillView]:
+    """A prefill instance's views as the pool gives them: one per DP rank, or one for the whole
+    instance with one rank or before its ranks are known."""
+    if dp_ranks <= 1:
+        return [prefill(name)]
+    return [prefill(name, dp_rank=rank) for rank in range(dp_ranks)]
 
 
 def rank(
@@ -206,21 +213,21 @@ def test_removing_an_instance_moves_only_its_own_keys() -> None:
 def test_a_keys_prefills_go_to_one_dp_rank_of_its_instance() -> None:
     """Each DP rank has its own prefix cache: a session's turns must all reach the rank that
     holds its history, whatever the instance's ranks are doing."""
-    dep2 = [prefill(f"http://p{i}", dp_ranks=2) for i in range(4)]
+    dep2 = [view for i in range(4) for view in instance(f"http://p{i}", 2)]
     k = key("session-1")
     ranks = set()
     for tokens in (0, 5_000, 900):  # the instance's load changes between the turns
         views = [replace(view, outstanding_tokens=tokens) for view in dep2]
         choice = choose_prefill(snapshot(views), k, PROMPT, POLICY)
         assert choice is not None
-        ranks.add(choice.dp_rank)
-    assert len(ranks) == 1 and ranks <= {0, 1}
+        ranks.add(choice.view.unit)
+    assert len(ranks) == 1 and ranks.pop().endswith(("#0", "#1"))
 
 
 def dp_rank(ranks: int, k: AffinityKey) -> int:
-    choice = choose_prefill(snapshot([prefill("http://p0", dp_ranks=ranks)]), k, PROMPT, POLICY)
+    choice = choose_prefill(snapshot(instance("http://p0", ranks)), k, PROMPT, POLICY)
     assert choice is not None
-    return choice.dp_rank
+    return choice.view.dp_rank
 
 
 def test_keys_spread_over_an_instances_dp_ranks() -> None:
@@ -398,11 +405,26 @@ def test_the_instances_holding_the_longest_prefixes_are_the_candidates_whatever_
 
 def test_the_dp_rank_holding_the_prefix_takes_the_prompt() -> None:
     k = key("session-1")
-    view = prefill("http://p0", dp_ranks=2)
-    keyed = prefill_dp_rank(k.digest, view)
-    held = replace(view, cached_tokens=4_096, cached_dp_rank=1 - keyed)
-    choice = choose_prefill(snapshot([held]), k, 5_000, POLICY)
-    assert choice is not None and choice.dp_rank == 1 - keyed
+    keyed = dp_rank(2, k)
+    views = instance("http://p0", 2)
+    views[1 - keyed] = replace(views[1 - keyed], cached_tokens=4_096)
+    choice = choose_prefill(snapshot(views), k, 5_000, POLICY)
+    assert choice is not None and choice.view.dp_rank == 1 - keyed and not choice.spilled
+
+
+def test_a_prompt_never_queues_on_a_busy_rank_past_the_bound_while_its_sibling_is_idle() -> None:
+    # Seen replaying a production trace at 64x: a DP rank holding the prefix had seconds of
+    # prefill queued while its sibling rank sat idle, since load was bounded per instance.
+    k = key("session-1")
+    holder, sibling = instance("http://p0", 2)
+    busy = replace(holder, cached_tokens=4_096, outstanding_tokens=6_000)
+    choice = choose_prefill(snapshot([busy, sibling]), k, 5_000, POLICY)
+    assert choice is not None and choice.view.unit == sibling.unit and choice.spilled
+    assert choice.uncached_tokens == 5_000
+    # 6,000 + 904 uncached is past 5,000 + 1,000; at 5,000 + 904 the prefix holds it
+    within = replace(busy, outstanding_tokens=5_000)
+    choice = choose_prefill(snapshot([within, sibling]), k, 5_000, POLICY)
+    assert choice is not None and choice.view.unit == holder.unit and not choice.spilled
 
 
 def test_least_loaded_policy_counts_the_requests_uncached_tokens_on_each_instance() -> None:

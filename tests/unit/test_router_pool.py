@@ -130,9 +130,9 @@ def test_pool_names_decode_targets_by_url_and_rank() -> None:
 
 def test_snapshot_reflects_in_flight_accounting() -> None:
     p = pool()
-    p.begin_prefill(P0, 700)
-    p.begin_prefill(P0, 300)
-    p.end_prefill(P0, 700)
+    p.begin_prefill(P0, -1, 700)
+    p.begin_prefill(P0, -1, 300)
+    p.end_prefill(P0, -1, 700)
     p.begin_decode(f"{D0}#1")
     p.begin_decode(f"{D0}#1")
     p.end_decode(f"{D0}#1")
@@ -172,8 +172,8 @@ def test_below_half_healthy_a_pool_panics_and_routes_to_every_target_not_known_d
 
 def test_update_keeps_the_load_of_unchanged_targets_and_drops_removed_ones() -> None:
     p = pool()
-    p.begin_prefill(P0, 500)
-    p.begin_prefill(P2, 100)
+    p.begin_prefill(P0, -1, 500)
+    p.begin_prefill(P2, -1, 100)
     p.begin_decode(f"{D0}#0")
     p.begin_decode(D1)
     p.update(spec(("c0", (P0, "http://p3:1"), (ranks(D0, 0, 1, 2),))))
@@ -186,10 +186,10 @@ def test_update_keeps_the_load_of_unchanged_targets_and_drops_removed_ones() -> 
 
 def test_ending_a_request_on_a_removed_target_is_harmless() -> None:
     p = pool()
-    p.begin_prefill(P2, 100)
+    p.begin_prefill(P2, -1, 100)
     p.begin_decode(D1)
     p.update(spec(("c0", (P0,), (ranks(D0, 0),))))
-    p.end_prefill(P2, 100)
+    p.end_prefill(P2, -1, 100)
     p.end_decode(D1)
     assert p.in_flight() == {P0: 0, f"{D0}#0": 0}
 
@@ -266,7 +266,7 @@ def test_a_cached_turn_in_flight_counts_its_uncached_tokens_and_keeps_the_next_s
     estimate = tokens(first_history) + 5_000
     turn = choose_prefill(p.snapshot(blocks(body)), first, estimate, RoutingPolicy())
     assert turn is not None and turn.view.name == P0 and turn.uncached_tokens == 5_000
-    p.begin_prefill(P0, turn.uncached_tokens)
+    p.begin_prefill(P0, turn.view.dp_rank, turn.uncached_tokens)
     body = conversation(TASK.upper() + "second", "done", "next")
     estimate = tokens(second_history) + 2_000
     next_turn = choose_prefill(p.snapshot(blocks(body)), second, estimate, RoutingPolicy())
@@ -307,8 +307,8 @@ def test_the_dp_rank_sent_the_prefix_is_the_one_the_view_names() -> None:
     p.record_engine_load(P0, engine_metrics({"0": (0, 0), "1": (0, 0)}))  # DEP2
     body = conversation(TASK)
     p.routed(P0, 1, blocks(body))
-    view = {v.name: v for v in p.snapshot(blocks(body)).prefill}[P0]
-    assert view.cached_dp_rank == 1 and view.cached_tokens == tokens(body)
+    held = {v.unit: v.cached_tokens for v in p.snapshot(blocks(body)).prefill}
+    assert held == {f"{P0}#0": 0, f"{P0}#1": tokens(body), P1: 0}
 
 
 def test_an_instance_that_leaves_the_pool_comes_back_holding_nothing() -> None:
@@ -337,21 +337,27 @@ def test_other_replicas_prefills_are_priced_at_this_gateways_mean_uncached_token
     p.record_engine_load(P0, engine_metrics({"0": (1, 1), "1": (1, 0)}))
     # no prefill of its own yet: nothing to price the engine's three requests at
     assert p.peer_outstanding_tokens() == {P0: 0, P1: 0}
-    p.begin_prefill(P1, 2_000)
-    p.end_prefill(P1, 2_000)
-    p.begin_prefill(P0, 4_000)  # mean 3K uncached tokens per prefill
-    # the engine's three requests (both ranks) less this gateway's one there: two, at 3K each
+    p.begin_prefill(P1, -1, 2_000)
+    p.end_prefill(P1, -1, 2_000)
+    p.begin_prefill(P0, 0, 4_000)  # mean 3K uncached tokens per prefill
+    # the engine's three requests (both ranks) less this gateway's one on rank 0: two, at 3K
+    # each, one on each rank
     p.record_engine_load(P0, engine_metrics({"0": (1, 1), "1": (1, 0)}))
     p.record_engine_load(P1, engine_metrics({"0": (0, 0), "1": (0, 0)}))
     assert p.peer_outstanding_tokens() == {P0: 6_000, P1: 0}
-    assert {v.name: v.outstanding_tokens for v in p.snapshot().prefill} == {P0: 10_000, P1: 0}
+    assert {v.unit: v.outstanding_tokens for v in p.snapshot().prefill} == {
+        f"{P0}#0": 7_000,
+        f"{P0}#1": 3_000,
+        f"{P1}#0": 0,
+        f"{P1}#1": 0,
+    }
     assert p.in_flight()[P0] == 1  # its own count stays exact
 
 
 def test_an_engine_behind_this_gateways_own_count_means_no_peer_load() -> None:
     p = two_instances()
-    p.begin_prefill(P0, 4_000)
-    p.begin_prefill(P0, 4_000)
+    p.begin_prefill(P0, -1, 4_000)
+    p.begin_prefill(P0, -1, 4_000)
     # one of its two requests has not reached the engine yet: never a negative peer load
     p.record_engine_load(P0, engine_metrics({"0": (1, 0)}))
     assert p.peer_outstanding_tokens() == {P0: 0, P1: 0}
@@ -359,10 +365,11 @@ def test_an_engine_behind_this_gateways_own_count_means_no_peer_load() -> None:
 
 def test_a_prefill_instance_s_dp_ranks_are_learned_from_its_engine_labels() -> None:
     p = two_instances()
-    assert {v.name: v.dp_ranks for v in p.snapshot().prefill} == {P0: 0, P1: 0}
+    # before, an instance is one unit and its engine chooses the rank; after, one per rank
+    assert [v.unit for v in p.snapshot().prefill] == [P0, P1]
     p.record_engine_load(P0, engine_metrics({"0": (1, 0), "1": (0, 0)}))  # DEP2
     p.record_engine_load(P1, engine_metrics({"0": (0, 0)}))
-    assert {v.name: v.dp_ranks for v in p.snapshot().prefill} == {P0: 2, P1: 1}
+    assert [v.unit for v in p.snapshot().prefill] == [f"{P0}#0", f"{P0}#1", P1]
     assert p.prefill_dp_ranks() == {P0: 2, P1: 1}
 
 
