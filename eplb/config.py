@@ -39,7 +39,8 @@ from pydantic.alias_generators import to_camel
 from baton.core.api import EplbModelSpec, EplbSpec
 from baton.core.files import load_yaml_model
 from baton.core.model import DRAFT, EXPERT_BYTES, TARGET
-from eplb.decide import Policy
+from eplb.algorithm import DEFAULT_TOLERANCE
+from eplb.decide import DEFAULT_MIN_GAIN, Policy
 
 __all__ = ["EplbServiceConfig", "GroupSource", "GroupSpec", "StaticGroups", "load_config"]
 
@@ -61,8 +62,8 @@ class GroupSpec(_Spec):
 class EplbServiceConfig(_Spec):
     window_size: int = Field(default=500, gt=0)
     step_interval: int = Field(default=500, gt=0)
-    min_gain: float = Field(default=0.002, ge=0)
-    tolerance: float = Field(default=0.005, ge=0, lt=1)
+    min_gain: float = Field(default=DEFAULT_MIN_GAIN, ge=0)
+    tolerance: float = Field(default=DEFAULT_TOLERANCE, ge=0, lt=1)
     num_nodes: int = Field(default=1, ge=1)
     num_groups: int = Field(default=1, ge=1)
     steps_per_report: int = Field(default=100, gt=0)

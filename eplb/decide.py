@@ -48,19 +48,31 @@ from baton.core.experts import Placement, balance, moves, rank_load
 from eplb.algorithm import DEFAULT_TOLERANCE, rebalance
 from eplb.window import Window
 
-__all__ = ["Decision", "Outcome", "Policy", "decide", "due_boundary", "predict_fitted_balance"]
+__all__ = [
+    "DEFAULT_MIN_GAIN",
+    "Decision",
+    "Outcome",
+    "Policy",
+    "decide",
+    "due_boundary",
+    "predict_fitted_balance",
+]
+
+# Balance (0-1) a rebalance must be predicted to gain: below it, sampling noise (step 3).
+DEFAULT_MIN_GAIN = 0.002
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
     """How one decode group is rebalanced (the service's configuration, per model).
 
-    vLLM's own defaults are ``window_size`` 1000 and ``step_interval`` 3000.
+    vLLM's own defaults are ``baton.core.vllm_eplb.VLLM_WINDOW_SIZE`` and
+    ``VLLM_STEP_INTERVAL``.
     """
 
     window_size: int
     step_interval: int
-    min_gain: float = 0.002
+    min_gain: float = DEFAULT_MIN_GAIN
     tolerance: float = DEFAULT_TOLERANCE
     num_nodes: int = 1
     num_groups: int = 1

@@ -38,6 +38,7 @@ __all__ = [
     "METRICS_PAGE_BYTES",
     "MISSED_PROBES",
     "PANIC_THRESHOLD",
+    "STALL_AFTER_S",
     "Breaker",
     "DecodeServerSpec",
     "Pool",
@@ -212,6 +213,9 @@ class _Server:
 # a request through it succeeded): then it is busy, not gone. An answer other than 200, or a
 # refused connection, ejects at once: that server is dead.
 MISSED_PROBES = 3
+# Seconds a decode server may run requests without counting a token before new requests avoid
+# it: longer than any prefill it may be running for a request that is not streaming yet.
+STALL_AFTER_S = 30.0
 # Below this share of healthy targets a role's pool is in panic and routes to every target not
 # known dead (Envoy's panic threshold, and its default): a busy host leaves every engine's health
 # checks unanswered together, and ejecting them all turns slow answers into 503s.
@@ -224,7 +228,7 @@ class Pool:
         cells: Sequence[PoolCell],
         *,
         probe_interval_s: float,
-        stall_after_s: float = 30.0,
+        stall_after_s: float = STALL_AFTER_S,
         breaker: Callable[[], Breaker] = Breaker,
         prefixes: PrefixIndex | None = None,
         on_missed_probe: Callable[[str], None] | None = None,

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from baton.core.follow import DeploymentRef
 from router.handoff import Timeouts
 from router.policy import PrefillPolicy, RoutingPolicy
-from router.pool import PoolSpec
+from router.pool import STALL_AFTER_S, PoolSpec
 
 __all__ = ["GatewayConfig", "GatewaySettings"]
 
@@ -56,7 +56,7 @@ class GatewaySettings(BaseModel):
         2.0, gt=0, description="seconds between health checks and decode load syncs"
     )
     stall_after_s: float = Field(
-        30.0,
+        STALL_AFTER_S,
         gt=0,
         description="seconds a decode server may run requests without counting a token before "
         "new requests avoid it",
@@ -68,7 +68,7 @@ class GatewaySettings(BaseModel):
         "beyond it a request waits for a place, then gets 429 (0: no bound)",
     )
     queue_timeout_s: float = Field(
-        10.0,
+        _TIMEOUTS.queue_s,
         gt=0,
         description="seconds a request waits for a decode rank below --max-requests-per-rank",
     )

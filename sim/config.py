@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from baton.core.vllm_eplb import VLLM_STEP_INTERVAL, VLLM_WINDOW_SIZE
 from sim.profile import Profile
 
 __all__ = ["EngineConfig", "EplbConfig", "KVTransferConfig", "SpeculativeConfig"]
@@ -42,8 +43,8 @@ class EplbConfig(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    window_size: int = Field(default=1000, gt=0)
-    step_interval: int = Field(default=3000, gt=0)
+    window_size: int = Field(default=VLLM_WINDOW_SIZE, gt=0)
+    step_interval: int = Field(default=VLLM_STEP_INTERVAL, gt=0)
     num_redundant_experts: int = Field(default=0, ge=0)
     log_balancedness: bool = False
     log_balancedness_interval: int = Field(default=1, gt=0)

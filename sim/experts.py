@@ -36,7 +36,7 @@ import numpy as np
 
 from baton.core.experts import Placement, balance_per_step
 from baton.core.model import MoEModel
-from baton.core.vllm_eplb import vllm_rebalance
+from baton.core.vllm_eplb import VLLM_STEP_INTERVAL, VLLM_WINDOW_SIZE, vllm_rebalance
 
 __all__ = [
     "DEP32_DECODE_TOKENS_PER_STEP",
@@ -174,8 +174,8 @@ class EplbSchedule:
     (vLLM's defaults: 3,000 and 1,000), the new placement in force ``switch_delay`` steps later
     (``None``: one step per MoE layer, as vLLM's in-engine EPLB copies a layer per step)."""
 
-    step_interval: int = 3000
-    window_size: int = 1000
+    step_interval: int = VLLM_STEP_INTERVAL
+    window_size: int = VLLM_WINDOW_SIZE
     num_redundant_experts: int = 32
     num_nodes: int = 1
     num_groups: int = 1

@@ -19,6 +19,7 @@ from pydantic.alias_generators import to_camel
 
 from baton.core.labels import CLIQUE_LABEL, GPU_RESOURCE
 from baton.core.model import DRAFT, TARGET
+from baton.core.vllm_eplb import VLLM_STEP_INTERVAL, VLLM_WINDOW_SIZE
 
 __all__ = [
     "API_VERSION",
@@ -239,10 +240,10 @@ class EplbSpec(_Resource):
         "serves one; vLLM does not)",
     )
     step_interval: int = Field(
-        default=3000, ge=1, description="rebalance every this many decode steps"
+        default=VLLM_STEP_INTERVAL, ge=1, description="rebalance every this many decode steps"
     )
     window_size: int = Field(
-        default=1000, ge=1, description="from the expert load of this many last steps"
+        default=VLLM_WINDOW_SIZE, ge=1, description="from the expert load of this many last steps"
     )
     redundant_experts: int = Field(
         default=32, ge=0, le=1024, description="extra expert replicas over the group's GPUs"

@@ -31,7 +31,15 @@ import numpy as np
 
 from baton.core.experts import Placement
 
+# vLLM's EPLB cadence (``EPLBConfig`` in vllm/config/parallel.py): rebalance every 3,000 steps
+# from the expert load of the last 1,000. The simulator's engines, the ModelDeployment's
+# spec.eplb and ``baton up`` default to it.
+VLLM_STEP_INTERVAL = 3000
+VLLM_WINDOW_SIZE = 1000
+
 __all__ = [
+    "VLLM_STEP_INTERVAL",
+    "VLLM_WINDOW_SIZE",
     "balanced_packing",
     "pack_hierarchically",
     "policy_groups",
