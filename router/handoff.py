@@ -217,7 +217,7 @@ class Handoff:
             data, status = await self._call(
                 target.name,
                 request.route,
-                prefill_body(request.body),
+                prefill_body(request.raw, request.body),
                 engine_headers(request.request_id, target.dp_rank),
                 self.timeouts.prefill_s,
             )
@@ -430,20 +430,26 @@ class Handoff:
         )
 
 
-def prefill_body(body: Mapping[str, object]) -> bytes:
-    """The prefill leg's body (step 2 of the module docstring): one token, not streamed, the
-    KV kept for a remote decode."""
-    payload = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-    payload.update(max_tokens=1, stream=False, kv_transfer_params=_PREFILL_KV)
+def prefill_body(raw: bytes, body: Mapping[str, object]) -> bytes:
+    """The prefill leg's body (step 2 of the module docstring): the client's bytes with fields
+    that override its own, for one token, not streamed, the KV kept for a remote decode."""
+    fields: dict[str, object] = {"max_tokens": 1, "stream": False}
     if "max_completion_tokens" in body:
-        payload["max_completion_tokens"] = 1
-    return orjson.dumps(payload)
+        fields["max_completion_tokens"] = 1
+    if "stream_options" in body:
+        fields["stream_options"] = None  # vLLM refuses them on a request that does not stream
+    if "min_tokens" in body:
+        fields["min_tokens"] = 0
+    fields["kv_transfer_params"] = _PREFILL_KV
+    return _with_fields(raw, fields)
 
 
 def decode_body(raw: bytes, kv_transfer_params: Mapping[str, object] | None) -> bytes:
     """The decode leg's body: the client's bytes, with prefill's ``kv_transfer_params``
     (verbatim) when the KV is to be pulled."""
-    return raw if kv_transfer_params is None else _with_kv(raw, kv_transfer_params)
+    if kv_transfer_params is None:
+        return raw
+    return _with_fields(raw, {"kv_transfer_params": kv_transfer_params})
 
 
 def missing_blocks(params: Mapping[str, object], block_size: int) -> int:
@@ -482,9 +488,11 @@ def engine_headers(request_id: str, dp_rank: int = -1) -> dict[str, str]:
     return headers
 
 
-def _with_kv(raw: bytes, params: Mapping[str, object]) -> bytes:
-    """The client's body, byte for byte, with ``kv_transfer_params`` added as its first field."""
-    start = raw.index(b"{") + 1
-    rest = raw[start:].lstrip()
-    separator = b"" if rest.startswith(b"}") else b","
-    return raw[:start] + b'"kv_transfer_params":' + orjson.dumps(params) + separator + rest
+def _with_fields(raw: bytes, fields: Mapping[str, object]) -> bytes:
+    """The client's body, byte for byte, with ``fields`` after its own: a JSON object's last
+    value of a key is the one read (Python's json, which vLLM's server parses with, orjson and
+    pydantic), so the prompt is never serialized again for a leg."""
+    end = raw.rindex(b"}")
+    head = raw[:end].rstrip()
+    separator = b"" if head.endswith(b"{") else b","
+    return head + separator + orjson.dumps(fields)[1:-1] + b"}"

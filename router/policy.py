@@ -8,9 +8,10 @@ choice, so routing state never has to be shared between them.
 1. Affinity key. A session header (:data:`SESSION_HEADERS`, the agent harnesses' names; a
    subagent's parent first), else the ``user`` field, else the conversation
    (:func:`conversation_digest`): a hash chain over message boundaries up to and including the
-   first user message, each message told apart by its length and its first and last
-   :data:`PREFIX_SAMPLE_BYTES` (a 500 KB system prompt is not hashed whole: a collision only
-   puts two conversations' prefills on one instance). Every turn of a conversation resends
+   first user message, each message told apart by its fields, each text by its length and its
+   first and last :data:`PREFIX_SAMPLE_CHARS` characters (a 500 KB system prompt is neither
+   serialized nor hashed whole: a collision only puts two conversations' prefills on one
+   instance). Every turn of a conversation resends
    that prefix, so every turn (and nothing else) shares the key, while conversations that only
    share a system prompt do not.
    A completion prompt is keyed on its first :data:`PROMPT_KEY_BYTES` bytes.
@@ -51,7 +52,7 @@ decode rank are considered for prefill.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -60,7 +61,7 @@ import orjson
 from baton.core.model import BYTES_PER_TOKEN
 
 __all__ = [
-    "PREFIX_SAMPLE_BYTES",
+    "PREFIX_SAMPLE_CHARS",
     "PROMPT_KEY_BYTES",
     "SESSION_HEADERS",
     "AffinityKey",
@@ -98,9 +99,9 @@ SESSION_HEADERS = (
     "x-correlation-id",
 )
 PROMPT_KEY_BYTES = 4096
-# A message of the conversation key is told apart by its length and the bytes at its start and
-# end, so a 500 KB system prompt is not hashed whole to make a key.
-PREFIX_SAMPLE_BYTES = 4096
+# A text of the conversation key is told apart by its length and the characters at its start
+# and end, so a 500 KB system prompt is not hashed whole to make a key.
+PREFIX_SAMPLE_CHARS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,9 +205,7 @@ def conversation_digest(body: Mapping[str, object]) -> bytes | None:
     if isinstance(messages, list) and messages:
         chain = b""
         for message in messages:
-            text = orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
-            ends = text[-PREFIX_SAMPLE_BYTES:] if len(text) > PREFIX_SAMPLE_BYTES else b""
-            chain = _digest(chain, len(text).to_bytes(8), text[:PREFIX_SAMPLE_BYTES], ends)
+            chain = _digest(chain, *_message_parts(message))
             if isinstance(message, Mapping) and message.get("role") == "user":
                 break
         return chain
@@ -216,6 +215,28 @@ def conversation_digest(body: Mapping[str, object]) -> bytes | None:
     if isinstance(prompt, list) and prompt:
         return _digest(orjson.dumps(prompt[: PROMPT_KEY_BYTES // BYTES_PER_TOKEN]))
     return None
+
+
+def _message_parts(message: object) -> Iterator[bytes]:
+    """A message for its key, without serializing its text: its fields in name order, a text
+    told apart by its length and its first and last :data:`PREFIX_SAMPLE_CHARS` characters,
+    anything else by its JSON; each part led by its length."""
+    if not isinstance(message, Mapping):
+        parts = [orjson.dumps(message, option=orjson.OPT_SORT_KEYS)]
+    else:
+        parts = []
+        for name in sorted(message):
+            value = message[name]
+            parts.append(str(name).encode())
+            if isinstance(value, str):
+                tail = value[-PREFIX_SAMPLE_CHARS:] if len(value) > PREFIX_SAMPLE_CHARS else ""
+                sample = f"{len(value)}:{value[:PREFIX_SAMPLE_CHARS]}:{tail}"
+                parts.append(sample.encode())
+            else:
+                parts.append(orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
+    for part in parts:
+        yield len(part).to_bytes(8)
+        yield part
 
 
 def estimate_prompt_tokens(body: Mapping[str, object], serialized: bytes | None = None) -> int:

@@ -1,11 +1,15 @@
-"""What the handoff checks of a prefill's ``kv_transfer_params`` before decode is called."""
+"""What the handoff sends each leg, and checks of a prefill's ``kv_transfer_params`` before
+decode is called."""
 
 from __future__ import annotations
 
+import json
+
+import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.handoff import missing_blocks
+from router.handoff import missing_blocks, prefill_body
 
 
 def params(groups: object, tokens: object) -> dict[str, object]:
@@ -42,3 +46,26 @@ def test_exactly_the_blocks_the_prompt_fills_are_enough(tokens: int, block_size:
     needed = -(-tokens // block_size)
     assert missing_blocks(params([list(range(needed))], tokens), block_size) == 0
     assert missing_blocks(params([list(range(needed - 1))], tokens), block_size) == 1
+
+
+def test_the_prefill_leg_is_the_clients_bytes_with_its_own_fields_read_last() -> None:
+    # The prompt is never serialized again for a leg: a 500 KB system prompt cost the gateway
+    # a second serialization per request. JSON readers keep a key's last value.
+    body = {
+        "model": "m",
+        "messages": [{"role": "system", "content": "be brief " * 1000}],
+        "max_completion_tokens": 64,
+        "min_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    raw = json.dumps(body, indent=2).encode()
+    leg = prefill_body(raw, body)
+    assert leg.startswith(raw.rstrip()[:-1].rstrip())  # the client's bytes, as sent
+    read = json.loads(leg)
+    assert read["messages"] == body["messages"]
+    assert (read["max_completion_tokens"], read["max_tokens"], read["min_tokens"]) == (1, 1, 0)
+    assert read["stream"] is False and read["stream_options"] is None
+    assert read["kv_transfer_params"]["do_remote_decode"] is True
+    assert orjson.loads(leg) == read
+    assert json.loads(prefill_body(b"{}", {}))["max_tokens"] == 1  # an empty body stays JSON

@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 
 from router.handoff import decode_body, engine_headers, prefill_body
@@ -67,7 +66,9 @@ def test_the_prefill_leg_asks_vllm_for_one_token_unstreamed_keeping_the_kv(
 ) -> None:
     route, body = CLIENT_BODIES[name]
     body = {"model": "dsv4", **body}
-    prefill = verdict(vllm, route, orjson.loads(prefill_body(body)))
+    raw = json.dumps(body, indent=1).encode()  # spacing survives as sent
+    # the leg's fields follow the client's own; vLLM's server reads the body with json.loads
+    prefill = verdict(vllm, route, json.loads(prefill_body(raw, body)))
     assert prefill["sampling"]["max_tokens"] == 1
     assert prefill["sampling"]["min_tokens"] == 0  # a kept min_tokens > 1 would be refused
     assert prefill["stream"] is False and prefill["stream_options"] is None
@@ -82,7 +83,7 @@ def test_the_decode_leg_is_the_clients_request_with_prefills_kv_verbatim(
     route, body = CLIENT_BODIES[name]
     raw = json.dumps({"model": "dsv4", **body}, indent=1).encode()  # spacing survives as sent
     client = verdict(vllm, route, json.loads(raw))
-    decode = verdict(vllm, route, orjson.loads(decode_body(raw, PREFILL_KV)))
+    decode = verdict(vllm, route, json.loads(decode_body(raw, PREFILL_KV)))
     assert decode["kv_transfer_params"] == PREFILL_KV
     assert decode["sampling"]["extra_args"] == {"kv_transfer_params": PREFILL_KV}
     for key in ("max_tokens", "min_tokens", "ignore_eos"):
