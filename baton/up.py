@@ -64,6 +64,7 @@ from controller.topology import synthetic_topology
 from eplb.config import EplbServiceConfig, GroupSpec
 from rigs.processes import (
     ProcessExited,
+    baton_command,
     eventually,
     free_port_block,
     reserve_ports,
@@ -402,7 +403,7 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
         eplb_file = Path(workdir, "eplb.yaml")
         cluster_file.write_text(_yaml(layout.cluster))
         pool_file.write_text(_yaml(layout.pool))
-        python = [sys.executable, "-m", "baton.cli"]
+        python = baton_command()
         reports: list[str] = []
         engine_env = dict(os.environ)
         if layout.report_port is not None:
@@ -529,8 +530,7 @@ def _run_live(args: argparse.Namespace) -> int:
             )
             gateway_url = f"http://127.0.0.1:{args.port}"
             gateway = subprocess.Popen(
-                [
-                    *[sys.executable, "-m", "baton.cli"],
+                baton_command(
                     "gateway",
                     "--port",
                     str(args.port),
@@ -540,7 +540,7 @@ def _run_live(args: argparse.Namespace) -> int:
                     cell["decode"].url,
                     "--log-level",
                     "warning",
-                ]
+                )
             )
             processes.append(gateway)
             wait_healthy(gateway_url, gateway, timeout=60)

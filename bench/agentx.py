@@ -68,7 +68,14 @@ from bench.workload import (
     start_turn,
     theoretical_reuse,
 )
-from rigs.processes import ProcessExited, eventually, free_port, stop_process, wait_healthy
+from rigs.processes import (
+    ProcessExited,
+    baton_command,
+    eventually,
+    free_port,
+    stop_process,
+    wait_healthy,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -440,10 +447,7 @@ def stack(
     log_path = directory / "baton-up.log"
     log = log_path.open("ab")
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "baton.cli",
+        baton_command(
             "up",
             "--port",
             str(port),
@@ -454,7 +458,7 @@ def stack(
             "--eplb-mode",
             eplb,
             *extra,
-        ],
+        ),
         stdout=log,
         stderr=log,
     )

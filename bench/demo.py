@@ -29,7 +29,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.core.model import SERVED_MODEL_NAME
-from rigs.processes import ProcessExited, eventually, free_port, stop_process
+from rigs.processes import ProcessExited, baton_command, eventually, free_port, stop_process
 
 SESSIONS = 32
 TURNS = 6
@@ -281,16 +281,13 @@ def _pct(values: list[float], q: int) -> float:
 def main() -> int:
     port, eplb_port = free_port(), free_port()
     up = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "baton.cli",
+        baton_command(
             "up",
             "--port",
             str(port),
             "--eplb-metrics-port",
             str(eplb_port),
-        ]
+        )
     )
     gateway = f"http://127.0.0.1:{port}"
 

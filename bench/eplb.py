@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +54,7 @@ from eplb.client import AgentClient
 from eplb.decide import Outcome, Policy, decide
 from eplb.vllm_plugin import rebalance_window
 from eplb.window import Window
-from rigs.processes import free_port, stop_process, wait_healthy
+from rigs.processes import baton_command, free_port, stop_process, wait_healthy
 from sim.experts import (
     DEP32_DECODE_TOKENS_PER_STEP,
     DRAFT_SKEW,
@@ -323,10 +322,7 @@ async def _round_trips(agent: str, count: int) -> list[float]:
 
 def _round_trip(count: int) -> dict[str, float]:
     port, agent_port = free_port(), free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "baton.cli",
+    command = baton_command(
         "sim",
         "--port",
         str(port),
@@ -343,7 +339,7 @@ def _round_trip(count: int) -> dict[str, float]:
         '{"method": "mtp", "num_speculative_tokens": 3}',
         "--log-level",
         "warning",
-    ]
+    )
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", process)

@@ -41,7 +41,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.procstat import cpu_seconds, pin
-from rigs.processes import free_port, free_port_block, stop_process, wait_healthy
+from rigs.processes import baton_command, free_port, free_port_block, stop_process, wait_healthy
 from sim.profile import load_profile
 
 __all__ = [
@@ -121,10 +121,7 @@ def start_engine(profile: str, core: int | None = 0) -> tuple[subprocess.Popen[b
     """A ``baton sim`` engine on ``profile``, pinned to ``core`` unless None: its process and
     URL."""
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "baton.cli",
+    command = baton_command(
         "sim",
         "--port",
         str(port),
@@ -138,7 +135,7 @@ def start_engine(profile: str, core: int | None = 0) -> tuple[subprocess.Popen[b
         "1024",
         "--log-level",
         "warning",
-    ]
+    )
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_block(2))}
     url = f"http://127.0.0.1:{port}"
     return spawn(command, core, env, url), url
@@ -240,10 +237,7 @@ def start_routers(prefill: str, decode: str) -> dict[str, tuple[subprocess.Popen
     """Baton's gateway and vllm-router (P/D, round robin) in front of the two engines, each
     pinned to core 1: by name, their process and URL."""
     baton_port, vllm_port = free_port(), free_port()
-    baton = [
-        sys.executable,
-        "-m",
-        "baton.cli",
+    baton = baton_command(
         "gateway",
         "--port",
         str(baton_port),
@@ -253,7 +247,7 @@ def start_routers(prefill: str, decode: str) -> dict[str, tuple[subprocess.Popen
         decode,
         "--log-level",
         "warning",
-    ]
+    )
     binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     vllm = [
         binary,

@@ -24,14 +24,13 @@ import asyncio
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.gateway import Scenario, instant_profile, spawn, start_engine, stream_load
 from bench.procstat import children, cpu_seconds
-from rigs.processes import free_port, stop_process
+from rigs.processes import baton_command, free_port, stop_process
 
 __all__ = ["run"]
 
@@ -50,7 +49,7 @@ def _name(workers: int) -> str:
 
 def _gateway(workers: int, prefill: str, decode: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    command = [sys.executable, "-m", "baton.cli", "gateway", "--port", str(port)]
+    command = baton_command("gateway", "--port", str(port))
     command += ["--prefill", prefill, "--decode", decode, "--workers", str(workers)]
     url = f"http://127.0.0.1:{port}"
     return spawn([*command, "--log-level", "warning"], None, url=url), url

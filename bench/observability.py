@@ -27,7 +27,7 @@ from kubernetes import client, config
 from baton.core.model import MODEL
 from rigs.devcluster import ROOT, add_trays, binaries_dir, install_crd, start_control_plane
 from rigs.observability import baton_up, controller_drill, drill, start_prometheus
-from rigs.processes import eventually, free_port, stop_process
+from rigs.processes import baton_command, eventually, free_port, stop_process
 
 __all__ = ["run"]
 
@@ -64,16 +64,13 @@ def _record(directory: Path, quick: bool) -> dict[str, Any]:
         )
         port = free_port()
         controller = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "baton.cli",
+            baton_command(
                 "controller",
                 f"--kubeconfig={plane.kubeconfig}",
                 "--lease-namespace=default",
                 f"--metrics-port={port}",
                 "--metrics-host=127.0.0.1",
-            ],
+            ),
             stdout=(directory / "controller.log").open("wb"),
             stderr=subprocess.STDOUT,
         )

@@ -25,7 +25,6 @@ import asyncio
 import itertools
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.procstat import pin
 from bench.workload import lane_sessions, new_messages
-from rigs.processes import free_port, stop_process, wait_healthy
+from rigs.processes import baton_command, free_port, stop_process, wait_healthy
 
 __all__ = ["add_arguments", "counter_at", "direction", "run", "window_rate"]
 
@@ -163,10 +162,7 @@ def window_rate(
 
 def _engine(ranks: int, time_scale: float, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "baton.cli",
+    command = baton_command(
         "sim",
         "--port",
         str(port),
@@ -179,7 +175,7 @@ def _engine(ranks: int, time_scale: float, log: Path) -> tuple[subprocess.Popen[
         str(time_scale),
         "--log-level",
         "warning",
-    ]
+    )
     handle = log.open("ab")
     process = subprocess.Popen(command, stdout=handle, stderr=handle)
     pin(process.pid, 0)

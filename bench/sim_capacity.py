@@ -19,14 +19,13 @@ import asyncio
 import os
 import statistics
 import subprocess
-import sys
 import time
 from typing import TypedDict
 
 import aiohttp
 
 from bench.procstat import cpu_seconds, pin
-from rigs.processes import free_port, stop_process, wait_healthy
+from rigs.processes import baton_command, free_port, stop_process, wait_healthy
 from sim.perf import RankBatch, step_seconds
 from sim.profile import DEFAULT_PROFILE, load_profile
 
@@ -100,10 +99,7 @@ def _modelled_step_ms(profile: str, streams: int) -> float:
 
 def _run_profile(profile: str, counts: list[int]) -> list[_Row]:
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "baton.cli",
+    command = baton_command(
         "sim",
         "--port",
         str(port),
@@ -113,7 +109,7 @@ def _run_profile(profile: str, counts: list[int]) -> list[_Row]:
         "8192",
         "--log-level",
         "warning",
-    ]
+    )
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     rows: list[_Row] = []

@@ -29,7 +29,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ import yaml
 
 from rigs.faults import FaultInjection
 from rigs.processes import (
+    baton_command,
     eventually,
     free_port,
     free_port_block,
@@ -229,10 +229,6 @@ class LinkProxy:
         self._thread.join(10)
 
 
-def _baton(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "baton.cli", *arguments]
-
-
 class ChaosStack:
     """The processes of one cell on loopback (see the module doc), started by :meth:`start`."""
 
@@ -263,7 +259,7 @@ class ChaosStack:
                 Component(
                     f"prefill-{index}",
                     "prefill",
-                    _baton(
+                    baton_command(
                         "sim",
                         *("--port", str(port), "--data-parallel-size", str(PREFILL_DP)),
                         *("--kv-transfer-config", json.dumps(kv_prefill)),
@@ -287,7 +283,7 @@ class ChaosStack:
                 Component(
                     f"decode-{index}",
                     "decode",
-                    _baton(
+                    baton_command(
                         "sim",
                         *("--port", str(port), "--data-parallel-size", str(ranks)),
                         *("--data-parallel-size-local", str(RANKS_PER_SERVER)),
@@ -328,7 +324,7 @@ class ChaosStack:
         self.eplb = Component(
             "eplb",
             "eplb",
-            _baton(
+            baton_command(
                 "eplb",
                 *("--config", str(eplb_config)),
                 *("--metrics-port", self.eplb_metrics.rsplit(":", 1)[1]),
@@ -361,7 +357,7 @@ class ChaosStack:
                 Component(
                     f"gateway-{index}",
                     "gateway",
-                    _baton(
+                    baton_command(
                         "gateway",
                         *("--port", str(port), "--pool", str(pool)),
                         *deadlines.flags(),

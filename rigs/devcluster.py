@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import ssl
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from baton.core.labels import (
 )
 from controller.observe import rfc3339
 from controller.topology import synthetic_nodes
-from rigs.processes import eventually, free_port, stop_process
+from rigs.processes import baton_command, eventually, free_port, stop_process
 
 __all__ = [
     "ControlPlane",
@@ -538,10 +537,7 @@ def start_controller(
     logging to ``<identity>.log`` in the plane's directory."""
     log = (plane.directory / f"{identity}.log").open("ab")
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "baton.cli",
+        baton_command(
             "controller",
             f"--kubeconfig={kubeconfig or plane.kubeconfig}",
             f"--lease-name={lease}",
@@ -549,7 +545,7 @@ def start_controller(
             f"--identity={identity}",
             f"--metrics-port={metrics_port or free_port()}",
             "--metrics-host=127.0.0.1",
-        ],
+        ),
         stdout=log,
         stderr=subprocess.STDOUT,
     )

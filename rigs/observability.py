@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +32,7 @@ from rigs.devcluster import (
     record_tray_failures,
 )
 from rigs.faults import FaultInjection
-from rigs.processes import eventually, free_port, stop_process
+from rigs.processes import baton_command, eventually, free_port, stop_process
 
 __all__ = [
     "RULES",
@@ -178,10 +177,7 @@ def baton_up(directory: Path) -> Iterator[BatonUp]:
     log = directory / "up.log"
     faults = FaultInjection(directory)
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "baton.cli",
+        baton_command(
             "up",
             "--port",
             str(port),
@@ -194,7 +190,7 @@ def baton_up(directory: Path) -> Iterator[BatonUp]:
             "100",
             "--prometheus-targets",
             str(targets),
-        ],
+        ),
         cwd=ROOT,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,

@@ -8,6 +8,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ import httpx
 
 __all__ = [
     "ProcessExited",
+    "baton_command",
     "eventually",
     "free_port",
     "free_port_block",
@@ -32,6 +34,11 @@ __all__ = [
 _HANDED_OUT: set[int] = set()
 _RANDOM = random.Random(os.getpid())
 T = TypeVar("T")
+
+
+def baton_command(*arguments: str) -> list[str]:
+    """``baton ARGUMENTS`` as this interpreter runs it, console script installed or not."""
+    return [sys.executable, "-m", "baton.cli", *arguments]
 
 
 def _ephemeral_start() -> int:

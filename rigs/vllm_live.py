@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from baton.core.api import ModelDeploymentSpec
 from baton.core.labels import ROLE_LABEL
 from controller.placement import CellPlacement, PrefillInstance
 from controller.podspec import API_PORT, NIXL_PORT, render_cell
-from rigs.processes import ProcessExited, eventually, free_port, free_port_block
+from rigs.processes import ProcessExited, baton_command, eventually, free_port, free_port_block
 
 __all__ = [
     "MODELS",
@@ -355,7 +354,7 @@ class LiveRig:
                 raise ValueError(f"the rig runs Baton's init containers only, not {program}")
             paths = mounted(init)
             subprocess.run(
-                [sys.executable, "-m", "baton.cli", *(str(paths.get(a, a)) for a in args)],
+                baton_command(*(str(paths.get(a, a)) for a in args)),
                 cwd=ROOT,
                 check=True,
                 capture_output=True,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,12 +14,24 @@ from tests.helpers import (
     NIXL,
     ROOT,
     SimHandle,
+    baton_command,
     fault_injection,
     free_port,
     free_port_block,
     stop_process,
     wait_healthy,
 )
+
+pytest_plugins = ["tests.interrupts", "pytester"]
+TIERS = ("unit", "integration", "k8s", "vllm", "live", "chaos")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test's tier is its directory under tests/."""
+    for item in items:
+        tier = item.path.relative_to(ROOT / "tests").parts[0]
+        if tier in TIERS:
+            item.add_marker(tier)
 
 
 class _Launcher:
@@ -40,7 +51,7 @@ class _Launcher:
         port = port or free_port()
         log_path = self.tmp_path / f"{command}-{port}.log"
         process = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli", command, "--port", str(port), *flags],
+            baton_command(command, "--port", str(port), *flags),
             cwd=ROOT,
             stdout=log_path.open("wb"),
             stderr=subprocess.STDOUT,

@@ -8,7 +8,6 @@ import functools
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -19,7 +18,14 @@ from typing import TYPE_CHECKING, Protocol
 import httpx
 
 from rigs.faults import FaultInjection
-from rigs.processes import eventually, free_port, free_port_block, stop_process, wait_healthy
+from rigs.processes import (
+    baton_command,
+    eventually,
+    free_port,
+    free_port_block,
+    stop_process,
+    wait_healthy,
+)
 
 if TYPE_CHECKING:  # for annotations only: most tests never load openai
     from openai.types import CompletionUsage
@@ -154,6 +160,7 @@ __all__ = [
     "NIXL",
     "ROOT",
     "SimHandle",
+    "baton_command",
     "cached_tokens_of",
     "documented",
     "eventually",
@@ -209,7 +216,7 @@ def eplb_reports_service(
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [
-                *(sys.executable, "-m", "baton.cli", "eplb", "--config", str(config_path)),
+                *baton_command("eplb", "--config", str(config_path)),
                 *("--report-port", str(port), "--metrics-port", str(metrics_port), *flags),
             ],
             cwd=ROOT,

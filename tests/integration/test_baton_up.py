@@ -8,7 +8,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from baton.core.model import SERVED_MODEL_NAME
 from rigs.processes import ProcessExited
-from tests.helpers import ROOT, eventually, free_port, scrape_by, stop_process
+from tests.helpers import ROOT, baton_command, eventually, free_port, scrape_by, stop_process
 
 
 @contextlib.contextmanager
@@ -28,7 +27,7 @@ def baton_up(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[byt
     port = free_port()
     log = (tmp_path / "up.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "baton.cli", "up", "--port", str(port), *flags],
+        baton_command("up", "--port", str(port), *flags),
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -106,7 +105,7 @@ def test_baton_up_fails_clearly_when_the_eplb_service_exits_before_it_is_up(
     with socket.create_server(("127.0.0.1", free_port())) as taken:
         process = subprocess.Popen(
             [
-                *(sys.executable, "-m", "baton.cli", "up", "--port", str(free_port())),
+                *baton_command("up", "--port", str(free_port())),
                 *("--eplb-metrics-port", str(taken.getsockname()[1])),
             ],
             cwd=ROOT,

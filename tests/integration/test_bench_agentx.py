@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, baton_command
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -18,10 +17,7 @@ pytestmark = pytest.mark.timeout(600)
 def test_every_router_serves_the_same_sessions_and_affinity_keeps_the_cache(
     tmp_path: Path,
 ) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "baton.cli",
+    command = baton_command(
         "bench",
         "agentx",
         "--quick",
@@ -37,7 +33,7 @@ def test_every_router_serves_the_same_sessions_and_affinity_keeps_the_cache(
         "4",
         "--out",
         str(tmp_path),
-    ]
+    )
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "agentx.json").read_text())

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, baton_command
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,10 +40,7 @@ def test_a_trace_is_replayed_through_each_router_and_reuse_is_accounted_for(
     tmp_path: Path,
 ) -> None:
     trace = _trace(tmp_path / "trace.jsonl")
-    command = [
-        sys.executable,
-        "-m",
-        "baton.cli",
+    command = baton_command(
         "bench",
         "trace",
         "--quick",
@@ -60,7 +56,7 @@ def test_a_trace_is_replayed_through_each_router_and_reuse_is_accounted_for(
         "baton,vllm-router",
         "--out",
         str(tmp_path),
-    ]
+    )
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "trace.json").read_text())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from sim.config import EplbConfig
 from tests.helpers import (
     ROOT,
     EplbReportsService,
+    baton_command,
     eplb_reports_service,
     eventually,
     free_port,
@@ -265,7 +265,7 @@ def test_simulated_engines_with_the_plugin_rebalance_in_engine_and_report_every_
     }
     log = tmp_path / "sim.log"
     engines = subprocess.Popen(
-        [sys.executable, "-m", "baton.cli", "sim", "--cluster", str(path)],
+        baton_command("sim", "--cluster", str(path)),
         cwd=ROOT,
         env=env,
         stdout=log.open("wb"),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +30,15 @@ from eplb.errors import AgentRejected, AgentUnauthenticated, AgentUnavailable
 from eplb.metrics import EplbMetrics
 from eplb.service import GroupRunner, SwitchRecord
 from eplb.window import Window
-from tests.helpers import ROOT, eventually, free_port, keep_decoding, stop_process, wait_healthy
+from tests.helpers import (
+    ROOT,
+    baton_command,
+    eventually,
+    free_port,
+    keep_decoding,
+    stop_process,
+    wait_healthy,
+)
 
 TOKEN = "group-secret"
 WINDOW, INTERVAL = 100, 300
@@ -97,7 +104,7 @@ def rebalancing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rebalancin
     log_path = folder / "sim.log"
     process = subprocess.Popen(
         [
-            *(sys.executable, "-m", "baton.cli", "sim", "--port", str(port), *DEP32_FLAGS),
+            *baton_command("sim", "--port", str(port), *DEP32_FLAGS),
             *("--eplb-agent-port", str(agent_port), "--eplb-agent-token-file", str(token_file)),
         ],
         cwd=ROOT,

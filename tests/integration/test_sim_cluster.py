@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import ROOT, eventually, free_port_block, scrape, stop_process
+from tests.helpers import ROOT, baton_command, eventually, free_port_block, scrape, stop_process
 
 
 @pytest.fixture
@@ -46,7 +45,7 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, int]]:
     path.write_text(yaml.safe_dump(spec))
     log = (tmp_path / "cluster.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "baton.cli", "sim", "--cluster", str(path)],
+        baton_command("sim", "--cluster", str(path)),
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +13,14 @@ import psutil
 
 from baton.core.labels import CLIQUE_LABEL, GPU_RESOURCE, GPU_TAINT_KEY
 from rigs.devcluster import KWOK_ANNOTATION, binaries_dir
+from rigs.processes import baton_command
 
 
 def dev_cluster(
     directory: Path, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "baton.cli", "dev-cluster", *args, "--dir", str(directory)],
+        baton_command("dev-cluster", *args, "--dir", str(directory)),
         capture_output=True,
         text=True,
         timeout=240,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from baton.core.vllm_eplb import vllm_rebalance
 from eplb.reporter import Reporter
 from eplb.vllm_plugin import rebalance_window, window_report
 from rigs.devcluster import pods
-from rigs.processes import eventually, free_port, stop_process, wait_healthy
+from rigs.processes import baton_command, eventually, free_port, stop_process, wait_healthy
 from tests.k8s.helpers import apply, read, wait_ready
 
 pytestmark = pytest.mark.usefixtures("controller")
@@ -82,7 +81,7 @@ def test_in_plugin_mode_the_engines_reports_become_the_deployments_balance(
     log = tmp_path / "eplb.log"
     service = subprocess.Popen(
         [
-            *(sys.executable, "-m", "baton.cli", "eplb", f"--config={config}"),
+            *baton_command("eplb", f"--config={config}"),
             *("--model-deployment", f"{namespace}/dsv4"),
             f"--kubeconfig={control_plane.kubeconfig}",
             *(f"--report-port={port}", f"--token-file={token_file}"),

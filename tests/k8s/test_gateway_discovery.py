@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 from controller.podspec import EPLB_TOKEN_DIR
 from rigs.devcluster import patch_model_deployment_spec, pods
-from rigs.processes import eventually, free_port, stop_process, wait_healthy
+from rigs.processes import baton_command, eventually, free_port, stop_process, wait_healthy
 from tests.k8s.helpers import apply, read, wait_ready
 
 pytestmark = pytest.mark.usefixtures("controller")
@@ -42,7 +41,7 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
         {
             "servedModelName": "dsv4",
             "engine": {
-                "command": [sys.executable, "-m", "baton.cli", "sim"],
+                "command": baton_command("sim"),
                 "args": ["--profile", "instant"],
             },
             "cell": {"decode": {"dep": 4, "spareTrays": 0}, "prefill": {"instances": 1}},
@@ -79,10 +78,7 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
     port = free_port()
     gateway_log = tmp_path / "gateway.log"
     gateway = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "baton.cli",
+        baton_command(
             "gateway",
             "--model-deployment",
             f"{namespace}/dsv4",
@@ -90,7 +86,7 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
             f"--port={port}",
             "--health-interval=0.5",
             "--pd-threshold-tokens=0",
-        ],
+        ),
         stdout=gateway_log.open("wb"),
         stderr=subprocess.STDOUT,
     )
@@ -129,17 +125,14 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
     eplb_log = tmp_path / "eplb.log"
     processes.append(
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "baton.cli",
+            baton_command(
                 "eplb",
                 f"--config={config}",
                 f"--token-file={token}",
                 "--model-deployment",
                 f"{namespace}/dsv4",
                 f"--kubeconfig={control_plane.kubeconfig}",
-            ],
+            ),
             stdout=eplb_log.open("wb"),
             stderr=subprocess.STDOUT,
         )

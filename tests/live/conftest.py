@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rigs.processes import eventually, free_port, stop_process
+from rigs.processes import baton_command, eventually, free_port, stop_process
 from rigs.vllm_live import LiveEngine, LiveRig, live_rig
 from tests.conftest import _Launcher
 from tests.helpers import ROOT, SimHandle, scrape
@@ -33,7 +32,6 @@ SECRETS = {("engine-key", "key"): ENGINE_KEY}
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/live/" in str(item.path):
-            item.add_marker(pytest.mark.live)
             # an engine's start counts against the first test that needs it
             item.add_marker(pytest.mark.timeout(1200))
 
@@ -109,7 +107,7 @@ def baton_up_live(directory: Path) -> Iterator[LiveStack]:
     targets = directory / "targets.json"
     process = subprocess.Popen(
         [
-            *(sys.executable, "-m", "baton.cli", "up", "--engine", "vllm"),
+            *baton_command("up", "--engine", "vllm"),
             *("--port", str(port), "--prometheus-targets", str(targets)),
         ],
         cwd=ROOT,

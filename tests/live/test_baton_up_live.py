@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -14,7 +13,7 @@ import psutil
 import pytest
 
 from baton.up import LIVE_SERVED_NAME
-from tests.helpers import ROOT
+from tests.helpers import ROOT, baton_command
 from tests.live.conftest import baton_up_live
 
 
@@ -53,7 +52,7 @@ def test_flags_of_the_simulated_rack_are_refused_with_the_fix(
     flags: tuple[str, ...], message: str
 ) -> None:
     answer = subprocess.run(
-        [sys.executable, "-m", "baton.cli", "up", "--engine", "vllm", *flags],
+        baton_command("up", "--engine", "vllm", *flags),
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from controller.placement import DeploymentShape, plan_placement
 from controller.podspec import PLUGIN_DIR, render_cell
 from controller.topology import synthetic_topology
 from eplb.algorithm import rebalance
+from rigs.processes import baton_command
 from sim.experts import DEP32_DECODE_TOKENS_PER_STEP, TARGET_SKEW, ExpertPopularity, sample_load
 from tests.vllm.conftest import ROOT, vllm_python
 
@@ -89,7 +89,7 @@ def plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert engine_env["PYTHONPATH"] == PLUGIN_DIR
     directory = tmp_path_factory.mktemp("plugin")
     assert init["command"][0] == "baton" and init["command"][-1] == PLUGIN_DIR
-    command = [sys.executable, "-m", "baton.cli", *init["command"][1:-1], str(directory)]
+    command = baton_command(*init["command"][1:-1], str(directory))
     subprocess.run(command, check=True, cwd=ROOT, timeout=120)
     return directory
 
