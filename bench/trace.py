@@ -38,17 +38,14 @@ import asyncio
 import functools
 import hashlib
 import math
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Never
 
 import aiohttp
 import orjson
@@ -68,7 +65,7 @@ from bench.agentx import (
     summarize,
 )
 from bench.workload import text
-from rigs.processes import stop_process
+from rigs.processes import busy_host
 
 __all__ = [
     "BLOCK_TOKENS",
@@ -344,7 +341,7 @@ class _Replay:
     http: aiohttp.ClientSession
     started: float = 0.0
     records: list[Record] = field(default_factory=list)
-    progress: tqdm | None = None
+    progress: tqdm[Never] | None = None
 
 
 async def _send(replay: _Replay, request: TraceRequest, session: str, at_wall: float) -> Record:
@@ -425,21 +422,6 @@ class Settings:
     busy_per_core: int = 0  # CPU-bound processes run beside the rack, per core
 
 
-@contextmanager
-def _busy_host(per_core: int) -> Iterator[None]:
-    """``per_core`` CPU-bound processes per core beside the rack while the block runs: the
-    shared, busy node a gateway and its engines meet in production."""
-    processes = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(per_core * (os.cpu_count() or 1))
-    ]
-    try:
-        yield
-    finally:
-        for process in processes:
-            stop_process(process)
-
-
 def _point(
     settings: Settings,
     requests: Sequence[TraceRequest],
@@ -453,7 +435,7 @@ def _point(
     log_path = directory / f"requests-{name}-{speedup:g}-{int(session_header)}.jsonl"
     log_path.unlink(missing_ok=True)
     with (
-        _busy_host(settings.busy_per_core),
+        busy_host(settings.busy_per_core),
         stack(
             directory, settings.time_scale, "agent", extra=("--request-log", str(log_path))
         ) as rack,
@@ -605,7 +587,8 @@ def plot(points: Sequence[dict[str, Any]], window: dict[str, Any], path: Path) -
     import matplotlib.pyplot as plt
 
     def label(point: dict[str, Any]) -> str:
-        return point["router"] + (" +session" if point["session_header"] else "")
+        router: str = point["router"]
+        return router + (" +session" if point["session_header"] else "")
 
     series = list(dict.fromkeys(label(p) for p in points))
     fig, (ttft, reuse, lost) = plt.subplots(1, 3, figsize=(16, 4.8))

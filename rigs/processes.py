@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -19,6 +19,7 @@ import httpx
 __all__ = [
     "ProcessExited",
     "baton_command",
+    "busy_host",
     "eventually",
     "free_port",
     "free_port_block",
@@ -159,3 +160,18 @@ def stop_pid(pid: int, executable: str, timeout: float = 10) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         eventually(lambda: not process_running(pid, executable), timeout=timeout, interval=0.1)
+
+
+@contextlib.contextmanager
+def busy_host(per_core: int) -> Iterator[None]:
+    """``per_core`` CPU-bound processes per core while the block runs: the shared, busy node a
+    gateway and its engines meet in production, and a busy CI machine."""
+    processes = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(per_core * (os.cpu_count() or 1))
+    ]
+    try:
+        yield
+    finally:
+        for process in processes:
+            stop_process(process)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rigs.faults import FaultInjection
+from rigs.processes import busy_host
 from tests.helpers import (
     NIXL,
     ROOT,
@@ -26,12 +27,29 @@ pytest_plugins = ["tests.interrupts", "pytester"]
 TIERS = ("unit", "integration", "k8s", "vllm", "live", "chaos")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the tests beside N CPU-bound processes per core (a busy machine; make test-busy)",
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each test's tier is its directory under tests/."""
     for item in items:
         tier = item.path.relative_to(ROOT / "tests").parts[0]
         if tier in TIERS:
             item.add_marker(tier)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def busy_machine(request: pytest.FixtureRequest) -> Iterator[None]:
+    """``--busy N``: every test runs while N CPU-bound processes per core load the machine."""
+    with busy_host(request.config.getoption("busy")):
+        yield
 
 
 class _Launcher:
@@ -86,7 +104,9 @@ def start_sim(tmp_path: Path) -> Iterator[Callable[..., SimHandle]]:
 
 
 @pytest.fixture
-def start_pd(start_sim, faults: FaultInjection) -> Callable[..., tuple[SimHandle, SimHandle]]:
+def start_pd(
+    start_sim: Callable[..., SimHandle], faults: FaultInjection
+) -> Callable[..., tuple[SimHandle, SimHandle]]:
     """A prefill and a decode simulator wired for NIXL, each with its own side channel."""
 
     def start(

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from rigs import processes
-from rigs.processes import ProcessExited, eventually, free_port, reserve_ports, wait_healthy
+from rigs.processes import (
+    ProcessExited,
+    busy_host,
+    eventually,
+    free_port,
+    reserve_ports,
+    wait_healthy,
+)
 
 
 def test_waiting_for_health_ends_as_soon_as_the_process_exits() -> None:
@@ -46,3 +55,13 @@ def test_a_port_a_caller_named_is_never_handed_out(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(processes, "_RANDOM", Draws())
     reserve_ports(named, None)
     assert free_port() == other
+
+
+def test_a_busy_host_runs_its_processes_only_while_the_block_runs() -> None:
+    me = psutil.Process()
+    before = set(me.children())
+    with busy_host(1):
+        started = set(me.children()) - before
+        assert len(started) == (os.cpu_count() or 1)
+        assert all(p.status() != psutil.STATUS_ZOMBIE for p in started)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started)
