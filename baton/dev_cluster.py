@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kubernetes import client, config
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 from pydantic import BaseModel, ConfigDict, Field
 
 from baton.core.files import load_yaml_model
@@ -130,7 +130,8 @@ def _require_running(directory: Path) -> DevClusterState:
 
 
 def _api(state: DevClusterState) -> client.ApiClient:
-    return config.new_client_from_config(config_file=state.kubeconfig)
+    api: client.ApiClient = config.new_client_from_config(config_file=state.kubeconfig)
+    return api
 
 
 def _start(directory: Path, racks: int, cpu_nodes: int) -> int:

@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Never
 
 import aiohttp
 import httpx
@@ -134,7 +134,7 @@ class _Load:
     http: aiohttp.ClientSession
     records: list[Record] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
-    progress: tqdm | None = None
+    progress: tqdm[Never] | None = None
 
 
 # ---- the load: lanes of sessions

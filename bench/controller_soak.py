@@ -41,7 +41,7 @@ from typing import Any
 import psutil
 import urllib3
 from kubernetes import client, config
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from baton.core.labels import TRAY_FAILURES_ANNOTATION
 from controller.restarts import RestartPolicy, recent_failures
@@ -110,7 +110,8 @@ class ControllerSoak:
 
 
 def _expected_pods(spec: dict[str, Any]) -> int:
-    return spec["cells"] * (DECODE_PODS + spec["cell"]["prefill"]["instances"])
+    pods: int = spec["cells"] * (DECODE_PODS + spec["cell"]["prefill"]["instances"])
+    return pods
 
 
 def _settled(api: client.ApiClient, expected: int) -> bool:

@@ -178,9 +178,11 @@ def _mean_step_ms(target: BalanceRun, draft: BalanceRun, steps: int) -> float:
     return (float(np.mean(moe)) + copies / steps) * 1e3
 
 
-def _balance_rows(steps: int, draft_seeds: int) -> tuple[dict, dict]:
+def _balance_rows(
+    steps: int, draft_seeds: int
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, np.ndarray]]]:
     """Balance and costs of every configuration for both models, and the series to plot."""
-    rows: dict[str, dict] = {}
+    rows: dict[str, dict[str, Any]] = {}
     series: dict[str, dict[str, np.ndarray]] = {}
     first_runs: dict[str, dict[str, BalanceRun]] = {}
     models = (
@@ -246,9 +248,10 @@ def _moves_and_time(repeats: int) -> dict[str, float]:
     tokens = DEP32_DECODE_TOKENS_PER_STEP
 
     def window_load() -> np.ndarray:
-        return sample_load(
+        load: np.ndarray = sample_load(
             popularity.probabilities(), tokens, TARGET.top_k, rng, steps=SERVICE.window_size
         ).sum(axis=0)
+        return load
 
     current = vllm_rebalance(window_load(), NUM_RANKS, 32)
     baton_moves, vllm_moves, baton_copy, vllm_copy, balance_loss = [], [], [], [], []
@@ -356,7 +359,10 @@ def _round_trip(count: int) -> dict[str, float]:
 
 
 def _plot(
-    series: dict[str, dict[str, np.ndarray]], rows: dict, steps: int, directory: Path
+    series: dict[str, dict[str, np.ndarray]],
+    rows: dict[str, dict[str, Any]],
+    steps: int,
+    directory: Path,
 ) -> str | None:
     try:
         import matplotlib
@@ -403,7 +409,7 @@ _LABELS = {
 }
 
 
-def _print(result: dict) -> None:
+def _print(result: dict[str, Any]) -> None:
     print(f"EPLB over {result['steps']} decode steps (balance per step, vLLM's measure)")
     print(
         f"{'configuration':<32}{'target':>8}{'recov.':>8}{'draft':>8}{'recov.':>8}"
@@ -448,7 +454,7 @@ def _print(result: dict) -> None:
     )
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False) -> dict[str, Any]:
     steps = 3000 if quick else STEPS
     rows, series = _balance_rows(steps, draft_seeds=2 if quick else 8)
     result = {

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _api(kubeconfig: str | None) -> client.ApiClient:
     if kubeconfig:
-        return config.new_client_from_config(config_file=kubeconfig)
+        api: client.ApiClient = config.new_client_from_config(config_file=kubeconfig)
+        return api
     config.load_incluster_config()
     return client.ApiClient()
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from kubernetes import client
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 __all__ = ["LeaseElector"]

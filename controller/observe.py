@@ -102,7 +102,8 @@ def planned_tray(pod: Mapping[str, Any]) -> str | None:
     """The node a pod runs on, or the one its required node affinity names."""
     spec = pod.get("spec", {})
     if spec.get("nodeName"):
-        return spec["nodeName"]
+        node: str = spec["nodeName"]
+        return node
     required = (
         spec.get("affinity", {})
         .get("nodeAffinity", {})
@@ -111,7 +112,8 @@ def planned_tray(pod: Mapping[str, Any]) -> str | None:
     for term in required.get("nodeSelectorTerms", []):
         for expression in term.get("matchExpressions", []):
             if expression.get("key") == HOSTNAME_LABEL and expression.get("values"):
-                return expression["values"][0]
+                tray: str = expression["values"][0]
+                return tray
     return None
 
 
@@ -129,7 +131,8 @@ def terminating(pod: Mapping[str, Any]) -> bool:
 
 
 def _phase(pod: Mapping[str, Any]) -> str:
-    return pod.get("status", {}).get("phase", "Pending")
+    phase: str = pod.get("status", {}).get("phase", "Pending")
+    return phase
 
 
 def is_terminal(pod: Mapping[str, Any]) -> bool:
@@ -169,7 +172,8 @@ def ready(pod: Mapping[str, Any]) -> bool:
 def outdated(pod: Mapping[str, Any], wanted: Manifest) -> bool:
     """The pod was rendered from another spec than the current one."""
     have = (pod.get("metadata", {}).get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION)
-    return have != wanted["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION]
+    want: str = wanted["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION]
+    return have != want
 
 
 def _owned_by(pod: Mapping[str, Any], uid: str) -> bool:

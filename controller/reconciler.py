@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -211,13 +211,15 @@ class Controller:
 
     # --- events into the queue -----------------------------------------------------------------
 
-    def _on_deployment(self, kind: str, old: dict | None, new: dict | None) -> None:
+    def _on_deployment(
+        self, kind: str, old: dict[str, Any] | None, new: dict[str, Any] | None
+    ) -> None:
         obj = new or old
         if obj is not None:
             self.queue.add(obj["metadata"]["namespace"])
         self._notify_seen()
 
-    def _on_pod(self, kind: str, old: dict | None, new: dict | None) -> None:
+    def _on_pod(self, kind: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         obj = new or old
         labels = (obj or {}).get("metadata", {}).get("labels") or {}
         if obj is not None and DEPLOYMENT_LABEL in labels:
@@ -229,7 +231,7 @@ class Controller:
         with self._cache_changed:
             self._cache_changed.notify_all()
 
-    def _on_node(self, kind: str, old: dict | None, new: dict | None) -> None:
+    def _on_node(self, kind: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         if _placement_fingerprint(old) != _placement_fingerprint(new):
             self._queue_all()
 
@@ -324,7 +326,8 @@ class Controller:
                 raise
             self._no_compute_domains_until = time.monotonic() + 60.0
             return None
-        return raw_json(response)["items"]
+        domains: list[dict[str, Any]] = raw_json(response)["items"]
+        return domains
 
     def observe(self, namespace: str) -> Observed:
         return Observed(

@@ -48,7 +48,7 @@ class RestartPolicy:
             return None
         if not recent:
             return timedelta(0)
-        delay = min(self.base * 2 ** (len(recent) - 1), self.cap)
+        delay: timedelta = min(self.base * 2 ** (len(recent) - 1), self.cap)
         return max(max(recent) + delay - now, timedelta(0))
 
 

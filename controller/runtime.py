@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from kubernetes import watch
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from baton.core.kube import raw_json
@@ -92,7 +92,8 @@ class Informer:
         for key, item in old.items():
             if key not in fresh:
                 self._on_event("DELETED", item, None)
-        return listing["metadata"]["resourceVersion"]
+        version: str = listing["metadata"]["resourceVersion"]
+        return version
 
     def _watch_from(self, version: str) -> str | None:
         """Follow the watch; the version to resume from, or None to relist."""
@@ -164,7 +165,7 @@ class WorkQueue:
         with self._cond:
             failures = self._failures.get(key, 0)
             self._failures[key] = failures + 1
-        delay = min(self._base * 2**failures, self._cap)
+        delay: float = min(self._base * 2**failures, self._cap)
         self.add_after(key, delay)
         return delay
 

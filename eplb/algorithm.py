@@ -161,7 +161,8 @@ def _keep_previous(
     # Only candidates moving no more than the relabelled fresh placement, layer by layer.
     allowed = arrivals <= arrivals[:, :1]
     choice = _cheapest_within_budget(arrivals, peaks, allowed, budget)
-    return phy2log[np.arange(layers), choice]
+    chosen: np.ndarray = phy2log[np.arange(layers), choice]
+    return chosen
 
 
 def _relabel_ranks(phy2log: np.ndarray, previous: Placement, num_nodes: int) -> np.ndarray:
@@ -305,7 +306,8 @@ def _arrivals(phy2log: np.ndarray, previous: Placement) -> np.ndarray:
         previous.num_ranks,
         num_experts,
     ).reshape(count, layers, previous.num_ranks, num_experts)
-    return (new & ~old[None]).sum(axis=(2, 3)).T
+    arrivals: np.ndarray = (new & ~old[None]).sum(axis=(2, 3)).T
+    return arrivals
 
 
 def _cheapest_within_budget(
@@ -332,7 +334,8 @@ def _cheapest_within_budget(
         best = cost.min(axis=1, keepdims=True)
         # Among equal costs, fewest arrivals first, then the lowest index.
         tied = np.where(np.isclose(cost, best, rtol=1e-12, atol=0.0), cost_moves, np.inf)
-        return np.argmin(tied, axis=1)
+        cheapest: np.ndarray = np.argmin(tied, axis=1)
+        return cheapest
 
     def total_peak(choice: np.ndarray) -> float:
         return float(peaks[np.arange(len(choice)), choice].sum())

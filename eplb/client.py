@@ -32,6 +32,7 @@ class AgentClient:
     @property
     def _stub(self) -> pb_grpc.EplbAgentStub:
         # A grpc.aio channel belongs to the event loop it is created on: create it on first use.
+        # protoc's stub is unannotated: each call's reply is typed where it is received.
         if self._stub_instance is None:
             if self._tls_ca is not None:
                 credentials = grpc.ssl_channel_credentials(root_certificates=self._tls_ca)
@@ -48,15 +49,17 @@ class AgentClient:
 
     async def describe(self, deadline: float) -> pb.AgentInfo:
         with map_rpc_errors(self.address):
-            return await self._stub.Describe(
+            info: pb.AgentInfo = await self._stub.Describe(
                 pb.DescribeRequest(), timeout=deadline, metadata=self._metadata
             )
+            return info
 
     async def get_placement(self, deadline: float) -> pb.PlacementState:
         with map_rpc_errors(self.address):
-            return await self._stub.GetPlacement(
+            state: pb.PlacementState = await self._stub.GetPlacement(
                 pb.GetPlacementRequest(), timeout=deadline, metadata=self._metadata
             )
+            return state
 
     async def stream_load(self, steps_per_report: int) -> AsyncIterator[pb.LoadReport]:
         """Every rank's load reports, until the stream breaks (raises) or the caller stops."""
@@ -74,7 +77,7 @@ class AgentClient:
         self, switch_id: str, placements: Sequence[pb.Placement], deadline: float
     ) -> pb.PrepareResponse:
         with map_rpc_errors(self.address):
-            reply = await self._stub.Prepare(
+            reply: pb.PrepareResponse = await self._stub.Prepare(
                 pb.PrepareRequest(switch_id=switch_id, placements=placements),
                 timeout=deadline,
                 metadata=self._metadata,
@@ -86,7 +89,7 @@ class AgentClient:
     async def commit(self, switch_id: str, apply_at_step: int, deadline: float) -> int:
         """Commit; returns the step at which the agent switches."""
         with map_rpc_errors(self.address):
-            reply = await self._stub.Commit(
+            reply: pb.CommitResponse = await self._stub.Commit(
                 pb.CommitRequest(switch_id=switch_id, apply_at_step=apply_at_step),
                 timeout=deadline,
                 metadata=self._metadata,
@@ -98,7 +101,7 @@ class AgentClient:
     async def abort(self, switch_id: str, reason: str, deadline: float) -> bool:
         """Abort; True when the agent dropped something it had staged."""
         with map_rpc_errors(self.address):
-            reply = await self._stub.Abort(
+            reply: pb.AbortResponse = await self._stub.Abort(
                 pb.AbortRequest(switch_id=switch_id, reason=reason),
                 timeout=deadline,
                 metadata=self._metadata,

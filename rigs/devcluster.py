@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import yaml
 from kubernetes import client
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from baton.core.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from baton.core.crd import CRD_PATH

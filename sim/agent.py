@@ -30,6 +30,7 @@ import contextlib
 import hmac
 import logging
 import uuid
+from typing import Any
 
 import grpc
 import numpy as np
@@ -68,7 +69,7 @@ class _Servicer(pb_grpc.EplbAgentServicer):
         self._aborted: dict[str, None] = {}  # insertion-ordered set of recent aborts
 
     async def _authenticate(
-        self, context: grpc.aio.ServicerContext, method: str, *, switches: bool = False
+        self, context: grpc.aio.ServicerContext[Any, Any], method: str, *, switches: bool = False
     ) -> None:
         """Refuse ``method`` (UNAUTHENTICATED) unless it carries the agent's bearer token; on
         an agent without a token, refuse the calls that ``switches`` placement (PERMISSION_DENIED)
@@ -122,7 +123,9 @@ class _Servicer(pb_grpc.EplbAgentServicer):
             await clock.sleep(min(stalled, _STALL_POLL_S))
 
     async def Describe(
-        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.DescribeRequest,
+        context: grpc.aio.ServicerContext[pb.DescribeRequest, pb.AgentInfo],
     ) -> pb.AgentInfo:
         await self._authenticate(context, "Describe")
         if self.group.dead:
@@ -147,7 +150,9 @@ class _Servicer(pb_grpc.EplbAgentServicer):
         )
 
     async def StreamLoad(
-        self, request: pb.StreamLoadRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.StreamLoadRequest,
+        context: grpc.aio.ServicerContext[pb.StreamLoadRequest, pb.LoadReport],
     ) -> None:
         await self._authenticate(context, "StreamLoad")
         ranks = list(request.dp_ranks) or sorted(self.group.ranks)
@@ -219,7 +224,10 @@ class _Servicer(pb_grpc.EplbAgentServicer):
             self.moe.listeners.remove(listen)
 
     @staticmethod
-    async def _send(queue: asyncio.Queue[pb.LoadReport], context: grpc.aio.ServicerContext) -> None:
+    async def _send(
+        queue: asyncio.Queue[pb.LoadReport],
+        context: grpc.aio.ServicerContext[pb.StreamLoadRequest, pb.LoadReport],
+    ) -> None:
         while True:
             await context.write(await queue.get())
 
@@ -254,7 +262,9 @@ class _Servicer(pb_grpc.EplbAgentServicer):
         return True
 
     async def Prepare(
-        self, request: pb.PrepareRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.PrepareRequest,
+        context: grpc.aio.ServicerContext[pb.PrepareRequest, pb.PrepareResponse],
     ) -> pb.PrepareResponse:
         await self._authenticate(context, "Prepare", switches=True)
         if self.group.dead:
@@ -336,7 +346,9 @@ class _Servicer(pb_grpc.EplbAgentServicer):
         )
 
     async def Commit(
-        self, request: pb.CommitRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.CommitRequest,
+        context: grpc.aio.ServicerContext[pb.CommitRequest, pb.CommitResponse],
     ) -> pb.CommitResponse:
         await self._authenticate(context, "Commit", switches=True)
         if self.group.dead:
@@ -355,7 +367,9 @@ class _Servicer(pb_grpc.EplbAgentServicer):
         return pb.CommitResponse(ok=True, apply_at_step=apply_at)
 
     async def Abort(
-        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.AbortRequest,
+        context: grpc.aio.ServicerContext[pb.AbortRequest, pb.AbortResponse],
     ) -> pb.AbortResponse:
         await self._authenticate(context, "Abort", switches=True)
         self._remember_abort(request.switch_id)
@@ -372,7 +386,9 @@ class _Servicer(pb_grpc.EplbAgentServicer):
             del self._aborted[next(iter(self._aborted))]
 
     async def GetPlacement(
-        self, request: pb.GetPlacementRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.GetPlacementRequest,
+        context: grpc.aio.ServicerContext[pb.GetPlacementRequest, pb.PlacementState],
     ) -> pb.PlacementState:
         await self._authenticate(context, "GetPlacement")
         return pb.PlacementState(

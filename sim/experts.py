@@ -118,7 +118,7 @@ class ExpertPopularity:
     def _normalised(self) -> np.ndarray:
         logits = self._base + self._skew.drift_sigma * self._drift
         weights = np.exp(logits - logits.max(axis=1, keepdims=True))
-        probabilities = weights / weights.sum(axis=1, keepdims=True)
+        probabilities: np.ndarray = weights / weights.sum(axis=1, keepdims=True)
         probabilities.setflags(write=False)
         return probabilities
 
@@ -165,7 +165,8 @@ def physical_load(logical_load: np.ndarray, placement: Placement) -> np.ndarray:
     replica_index = np.empty_like(placement.phy2log)
     replica_index[layer_of, placement.log2phy[held]] = replica_of
     per_slot = counts.astype(np.int64)[..., layer_index, placement.phy2log]
-    return per_slot // replicas + (replica_index < per_slot % replicas)
+    shares: np.ndarray = per_slot // replicas + (replica_index < per_slot % replicas)
+    return shares
 
 
 @dataclass(frozen=True, slots=True)

@@ -148,5 +148,5 @@ def expert_copy_seconds(profile: Profile, experts: int) -> float:
 def switch_copy_seconds(profile: Profile, previous: Placement, new: Placement) -> np.ndarray:
     """Each layer's copy time in a switch from ``previous`` to ``new``, ``[layers]``: the most
     experts any rank receives in that layer (they arrive over its own links in parallel)."""
-    largest = moves_per_rank(previous, new).max(axis=1)
+    largest: np.ndarray = moves_per_rank(previous, new).max(axis=1)
     return largest * (profile.decode.expert_bytes / profile.nvlink.bandwidth_bytes_per_s)

@@ -104,7 +104,7 @@ async def start_single(config: EngineConfig, host: str, port: int) -> SimProcess
     return process
 
 
-async def start_cluster(spec) -> SimProcess:
+async def start_cluster(spec: ClusterSpec) -> SimProcess:
 
     assert isinstance(spec, ClusterSpec)
     process = SimProcess()

@@ -29,7 +29,7 @@ class LoadReport:
 
     @property
     def num_steps(self) -> int:
-        return self.counts.shape[0]
+        return int(self.counts.shape[0])
 
 
 def encode_placement(name: str, placement: Placement, version: int = 0) -> pb.Placement:

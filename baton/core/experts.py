@@ -93,11 +93,11 @@ class Placement:
 
     @property
     def num_layers(self) -> int:
-        return self.phy2log.shape[0]
+        return int(self.phy2log.shape[0])
 
     @property
     def slots_per_rank(self) -> int:
-        return self.phy2log.shape[1] // self.num_ranks
+        return int(self.phy2log.shape[1]) // self.num_ranks
 
     @property
     def log2phy(self) -> np.ndarray:
@@ -135,7 +135,8 @@ def rank_load(load: np.ndarray, placement: Placement) -> np.ndarray:
     layer_index = np.arange(placement.num_layers)[:, None]
     per_slot = per_replica[..., layer_index, placement.phy2log]
     shape = (*per_slot.shape[:-1], placement.num_ranks, placement.slots_per_rank)
-    return per_slot.reshape(shape).sum(axis=-1)
+    per_rank: np.ndarray = per_slot.reshape(shape).sum(axis=-1)
+    return per_rank
 
 
 def balance(load: np.ndarray, placement: Placement) -> float:
@@ -167,7 +168,8 @@ def moves_per_rank(previous: Placement, new: Placement) -> np.ndarray:
     ):
         raise ValueError("placements differ in layers, ranks or logical experts")
     arrived = experts_on_ranks(new) & ~experts_on_ranks(previous)
-    return arrived.sum(axis=-1, dtype=np.int64)
+    moves: np.ndarray = arrived.sum(axis=-1, dtype=np.int64)
+    return moves
 
 
 def moves(previous: Placement, new: Placement) -> int:

@@ -198,4 +198,5 @@ def preserve_slots(new: Placement, previous: Placement) -> Placement:
 def _copy_index(slots: np.ndarray) -> np.ndarray:
     """For ``[..., S]`` expert ids: how many earlier slots on the same rank hold the same id."""
     earlier = np.tri(slots.shape[-1], k=-1, dtype=bool)
-    return ((slots[..., :, None] == slots[..., None, :]) & earlier).sum(axis=-1)
+    copies: np.ndarray = ((slots[..., :, None] == slots[..., None, :]) & earlier).sum(axis=-1)
+    return copies

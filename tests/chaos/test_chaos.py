@@ -11,6 +11,7 @@ import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -124,12 +125,12 @@ def test_placements_disagree_where_a_rank_could_switch_alone() -> None:
         assert not verdict["agreed"] and verdict["problems"], case
 
 
-def _samples(sizes: dict[str, list[tuple[int, float]]], every: float = 30) -> list[dict]:
+def _samples(sizes: dict[str, list[tuple[int, float]]], every: float = 30) -> list[dict[str, Any]]:
     """RSS samples every ``every`` s: per component, (pid, MiB) at each step (pid 0: down)."""
     steps = len(next(iter(sizes.values())))
     samples = []
     for step in range(steps):
-        sample: dict = {"t_s": step * every, "pids": {}}
+        sample: dict[str, Any] = {"t_s": step * every, "pids": {}}
         for name, series in sizes.items():
             pid, mib = series[step]
             if pid:

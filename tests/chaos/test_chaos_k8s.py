@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import urllib3
 from kubernetes import client, config
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from rigs.devcluster import (
     ControlPlane,

@@ -53,7 +53,9 @@ def stack(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]
         yield running
 
 
-def test_baton_up_prints_the_rack_map_and_streams_through_the_gateway(stack) -> None:
+def test_baton_up_prints_the_rack_map_and_streams_through_the_gateway(
+    stack: tuple[subprocess.Popen[bytes], str, Path],
+) -> None:
     _, url, log = stack
     output = eventually(lambda: "OpenAI API at" in log.read_text() and log.read_text())
     assert isinstance(output, str)
@@ -74,7 +76,9 @@ def test_baton_up_prints_the_rack_map_and_streams_through_the_gateway(stack) -> 
     assert len(text) == 16 * 4
 
 
-def test_sigterm_stops_every_process_and_frees_the_ports(stack) -> None:
+def test_sigterm_stops_every_process_and_frees_the_ports(
+    stack: tuple[subprocess.Popen[bytes], str, Path],
+) -> None:
     process, url, _ = stack
     children = psutil.Process(process.pid).children(recursive=True)
     assert len(children) >= 2  # the engines and the gateway

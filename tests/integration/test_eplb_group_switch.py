@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -43,7 +43,7 @@ class Server:
     agent: str  # host:port of its EPLB agent
 
 
-def start_group(start_sim, servers: int) -> list[Server]:
+def start_group(start_sim: Callable[..., SimHandle], servers: int) -> list[Server]:
     """The ``servers`` servers of one DP group of ``servers`` x 4 ranks, started together."""
 
     def start(index: int) -> Server:
@@ -66,7 +66,7 @@ def start_group(start_sim, servers: int) -> list[Server]:
 
 
 @pytest.fixture
-def group(start_sim) -> Iterator[list[Server]]:
+def group(start_sim: Callable[..., SimHandle]) -> Iterator[list[Server]]:
     """The 8 servers of one DEP32 group; a frozen one is thawed after."""
     servers = start_group(start_sim, SERVERS)
     yield servers
@@ -152,7 +152,7 @@ async def close(runner: GroupRunner) -> None:
         await client.close()
 
 
-async def test_every_server_switches_at_the_one_agreed_step(group) -> None:
+async def test_every_server_switches_at_the_one_agreed_step(group: list[Server]) -> None:
     load_every_server(group)
     runner = runner_for(group)
     await runner.sync()
@@ -170,7 +170,9 @@ async def test_every_server_switches_at_the_one_agreed_step(group) -> None:
     await close(runner)
 
 
-async def test_a_server_refusing_prepare_aborts_the_switch_on_all_eight(group) -> None:
+async def test_a_server_refusing_prepare_aborts_the_switch_on_all_eight(
+    group: list[Server],
+) -> None:
     runner = runner_for(group)
     await runner.sync()
     model, decision = skewed_decision(runner)
@@ -206,7 +208,7 @@ class _LostAtCommit(AgentClient):
 
 @pytest.mark.parametrize("sent", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 async def test_a_server_lost_at_commit_aborts_the_switch_on_every_other(
-    group, sent: signal.Signals
+    group: list[Server], sent: signal.Signals
 ) -> None:
     load_every_server(group)
     lost = _LostAtCommit(group[3].agent, group[3].handle.process, sent)
@@ -227,7 +229,7 @@ async def test_a_server_lost_at_commit_aborts_the_switch_on_every_other(
 
 
 @pytest.fixture
-def pair(start_sim) -> list[Server]:
+def pair(start_sim: Callable[..., SimHandle]) -> list[Server]:
     """The 2 servers of a DEP8 group: the least that can be left half switched."""
     return start_group(start_sim, 2)
 
@@ -270,7 +272,9 @@ async def in_force(servers: list[Server]) -> list[tuple[int, bytes]]:
     ]
 
 
-async def test_a_switch_left_prepared_by_a_killed_service_is_aborted_by_the_next(pair) -> None:
+async def test_a_switch_left_prepared_by_a_killed_service_is_aborted_by_the_next(
+    pair: list[Server],
+) -> None:
     load_every_server(pair)
     switch_id, step = await half_switch(pair, committed=0, ahead=50)
     runner = await sync_until_settled(pair)
@@ -281,7 +285,9 @@ async def test_a_switch_left_prepared_by_a_killed_service_is_aborted_by_the_next
     await close(runner)
 
 
-async def test_a_switch_committed_on_one_server_only_is_finished_on_the_other(pair) -> None:
+async def test_a_switch_committed_on_one_server_only_is_finished_on_the_other(
+    pair: list[Server],
+) -> None:
     load_every_server(pair)
     _, step = await half_switch(pair, committed=1, ahead=400)
     runner = await sync_until_settled(pair)  # waits until the switch has taken effect
@@ -292,7 +298,7 @@ async def test_a_switch_committed_on_one_server_only_is_finished_on_the_other(pa
     await close(runner)
 
 
-async def test_a_group_already_split_is_brought_back_to_one_placement(pair) -> None:
+async def test_a_group_already_split_is_brought_back_to_one_placement(pair: list[Server]) -> None:
     """The service stayed down past the step: the committed server switched alone."""
     load_every_server(pair)
     await half_switch(pair, committed=1, ahead=30)
@@ -310,7 +316,7 @@ async def test_a_group_already_split_is_brought_back_to_one_placement(pair) -> N
 
 
 async def test_servers_at_different_steps_when_the_service_subscribes_still_make_windows(
-    pair,
+    pair: list[Server],
 ) -> None:
     """A service that starts (or restarts) while one server has run more steps than the other
     (which a stalled server leaves) must still complete windows and decide."""

@@ -11,7 +11,7 @@ import asyncio
 import os
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +30,10 @@ from eplb.errors import AgentRejected, AgentUnauthenticated, AgentUnavailable
 from eplb.metrics import EplbMetrics
 from eplb.service import GroupRunner, SwitchRecord
 from eplb.window import Window
+from rigs.faults import FaultInjection
 from tests.helpers import (
     ROOT,
+    SimHandle,
     baton_command,
     eventually,
     free_port,
@@ -171,7 +173,9 @@ def rebalancing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rebalancin
         stop_process(process)
 
 
-def test_rebalances_land_on_interval_boundaries_using_the_last_window(rebalancing) -> None:
+def test_rebalances_land_on_interval_boundaries_using_the_last_window(
+    rebalancing: Rebalancing,
+) -> None:
     committed = [r for r in rebalancing.records if r.result == "committed"]
     assert {r.model for r in committed} == {"target", "draft"}
     for record in rebalancing.records:
@@ -185,17 +189,18 @@ def test_rebalances_land_on_interval_boundaries_using_the_last_window(rebalancin
         assert record.apply_at_step is not None and record.apply_at_step > record.decision.boundary
 
 
-def test_target_and_draft_are_rebalanced_independently(rebalancing) -> None:
+def test_target_and_draft_are_rebalanced_independently(rebalancing: Rebalancing) -> None:
     for model, experts in (("target", 384), ("draft", 128)):
         committed = [r for r in rebalancing.records if r.model == model and r.result == "committed"]
-        assert committed and all(model in r.switch_id for r in committed)
+        assert committed
+        assert all(r.switch_id is not None and model in r.switch_id for r in committed)
         in_force = rebalancing.placements[model]
         # Each model's version counts only its own switches, and the last one is in force.
         assert in_force.version == len(committed)
         assert decode_placement(in_force, 32, experts) == committed[-1].decision.placement
 
 
-def test_a_boundary_whose_predicted_gain_is_noise_is_skipped(rebalancing) -> None:
+def test_a_boundary_whose_predicted_gain_is_noise_is_skipped(rebalancing: Rebalancing) -> None:
     # After the first switch the routing barely drifts in a few hundred steps, so later
     # boundaries are mostly sampling noise: the service decides them and keeps the placement.
     outcomes = {r.result for r in rebalancing.records}
@@ -210,13 +215,14 @@ def test_a_boundary_whose_predicted_gain_is_noise_is_skipped(rebalancing) -> Non
     [pytest.param("target", 0.02, id="target"), pytest.param("draft", 0.05, id="draft")],
 )
 def test_balance_after_a_switch_matches_the_prediction_within_sampling_noise(
-    rebalancing, model: str, noise: float
+    rebalancing: Rebalancing, model: str, noise: float
 ) -> None:
     measured = [
         r for r in rebalancing.records if r.model == model and r.switch_id in rebalancing.achieved
     ]
     assert measured
     for record in measured:
+        assert record.switch_id is not None  # measured: in ``achieved``
         achieved = rebalancing.achieved[record.switch_id]
         assert abs(achieved - record.decision.balance_after) <= noise
         assert achieved > record.decision.balance_before or record.decision.balance_before > 0.9
@@ -244,7 +250,9 @@ async def version_of(agent: str, model: str) -> int:
 
 
 @pytest.fixture
-def guarded_sim(start_sim, faults, tmp_path: Path):
+def guarded_sim(
+    start_sim: Callable[..., SimHandle], faults: FaultInjection, tmp_path: Path
+) -> tuple[SimHandle, str]:
     """A DEP32 group whose agent wants ``TOKEN``; returns (handle, agent address)."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -261,7 +269,7 @@ def guarded_sim(start_sim, faults, tmp_path: Path):
 
 
 async def test_a_rank_killed_during_prepare_aborts_everywhere_and_nothing_switches(
-    guarded_sim, faults
+    guarded_sim: tuple[SimHandle, str], faults: FaultInjection
 ) -> None:
     sim, agent = guarded_sim
     runner = runner_for(agent)
@@ -284,7 +292,9 @@ async def test_a_rank_killed_during_prepare_aborts_everywhere_and_nothing_switch
         await client.close()
 
 
-async def test_a_prepare_that_times_out_is_aborted_and_never_staged(guarded_sim, faults) -> None:
+async def test_a_prepare_that_times_out_is_aborted_and_never_staged(
+    guarded_sim: tuple[SimHandle, str], faults: FaultInjection
+) -> None:
     sim, agent = guarded_sim
     runner = runner_for(agent, prepare_timeout_seconds=1.0)
     await runner.sync()
@@ -305,7 +315,9 @@ async def test_a_prepare_that_times_out_is_aborted_and_never_staged(guarded_sim,
         await each.close()
 
 
-async def test_a_bad_or_missing_token_is_refused_and_logged(guarded_sim) -> None:
+async def test_a_bad_or_missing_token_is_refused_and_logged(
+    guarded_sim: tuple[SimHandle, str],
+) -> None:
     sim, agent = guarded_sim
     placement = await AgentClient(agent, token=TOKEN).get_placement(5.0)
     message = placement.placements[0]
@@ -321,7 +333,9 @@ async def test_a_bad_or_missing_token_is_refused_and_logged(guarded_sim) -> None
     assert await version_of(agent, message.model) == 0
 
 
-async def test_the_agent_serves_tls_to_a_service_holding_its_ca(start_sim, tmp_path: Path) -> None:
+async def test_the_agent_serves_tls_to_a_service_holding_its_ca(
+    start_sim: Callable[..., SimHandle], tmp_path: Path
+) -> None:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     await asyncio.to_thread(
         subprocess.run,
@@ -353,7 +367,9 @@ async def test_the_agent_serves_tls_to_a_service_holding_its_ca(start_sim, tmp_p
     await plain.close()
 
 
-async def test_an_engine_restart_restarts_the_groups_windows(start_sim, tmp_path: Path) -> None:
+async def test_an_engine_restart_restarts_the_groups_windows(
+    start_sim: Callable[..., SimHandle], tmp_path: Path
+) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     agent_port = free_port()

@@ -63,7 +63,7 @@ class Stack:
         eventually(lambda: scrape(self.decode.url, "vllm:num_requests_running") == 0)
 
 
-def start_engine(start_sim, *flags: str) -> SimHandle:
+def start_engine(start_sim: Callable[..., SimHandle], *flags: str) -> SimHandle:
     return start_sim(
         "--served-model-name",
         MODEL,
@@ -75,7 +75,9 @@ def start_engine(start_sim, *flags: str) -> SimHandle:
     )
 
 
-def decode_only(start_sim, start_gateway, engines: int) -> tuple[list[SimHandle], Stack]:
+def decode_only(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle], engines: int
+) -> tuple[list[SimHandle], Stack]:
     """``engines`` decode engines behind one gateway, no prefill instance."""
     started = [start_engine(start_sim) for _ in range(engines)]
     gateway = start_gateway("--api-key", "k", *(f"--decode={e.url}" for e in started))
@@ -83,7 +85,7 @@ def decode_only(start_sim, start_gateway, engines: int) -> tuple[list[SimHandle]
 
 
 @pytest.fixture
-def stack(start_sim, start_gateway) -> Stack:
+def stack(start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]) -> Stack:
     prefill = [start_engine(start_sim) for _ in range(2)]
     decode = start_engine(start_sim, "--data-parallel-size", "4")
     gateway = start_gateway(
@@ -180,7 +182,7 @@ def test_models_come_from_the_engines(stack: Stack) -> None:
 
 
 def test_ready_needs_a_healthy_decode_target_and_says_when_decode_serves_alone(
-    start_sim, start_gateway
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:
     decode = start_engine(start_sim)
     gateway = start_gateway(f"--decode={decode.url}", "--prefill=http://127.0.0.1:9")
@@ -198,7 +200,7 @@ def test_ready_needs_a_healthy_decode_target_and_says_when_decode_serves_alone(
 
 
 def test_with_no_healthy_engine_a_request_gets_503_not_an_unknown_model(
-    start_sim, start_gateway
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:
     decode = start_engine(start_sim)
     gateway = start_gateway("--api-key", "k", f"--decode={decode.url}")
@@ -213,7 +215,7 @@ def test_with_no_healthy_engine_a_request_gets_503_not_an_unknown_model(
 
 
 def test_a_dead_decode_servers_other_ranks_are_not_tried_after_it_fails(
-    start_sim, start_gateway
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:
     dead = start_engine(start_sim, "--data-parallel-size", "4")
     alive = start_engine(start_sim)
@@ -238,7 +240,7 @@ def test_a_dead_decode_servers_other_ranks_are_not_tried_after_it_fails(
 
 
 def test_an_engine_too_busy_to_answer_one_health_check_stays_in_the_pool(
-    start_sim, start_gateway
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:
     # Seen in baton bench agentx: the simulator's API servers, busy for a moment, missed one
     # health check together; the gateway ejected every target at once and answered 503.
@@ -257,7 +259,7 @@ def test_an_engine_too_busy_to_answer_one_health_check_stays_in_the_pool(
 
 
 def test_an_engine_that_stays_silent_is_ejected_after_three_missed_health_checks(
-    start_sim, start_gateway
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:
     (silent, _), stack = decode_only(start_sim, start_gateway, 2)
     gateway = stack.gateway
@@ -274,7 +276,7 @@ def test_an_engine_that_stays_silent_is_ejected_after_three_missed_health_checks
 
 
 def test_requests_waiting_on_a_frozen_engine_go_elsewhere_once_it_is_ejected(
-    start_sim, start_gateway
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:
     # A frozen engine (SIGSTOP, a hung API server) accepts connections and answers nothing:
     # its requests used to wait for their own timeouts, minutes, after it was ejected.
@@ -308,7 +310,7 @@ def test_requests_waiting_on_a_frozen_engine_go_elsewhere_once_it_is_ejected(
 
 
 def test_past_the_bound_of_requests_a_rank_holds_a_request_waits_then_gets_429(
-    start_sim, start_gateway
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:
     decode = start_engine(start_sim, "--time-scale", "100")  # a held request lasts minutes
     gateway = start_gateway(
@@ -344,7 +346,7 @@ def test_past_the_bound_of_requests_a_rank_holds_a_request_waits_then_gets_429(
 
 
 def test_engines_that_answer_health_late_but_keep_serving_stay_in_the_pool(
-    start_sim, start_gateway
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:
     # A loaded host: every engine's health checks time out for a while, and the engines keep
     # streaming and answering /metrics. vllm-router lost nothing here; the gateway ejected all.
@@ -373,7 +375,7 @@ def test_engines_that_answer_health_late_but_keep_serving_stay_in_the_pool(
 
 
 def test_a_pool_whose_every_engine_goes_silent_panics_and_waits_for_them_but_not_for_the_dead(
-    start_sim, start_gateway
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:
     (dead, *frozen), stack = decode_only(start_sim, start_gateway, 3)
     gateway = stack.gateway
@@ -394,7 +396,9 @@ def test_a_pool_whose_every_engine_goes_silent_panics_and_waits_for_them_but_not
     eventually(lambda: "panic over" in gateway.log(), timeout=20)
 
 
-def test_with_one_decode_target_a_lost_kv_is_decoded_alone_on_it(start_sim, start_gateway) -> None:
+def test_with_one_decode_target_a_lost_kv_is_decoded_alone_on_it(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
+) -> None:
     prefill, decode = start_engine(start_sim), start_engine(start_sim)
     gateway = start_gateway("--api-key", "k", f"--prefill={prefill.url}", f"--decode={decode.url}")
     stack = Stack(gateway, [prefill], decode)
@@ -550,8 +554,11 @@ def test_a_second_gateway_routes_around_the_first_ones_load(
         loads = _decode_in_flight(stack.gateway, stack.decode)
         assert sorted(loads) == [0, 1, 1, 1]
         idle = loads.index(0)
+
         # the second gateway learns that load from the engine ...
-        peers = lambda: scrape_by(other.url, "baton_gateway_peer_in_flight_requests", "target")  # noqa: E731
+        def peers() -> dict[str, float]:
+            return scrape_by(other.url, "baton_gateway_peer_in_flight_requests", "target")
+
         eventually(lambda: sum(peers().values()) == 3)
         assert list(peers().values())[idle] == 0
         # ... and sends each of its own requests to the one idle rank
@@ -693,7 +700,8 @@ def assert_whole_tokens_then_error(events: list[str]) -> dict[str, object]:
     assert events[-1] == "[DONE]"
     texts = [json.loads(e)["choices"][0]["text"] for e in events[:-2] if '"choices"' in e]
     assert texts and all(len(t) % 4 == 0 for t in texts)  # whole tokens, none repeated
-    return json.loads(events[-2])["error"]
+    error: dict[str, object] = json.loads(events[-2])["error"]
+    return error
 
 
 def test_engine_failure_mid_stream_is_forwarded_and_the_stream_ends(stack: Stack) -> None:
@@ -797,7 +805,9 @@ def test_bad_request_gets_openai_error(
     assert needle in error["message"] and error["type"]
 
 
-def test_body_over_the_limit_is_413(start_sim, start_gateway) -> None:
+def test_body_over_the_limit_is_413(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
+) -> None:
     decode = start_engine(start_sim)
     gateway = start_gateway(f"--decode={decode.url}", "--max-body-bytes", "1000")
     response = httpx.post(
@@ -807,7 +817,9 @@ def test_body_over_the_limit_is_413(start_sim, start_gateway) -> None:
     assert response.json()["error"]["code"] == "request_too_large"
 
 
-def test_api_keys_from_file_and_environment(start_sim, start_gateway, tmp_path) -> None:
+def test_api_keys_from_file_and_environment(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle], tmp_path: Path
+) -> None:
     decode = start_engine(start_sim)
     keys = tmp_path / "keys"
     keys.write_text("# team keys\nfrom-file\n")
@@ -821,7 +833,7 @@ def test_api_keys_from_file_and_environment(start_sim, start_gateway, tmp_path) 
 
 
 def test_engines_behind_an_api_key_are_served_with_the_engine_key_file(
-    start_sim, start_gateway, tmp_path
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle], tmp_path: Path
 ) -> None:
     # vLLM's --api-key guards /v1 on the engines; the gateway sends the key on every call.
     prefill = start_engine(start_sim, "--api-key", "engine-secret")

@@ -7,18 +7,19 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import Callable
 
 import httpx
 import pytest
 
-from tests.helpers import eventually, scrape
+from tests.helpers import SimHandle, eventually, scrape
 from tests.integration.test_gateway import LONG, MODEL, Stack, chat, start_engine
 
 CHAT = b'{"model": "dsv4", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}'
 
 
 @pytest.fixture
-def stack(start_sim, start_gateway) -> Stack:
+def stack(start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]) -> Stack:
     prefill, decode = start_engine(start_sim), start_engine(start_sim)
     gateway = start_gateway(
         "--api-key",
@@ -215,7 +216,7 @@ def test_a_request_no_engine_can_run_is_refused_before_it_costs_a_prefill(
 
 
 def test_a_stalled_decode_server_is_routed_around_while_its_health_says_ok(
-    start_sim, start_gateway
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:
     stalled, other = start_engine(start_sim), start_engine(start_sim)
     gateway = start_gateway(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -71,7 +71,7 @@ def serve_port(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
 
 
 def test_serve_app_streams_a_chat_completion_through_prefill_kv_handoff_and_decode(
-    start_pd, serve_port: int, tmp_path: Path
+    start_pd: Callable[..., tuple[SimHandle, SimHandle]], serve_port: int, tmp_path: Path
 ) -> None:
     prefill, decode = start_pd(flags=("--served-model-name", MODEL))
     pool = write_pool(tmp_path / "pool.yaml", prefill, decode)

@@ -10,6 +10,9 @@ pytest 9.2 no longer has.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import requests
 import schemathesis
@@ -22,6 +25,8 @@ from tests.helpers import NIXL, SimHandle, free_port_block
 
 MODEL = "dsv4"
 ERROR_FIELDS = {"message", "type", "param", "code"}
+# What get_all_operations yields: schemathesis leaves an operation's type parameters open.
+Operation = APIOperation[Any, Any, Any, Any]
 
 
 def name_the_served_model(context: schemathesis.HookContext, body: object) -> object:
@@ -31,7 +36,7 @@ def name_the_served_model(context: schemathesis.HookContext, body: object) -> ob
     return body
 
 
-def start_engine(start_sim) -> SimHandle:
+def start_engine(start_sim: Callable[..., SimHandle]) -> SimHandle:
     return start_sim(
         "--served-model-name",
         MODEL,
@@ -42,7 +47,9 @@ def start_engine(start_sim) -> SimHandle:
 
 
 @pytest.fixture
-def gateway_schema(start_sim, start_gateway) -> BaseSchema:
+def gateway_schema(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
+) -> BaseSchema:
     prefill, decode = start_engine(start_sim), start_engine(start_sim)
     gateway: SimHandle = start_gateway(f"--prefill={prefill.url}", f"--decode={decode.url}")
     schema = schemathesis.openapi.from_url(f"{gateway.url}/openapi.json")
@@ -50,7 +57,7 @@ def gateway_schema(start_sim, start_gateway) -> BaseSchema:
     return schema
 
 
-def assert_answered_without_server_error(case: Case, session: requests.Session) -> None:
+def assert_answered_without_server_error(case: Case[Operation], session: requests.Session) -> None:
     response = case.call(session=session, timeout=30)
     label = f"{case.operation.label} body={case.body!r}"
     assert response.status_code < 500, f"{label}: {response.status_code} {response.text}"
@@ -61,7 +68,7 @@ def assert_answered_without_server_error(case: Case, session: requests.Session) 
         assert isinstance(error["type"], str) and error["type"], label
 
 
-def fuzz(operation: APIOperation, mode: GenerationMode, session: requests.Session) -> None:
+def fuzz(operation: Operation, mode: GenerationMode, session: requests.Session) -> None:
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(
         max_examples=30,
@@ -69,14 +76,14 @@ def fuzz(operation: APIOperation, mode: GenerationMode, session: requests.Sessio
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
-    def check(case: Case) -> None:
+    def check(case: Case[Operation]) -> None:
         assert_answered_without_server_error(case, session)
 
     check()
 
 
 def test_every_generated_request_gets_a_non_5xx_answer(gateway_schema: BaseSchema) -> None:
-    operations: list[APIOperation] = []
+    operations: list[Operation] = []
     for result in gateway_schema.get_all_operations():
         assert isinstance(result, Ok), result  # an operation of the schema that failed to load
         operations.append(result.ok())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -15,14 +15,14 @@ import psutil
 import pytest
 from openai.types import Completion
 
-from tests.helpers import documented, eventually, served
+from tests.helpers import SimHandle, documented, eventually, served
 from tests.integration.test_gateway import LONG, MODEL, Stack, start_engine
 
 STREAMS = 16
 
 
 @pytest.fixture
-def stack(start_sim, start_gateway) -> Stack:
+def stack(start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]) -> Stack:
     prefill = start_engine(start_sim)
     decode = start_engine(start_sim, "--data-parallel-size", "2")
     gateway = start_gateway(

@@ -70,7 +70,7 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, int]]:
     assert process.returncode == 0, (tmp_path / "cluster.log").read_text()
 
 
-def test_every_hybrid_lb_server_exposes_its_four_global_ranks(cluster) -> None:
+def test_every_hybrid_lb_server_exposes_its_four_global_ranks(cluster: dict[str, int]) -> None:
     text = httpx.get(f"http://127.0.0.1:{cluster['decode'] + 3}/metrics").text
     engines = {
         line.split('engine="')[1].split('"')[0]
@@ -80,7 +80,9 @@ def test_every_hybrid_lb_server_exposes_its_four_global_ranks(cluster) -> None:
     assert engines == {"12", "13", "14", "15"}
 
 
-def test_pd_handoff_between_cluster_engines_lands_on_the_named_rank(cluster) -> None:
+def test_pd_handoff_between_cluster_engines_lands_on_the_named_rank(
+    cluster: dict[str, int],
+) -> None:
     prefill_url = f"http://127.0.0.1:{cluster['prefill'] + 1}"
     decode_url = f"http://127.0.0.1:{cluster['decode'] + 3}"
     prompt = "cluster handoff " * 100
@@ -104,7 +106,7 @@ def test_pd_handoff_between_cluster_engines_lands_on_the_named_rank(cluster) -> 
     assert scrape(prefill_url, "vllm:kv_cache_usage_perc") == 0
 
 
-def test_decode_group_steps_in_lockstep_across_its_api_servers(cluster) -> None:
+def test_decode_group_steps_in_lockstep_across_its_api_servers(cluster: dict[str, int]) -> None:
     """A busy rank behind one server slows a request on another server of the same group."""
     import concurrent.futures
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
 import grpc
 import numpy as np
 import pytest
@@ -14,7 +17,9 @@ from tests.helpers import SimHandle, eventually, free_port, keep_decoding, scrap
 
 
 @pytest.fixture
-def agent(start_sim):
+def agent(
+    start_sim: Callable[..., SimHandle],
+) -> Iterator[tuple[SimHandle, pb_grpc.EplbAgentStub]]:
     port = free_port()
     sim = start_sim(
         "--data-parallel-size",
@@ -34,7 +39,9 @@ def agent(start_sim):
     channel.close()
 
 
-def test_describe_names_ranks_and_both_models(agent) -> None:
+def test_describe_names_ranks_and_both_models(
+    agent: tuple[SimHandle, pb_grpc.EplbAgentStub],
+) -> None:
     _, stub = agent
     info = stub.Describe(pb.DescribeRequest())
     assert list(info.dp_ranks) == list(range(32))
@@ -44,7 +51,9 @@ def test_describe_names_ranks_and_both_models(agent) -> None:
     assert models == {"target": (43, 384, 416, 6), "draft": (1, 128, 160, 3)}
 
 
-def test_load_stream_reports_each_ranks_own_slots_per_step(agent) -> None:
+def test_load_stream_reports_each_ranks_own_slots_per_step(
+    agent: tuple[SimHandle, pb_grpc.EplbAgentStub],
+) -> None:
     sim, stub = agent
     keep_decoding(sim.url, max_tokens=2000)
     # A rank with nothing running reports zero counts; open the stream once both are decoding.
@@ -72,11 +81,13 @@ def test_load_stream_reports_each_ranks_own_slots_per_step(agent) -> None:
     assert np.frombuffer(draft.counts, dtype="<u4").reshape(draft.num_steps, 1, 5).sum() > 0
 
 
-def current(stub) -> dict[str, pb.Placement]:
+def current(stub: pb_grpc.EplbAgentStub) -> dict[str, pb.Placement]:
     return {p.model: p for p in stub.GetPlacement(pb.GetPlacementRequest()).placements}
 
 
-def test_malformed_placement_is_rejected_before_anything_is_staged(agent) -> None:
+def test_malformed_placement_is_rejected_before_anything_is_staged(
+    agent: tuple[SimHandle, pb_grpc.EplbAgentStub],
+) -> None:
     _, stub = agent
     before = current(stub)["target"]
     phy2log = decode_placement(before, 32, 384).phy2log.copy()
@@ -99,7 +110,9 @@ def test_malformed_placement_is_rejected_before_anything_is_staged(agent) -> Non
     assert current(stub)["target"].version == before.version
 
 
-def test_prepare_then_commit_switches_at_the_agreed_step(agent) -> None:
+def test_prepare_then_commit_switches_at_the_agreed_step(
+    agent: tuple[SimHandle, pb_grpc.EplbAgentStub],
+) -> None:
     sim, stub = agent
     keep_decoding(sim.url, max_tokens=2000)
     load = np.random.default_rng(0).integers(1, 1000, size=(43, 384))
@@ -122,7 +135,7 @@ def test_prepare_then_commit_switches_at_the_agreed_step(agent) -> None:
     assert current(stub)["draft"].version == 0  # the draft was not part of this switch
 
 
-def test_abort_drops_the_staged_placement(agent) -> None:
+def test_abort_drops_the_staged_placement(agent: tuple[SimHandle, pb_grpc.EplbAgentStub]) -> None:
     _, stub = agent
     new = rebalance(np.ones((43, 384)), 32, 32)
     assert stub.Prepare(
@@ -138,7 +151,9 @@ def test_abort_drops_the_staged_placement(agent) -> None:
 DROPPED = "baton:eplb_agent_load_subscribers_dropped_total"
 
 
-def test_a_load_subscriber_that_never_reads_is_dropped_once(agent) -> None:
+def test_a_load_subscriber_that_never_reads_is_dropped_once(
+    agent: tuple[SimHandle, pb_grpc.EplbAgentStub],
+) -> None:
     sim, stub = agent
     keep_decoding(sim.url)
     # One report per rank, model and step: the fastest a subscriber can fall behind.
@@ -159,7 +174,9 @@ def test_a_load_subscriber_that_never_reads_is_dropped_once(agent) -> None:
     fresh.cancel()
 
 
-def agent_without_flags(start_sim, *flags: str) -> tuple[SimHandle, pb_grpc.EplbAgentStub]:
+def agent_without_flags(
+    start_sim: Callable[..., SimHandle], *flags: str
+) -> tuple[SimHandle, pb_grpc.EplbAgentStub]:
     port = free_port()
     sim = start_sim(
         *("--data-parallel-size", "32", "--enable-expert-parallel", "--enable-eplb"),
@@ -168,9 +185,11 @@ def agent_without_flags(start_sim, *flags: str) -> tuple[SimHandle, pb_grpc.Eplb
     return sim, pb_grpc.EplbAgentStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
 
 
-def every_call(stub: pb_grpc.EplbAgentStub, metadata: tuple[tuple[str, str], ...]) -> dict:
+def every_call(
+    stub: pb_grpc.EplbAgentStub, metadata: tuple[tuple[str, str], ...]
+) -> dict[str, grpc.StatusCode]:
     """Each RPC of the agent once with ``metadata``: its status code (OK when it answered)."""
-    calls = {
+    calls: dict[str, Callable[[], object]] = {
         "Describe": lambda: stub.Describe(pb.DescribeRequest(), metadata=metadata, timeout=10),
         "GetPlacement": lambda: stub.GetPlacement(
             pb.GetPlacementRequest(), metadata=metadata, timeout=10
@@ -186,7 +205,7 @@ def every_call(stub: pb_grpc.EplbAgentStub, metadata: tuple[tuple[str, str], ...
         ),
         "Abort": lambda: stub.Abort(pb.AbortRequest(switch_id="x"), metadata=metadata, timeout=10),
     }
-    codes = {}
+    codes: dict[str, grpc.StatusCode] = {}
     for name, call in calls.items():
         try:
             call()
@@ -196,7 +215,9 @@ def every_call(stub: pb_grpc.EplbAgentStub, metadata: tuple[tuple[str, str], ...
     return codes
 
 
-def test_with_a_token_every_call_needs_it(start_sim, tmp_path) -> None:
+def test_with_a_token_every_call_needs_it(
+    start_sim: Callable[..., SimHandle], tmp_path: Path
+) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
     sim, stub = agent_without_flags(start_sim, "--eplb-agent-token-file", str(token_file))
@@ -208,7 +229,9 @@ def test_with_a_token_every_call_needs_it(start_sim, tmp_path) -> None:
     assert set(codes.values()) == {grpc.StatusCode.OK}, codes
 
 
-def test_without_a_token_switches_are_refused_unless_the_agent_is_open(start_sim) -> None:
+def test_without_a_token_switches_are_refused_unless_the_agent_is_open(
+    start_sim: Callable[..., SimHandle],
+) -> None:
     sim, stub = agent_without_flags(start_sim)
     keep_decoding(sim.url, max_tokens=2000)
     codes = every_call(stub, ())
@@ -222,7 +245,9 @@ def test_without_a_token_switches_are_refused_unless_the_agent_is_open(start_sim
     assert "open to anyone" in open_sim.log()
 
 
-def test_a_new_prepare_replaces_a_switch_staged_but_never_committed(agent) -> None:
+def test_a_new_prepare_replaces_a_switch_staged_but_never_committed(
+    agent: tuple[SimHandle, pb_grpc.EplbAgentStub],
+) -> None:
     sim, stub = agent
     rng = np.random.default_rng(1)
     first, second, third = (

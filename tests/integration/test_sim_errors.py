@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.helpers import scrape
+from rigs.faults import FaultInjection
+from tests.helpers import SimHandle, scrape
 
 
 @pytest.fixture
-def sim(start_sim, faults):
+def sim(start_sim: Callable[..., SimHandle], faults: FaultInjection) -> SimHandle:
     return start_sim(
         "--served-model-name",
         "dsv4",
@@ -31,7 +33,7 @@ def post(url: str, path: str, **kwargs: Any) -> httpx.Response:
 
 def assert_vllm_error(response: httpx.Response, status: int) -> dict[str, object]:
     assert response.status_code == status, response.text
-    error = response.json()["error"]
+    error: dict[str, object] = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == status and error["message"]
     return error
@@ -64,7 +66,9 @@ def assert_vllm_error(response: httpx.Response, status: int) -> dict[str, object
         "empty-chat",
     ],
 )
-def test_bad_request_gets_vllm_error_body(sim, body: bytes, status: int, needle: str) -> None:
+def test_bad_request_gets_vllm_error_body(
+    sim: SimHandle, body: bytes, status: int, needle: str
+) -> None:
     path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
     error = assert_vllm_error(
         post(sim.url, path, content=body, headers={"Content-Type": "application/json"}), status
@@ -72,14 +76,14 @@ def test_bad_request_gets_vllm_error_body(sim, body: bytes, status: int, needle:
     assert needle in str(error["message"])
 
 
-def test_prompt_longer_than_max_model_len_is_rejected(sim) -> None:
+def test_prompt_longer_than_max_model_len_is_rejected(sim: SimHandle) -> None:
     error = assert_vllm_error(
         post(sim.url, "/v1/completions", json={"prompt": "abcd" * 5000, "max_tokens": 1}), 400
     )
     assert "5000 input tokens" in str(error["message"])
 
 
-def test_dp_rank_header_targets_that_rank(sim) -> None:
+def test_dp_rank_header_targets_that_rank(sim: SimHandle) -> None:
     response = post(
         sim.url,
         "/v1/completions",
@@ -91,7 +95,7 @@ def test_dp_rank_header_targets_that_rank(sim) -> None:
     assert scrape(sim.url, "vllm:request_success_total", engine="0") == 0
 
 
-def test_dp_rank_out_of_range_is_a_400(sim) -> None:
+def test_dp_rank_out_of_range_is_a_400(sim: SimHandle) -> None:
     error = assert_vllm_error(
         post(
             sim.url, "/v1/completions", json={"prompt": "x"}, headers={"X-data-parallel-rank": "4"}
@@ -101,7 +105,7 @@ def test_dp_rank_out_of_range_is_a_400(sim) -> None:
     assert error["message"] == "data_parallel_rank 4 is out of range [0, 4)."
 
 
-def test_dp_rank_header_that_is_not_an_integer_is_ignored(sim) -> None:
+def test_dp_rank_header_that_is_not_an_integer_is_ignored(sim: SimHandle) -> None:
     response = post(
         sim.url,
         "/v1/completions",
@@ -111,7 +115,7 @@ def test_dp_rank_header_that_is_not_an_integer_is_ignored(sim) -> None:
     assert response.status_code == 200
 
 
-def test_hybrid_lb_header_is_a_local_rank_index(start_sim) -> None:
+def test_hybrid_lb_header_is_a_local_rank_index(start_sim: Callable[..., SimHandle]) -> None:
     sim = start_sim(
         "--data-parallel-size",
         "8",
@@ -137,7 +141,7 @@ def test_hybrid_lb_header_is_a_local_rank_index(start_sim) -> None:
     )
 
 
-def test_without_header_requests_spread_over_ranks_least_loaded_first(sim) -> None:
+def test_without_header_requests_spread_over_ranks_least_loaded_first(sim: SimHandle) -> None:
     import concurrent.futures
 
     # Long enough (about 7 s) that each request still runs when the last one arrives, even on a
@@ -153,7 +157,9 @@ def test_without_header_requests_spread_over_ranks_least_loaded_first(sim) -> No
     assert per_rank == [2, 2, 2, 2]
 
 
-def test_injected_failures_answer_with_the_requested_status(sim, faults) -> None:
+def test_injected_failures_answer_with_the_requested_status(
+    sim: SimHandle, faults: FaultInjection
+) -> None:
     faults.inject(sim.url, action="fail_requests", count=2, status=503)
     assert_vllm_error(post(sim.url, "/v1/completions", json={"prompt": "x"}), 503)
     assert_vllm_error(post(sim.url, "/v1/completions", json={"prompt": "x"}), 503)
@@ -162,27 +168,33 @@ def test_injected_failures_answer_with_the_requested_status(sim, faults) -> None
     )
 
 
-def test_killed_rank_takes_the_group_down_and_health_says_503(sim, faults) -> None:
+def test_killed_rank_takes_the_group_down_and_health_says_503(
+    sim: SimHandle, faults: FaultInjection
+) -> None:
     assert httpx.get(f"{sim.url}/health").status_code == 200
     faults.inject(sim.url, action="kill", rank=2)
     assert httpx.get(f"{sim.url}/health").status_code == 503
     assert_vllm_error(post(sim.url, "/v1/completions", json={"prompt": "x"}), 500)
 
 
-def test_fault_endpoint_is_absent_without_the_flag(start_sim) -> None:
+def test_fault_endpoint_is_absent_without_the_flag(start_sim: Callable[..., SimHandle]) -> None:
     sim = start_sim()
     assert post(sim.url, "/sim/faults", json={"action": "kill"}).status_code in (404, 405)
 
 
 @pytest.mark.parametrize("authorization", [None, "Bearer wrong", "Basic x"])
-def test_fault_endpoint_refuses_callers_without_its_token(sim, authorization) -> None:
+def test_fault_endpoint_refuses_callers_without_its_token(
+    sim: SimHandle, authorization: str | None
+) -> None:
     headers = {"Authorization": authorization} if authorization else {}
     response = post(sim.url, "/sim/faults", json={"action": "kill"}, headers=headers)
     assert "fault-injection-token-file" in str(assert_vllm_error(response, 401)["message"])
     assert httpx.get(f"{sim.url}/health").status_code == 200  # nothing was applied
 
 
-def test_slowed_engine_takes_longer_per_step_until_the_fault_ends(sim, faults) -> None:
+def test_slowed_engine_takes_longer_per_step_until_the_fault_ends(
+    sim: SimHandle, faults: FaultInjection
+) -> None:
     def latency() -> float:
         """The simulated seconds one 40-token request takes."""
         before = scrape(sim.url, "vllm:e2e_request_latency_seconds_sum")

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.helpers import cached_tokens_of, usage_of
+from tests.helpers import SimHandle, cached_tokens_of, usage_of
 
 MODEL = "dsv4-flash"
 
 
 @pytest.fixture
-def client(start_sim) -> openai.OpenAI:
+def client(start_sim: Callable[..., SimHandle]) -> openai.OpenAI:
     sim = start_sim("--served-model-name", MODEL, "--seed", "7")
     return openai.OpenAI(base_url=f"{sim.url}/v1", api_key="unused", max_retries=0)
 

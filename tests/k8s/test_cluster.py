@@ -7,7 +7,7 @@ import json
 import subprocess
 
 from kubernetes import client, watch
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from baton.core.labels import CLIQUE_LABEL
 from rigs.devcluster import (
@@ -56,7 +56,9 @@ def _ready_condition(node: client.V1Node) -> tuple[str | None, object]:
     return (ready.status, ready.last_transition_time) if ready else (None, None)
 
 
-def test_kwok_trays_stay_ready_past_the_node_monitor_grace_period(api, namespace) -> None:
+def test_kwok_trays_stay_ready_past_the_node_monitor_grace_period(
+    api: client.ApiClient, namespace: str
+) -> None:
     core = client.CoreV1Api(api)
     nodes = add_trays(api, 1, trays_per_rack=2, name_prefix=f"{namespace}-")
     names = {node["metadata"]["name"] for node in nodes}
@@ -90,7 +92,7 @@ def test_kwok_trays_stay_ready_past_the_node_monitor_grace_period(api, namespace
 
 
 def test_the_api_server_reports_its_release_and_kubectl_talks_to_it(
-    api, control_plane: ControlPlane
+    api: client.ApiClient, control_plane: ControlPlane
 ) -> None:
     info = client.VersionApi(api).get_code()
     assert (info.git_version, info.major, info.minor) == ("v1.37.2", "1", "37")
@@ -110,7 +112,7 @@ def test_the_api_server_reports_its_release_and_kubectl_talks_to_it(
     assert versions["serverVersion"]["gitVersion"] == "v1.37.2"
 
 
-def test_kwok_tray_runs_a_pod_that_requests_its_gpus(api, namespace) -> None:
+def test_kwok_tray_runs_a_pod_that_requests_its_gpus(api: client.ApiClient, namespace: str) -> None:
     core = client.CoreV1Api(api)
     core.create_node(fake_tray("tray-t0", "cluster-a.0"))
     try:
@@ -141,7 +143,9 @@ def test_kwok_tray_runs_a_pod_that_requests_its_gpus(api, namespace) -> None:
         core.delete_node("tray-t0")
 
 
-def test_api_server_rejects_an_invalid_model_deployment(api, namespace) -> None:
+def test_api_server_rejects_an_invalid_model_deployment(
+    api: client.ApiClient, namespace: str
+) -> None:
     install_crd(api)
     try:
         create_model_deployment(api, namespace, "dsv4", {"cells": -1})

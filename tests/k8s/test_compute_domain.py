@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("compute_domain_api", "controller")
 
 
 def test_each_cell_gets_a_compute_domain_and_its_decode_pods_the_channel(
-    api, namespace, rack
+    api: client.ApiClient, namespace: str, rack: list[dict[str, Any]]
 ) -> None:
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     custom = client.CustomObjectsApi(api)

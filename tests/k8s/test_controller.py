@@ -32,7 +32,7 @@ def annotations_of(node: client.V1Node) -> dict[str, str]:
 
 
 def test_deployment_runs_whole_cell_in_one_nvlink_domain_and_reports_ready(
-    api, namespace, rack
+    api: client.ApiClient, namespace: str, rack: list[dict[str, Any]]
 ) -> None:
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 4}}})
     obj = wait_ready(api, namespace, "dsv4")
@@ -73,8 +73,7 @@ def test_deployment_runs_whole_cell_in_one_nvlink_domain_and_reports_ready(
         auth_settings=["BearerToken"],
     )
     response = api.call_api(method, url, headers)
-    response.read()
-    table = json.loads(response.data)
+    table = json.loads(response.read())
     columns = [c["name"] for c in table["columnDefinitions"]]
     row = dict(zip(columns, table["rows"][0]["cells"], strict=True))
     assert (row["Ready"], row["Reason"], row["Cells"], row["Prefill"], row["Decode Ranks"]) == (
@@ -94,7 +93,7 @@ def test_deployment_runs_whole_cell_in_one_nvlink_domain_and_reports_ready(
 
 
 def test_kubectl_describe_of_a_full_cell_stays_short_and_ends_in_its_events(
-    api, namespace, rack, control_plane: ControlPlane
+    api: client.ApiClient, namespace: str, rack: list[dict[str, Any]], control_plane: ControlPlane
 ) -> None:
     # As many prefill instances as fit: 18 DEP2 instances beside the 8 decode trays and spare.
     apply(api, namespace, "dsv4", {})
@@ -126,7 +125,9 @@ def test_kubectl_describe_of_a_full_cell_stays_short_and_ends_in_its_events(
     assert any("Placed" in line for line in shown[events:])
 
 
-def test_too_little_capacity_places_no_partial_cell(api, namespace, rack) -> None:
+def test_too_little_capacity_places_no_partial_cell(
+    api: client.ApiClient, namespace: str, rack: list[dict[str, Any]]
+) -> None:
     apply(api, namespace, "dsv4", {"cells": 2, "cell": {"prefill": {"instances": 2}}})
 
     def judged() -> bool:
@@ -141,7 +142,9 @@ def test_too_little_capacity_places_no_partial_cell(api, namespace, rack) -> Non
     assert not [name for name in pods(api, namespace) if name.startswith("dsv4-cell-1")]
 
 
-def test_deleted_decode_pod_restarts_the_whole_group(api, namespace, rack) -> None:
+def test_deleted_decode_pod_restarts_the_whole_group(
+    api: client.ApiClient, namespace: str, rack: list[dict[str, Any]]
+) -> None:
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     wait_ready(api, namespace, "dsv4")
     before = {name: p.metadata.uid for name, p in pods(api, namespace).items()}
@@ -178,7 +181,9 @@ def test_deleted_decode_pod_restarts_the_whole_group(api, namespace, rack) -> No
     assert restarts.involved_object.name == "dsv4"
 
 
-def test_tray_not_ready_moves_the_group_to_the_spare(api, namespace, rack) -> None:
+def test_tray_not_ready_moves_the_group_to_the_spare(
+    api: client.ApiClient, namespace: str, rack: list[dict[str, Any]]
+) -> None:
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     cell = wait_ready(api, namespace, "dsv4")["status"]["cells"][0]
     failing, spare = cell["decode"]["trays"][3], cell["spareTrays"][0]
@@ -199,7 +204,7 @@ def test_tray_not_ready_moves_the_group_to_the_spare(api, namespace, rack) -> No
 
 
 def test_a_restart_while_a_decode_tray_is_cordoned_puts_its_rank_on_the_spare(
-    api, namespace, rack
+    api: client.ApiClient, namespace: str, rack: list[dict[str, Any]]
 ) -> None:
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     cell = wait_ready(api, namespace, "dsv4")["status"]["cells"][0]
@@ -223,7 +228,9 @@ def test_a_restart_while_a_decode_tray_is_cordoned_puts_its_rank_on_the_spare(
     assert condition(obj, "Degraded")["status"] == "False"
 
 
-def test_prefill_scales_up_and_down_without_touching_decode(api, namespace, rack) -> None:
+def test_prefill_scales_up_and_down_without_touching_decode(
+    api: client.ApiClient, namespace: str, rack: list[dict[str, Any]]
+) -> None:
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     wait_ready(api, namespace, "dsv4")
     decode = {name: p.metadata.uid for name, p in pods(api, namespace, "decode").items()}
@@ -243,7 +250,9 @@ def test_prefill_scales_up_and_down_without_touching_decode(api, namespace, rack
         assert now == decode
 
 
-def test_a_changed_engine_spec_rolls_out_to_every_pod(api, namespace, rack) -> None:
+def test_a_changed_engine_spec_rolls_out_to_every_pod(
+    api: client.ApiClient, namespace: str, rack: list[dict[str, Any]]
+) -> None:
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     wait_ready(api, namespace, "dsv4")
     before = {name: p.metadata.uid for name, p in pods(api, namespace).items()}
@@ -268,7 +277,7 @@ def test_a_changed_engine_spec_rolls_out_to_every_pod(api, namespace, rack) -> N
 
 
 def test_a_tray_whose_pods_keep_failing_is_quarantined_and_its_group_moves(
-    api, namespace, rack
+    api: client.ApiClient, namespace: str, rack: list[dict[str, Any]]
 ) -> None:
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     cell = wait_ready(api, namespace, "dsv4")["status"]["cells"][0]
@@ -299,7 +308,9 @@ def test_a_tray_whose_pods_keep_failing_is_quarantined_and_its_group_moves(
     assert "TrayQuarantined" in reasons and "GroupRestarting" in reasons
 
 
-def test_kubectl_scale_sets_the_cells_and_reads_the_placed_ones(api, namespace, rack) -> None:
+def test_kubectl_scale_sets_the_cells_and_reads_the_placed_ones(
+    api: client.ApiClient, namespace: str, rack: list[dict[str, Any]]
+) -> None:
     apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
     wait_ready(api, namespace, "dsv4")
     objects = client.CustomObjectsApi(api)

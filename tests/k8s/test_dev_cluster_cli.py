@@ -41,7 +41,8 @@ def kubectl(kubeconfig: str, *args: str) -> Any:
 
 
 def ready(node: dict[str, Any]) -> str:
-    return next(c["status"] for c in node["status"]["conditions"] if c["type"] == "Ready")
+    status: str = next(c["status"] for c in node["status"]["conditions"] if c["type"] == "Ready")
+    return status
 
 
 def alive(pid: int) -> bool:

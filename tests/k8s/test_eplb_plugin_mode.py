@@ -8,6 +8,7 @@ import base64
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from baton.core.model import TARGET
 from baton.core.vllm_eplb import vllm_rebalance
 from eplb.reporter import Reporter
 from eplb.vllm_plugin import rebalance_window, window_report
-from rigs.devcluster import pods
+from rigs.devcluster import ControlPlane, pods
 from rigs.processes import baton_command, eventually, free_port, stop_process, wait_healthy
 from tests.k8s.helpers import apply, read, wait_ready
 
@@ -30,8 +31,8 @@ RANKS, REDUNDANT = 4, 32
 
 
 @pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen]]:
-    started: list[subprocess.Popen] = []
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
     yield started
     for process in started:
         stop_process(process)
@@ -48,9 +49,9 @@ def _secret_value(api: client.ApiClient, namespace: str, ref: client.V1SecretKey
 def test_in_plugin_mode_the_engines_reports_become_the_deployments_balance(
     api: client.ApiClient,
     namespace: str,
-    rack: list,
-    control_plane,
-    processes: list[subprocess.Popen],
+    rack: list[dict[str, Any]],
+    control_plane: ControlPlane,
+    processes: list[subprocess.Popen[bytes]],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -117,7 +118,7 @@ def test_in_plugin_mode_the_engines_reports_become_the_deployments_balance(
     reporter = Reporter(env[REPORT_URL_ENV].value, token)
     reporter.submit(REPORT_PATH, report)
 
-    def published() -> dict:
+    def published() -> dict[str, Any]:
         status = read(api, namespace, "dsv4")["status"]
         return status if status.get("balance") else {}
 

@@ -10,13 +10,15 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
+from kubernetes import client
 
 from controller.podspec import EPLB_TOKEN_DIR
-from rigs.devcluster import patch_model_deployment_spec, pods
+from rigs.devcluster import ControlPlane, patch_model_deployment_spec, pods
 from rigs.processes import baton_command, eventually, free_port, stop_process, wait_healthy
 from tests.k8s.helpers import apply, read, wait_ready
 
@@ -24,15 +26,20 @@ pytestmark = pytest.mark.usefixtures("controller")
 
 
 @pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen]]:
-    started: list[subprocess.Popen] = []
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
     yield started
     for process in started:
         stop_process(process)
 
 
 def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
-    api, namespace, rack, control_plane, processes, tmp_path: Path
+    api: client.ApiClient,
+    namespace: str,
+    rack: list[dict[str, Any]],
+    control_plane: ControlPlane,
+    processes: list[subprocess.Popen[bytes]],
+    tmp_path: Path,
 ) -> None:
     apply(
         api,

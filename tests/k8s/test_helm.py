@@ -17,14 +17,14 @@ import sys
 import textwrap
 import tomllib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import yaml
 from kubernetes import client, utils
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from baton.cli import COMMANDS
 from baton.core.api import GROUP, PLURAL, ModelDeployment
@@ -55,6 +55,7 @@ from rigs.devcluster import (
 )
 from rigs.processes import eventually, free_port, stop_process
 from router.cli import build_parser as gateway_parser
+from tests.helpers import SimHandle
 from tests.k8s.helpers import apply, compute_domains_served, controller_log, read, wait_ready
 
 # Ray's own pydantic models use deprecated Field arguments: not ours to fix, and not an error here.
@@ -125,7 +126,7 @@ def test_the_values_schema_refuses_a_wrong_value_naming_it(value: str, message: 
 
 
 def test_the_helm_test_pods_check_passes_against_a_running_gateway_and_fails_without_one(
-    start_sim, start_gateway
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:
     rendered = helm(
         "template",
@@ -161,7 +162,7 @@ def test_the_helm_test_pods_check_passes_against_a_running_gateway_and_fails_wit
     assert check(f"http://127.0.0.1:{free_port()}").returncode != 0
 
 
-def render(*args: str) -> list[dict]:
+def render(*args: str) -> list[dict[str, Any]]:
     """``helm template`` of the chart with ``args``: the objects, or the test fails on stderr."""
     rendered = helm("template", *args[:1], str(CHART), *args[1:])
     assert rendered.returncode == 0, rendered.stderr
@@ -186,7 +187,7 @@ def test_the_gateways_workers_value_is_its_workers_flag() -> None:
 
 
 @contextlib.contextmanager
-def created(api: client.ApiClient, namespace: str, objects: list[dict]) -> Iterator[None]:
+def created(api: client.ApiClient, namespace: str, objects: list[dict[str, Any]]) -> Iterator[None]:
     """``objects`` created one by one on the API server (a RayService with strict field
     validation: a field KubeRay's CRD lacks is an error, not dropped); cluster-wide objects
     removed afterwards."""
@@ -220,7 +221,7 @@ def created(api: client.ApiClient, namespace: str, objects: list[dict]) -> Itera
 
 
 @pytest.fixture
-def release(api: client.ApiClient, namespace: str) -> Iterator[list[dict]]:
+def release(api: client.ApiClient, namespace: str) -> Iterator[list[dict[str, Any]]]:
     """The chart rendered into ``namespace`` (no replicas: nothing here runs images) and
     created object by object on the API server; cluster-wide objects removed afterwards."""
     objects = render(
@@ -267,7 +268,7 @@ def allowed(api: client.ApiClient, token: str, attributes: client.V1ResourceAttr
     return decision.allowed
 
 
-def granted(release: list[dict], account: str) -> set[tuple[str, str, str]]:
+def granted(release: list[dict[str, Any]], account: str) -> set[tuple[str, str, str]]:
     """(API group, resource, verb) the release's roles grant ``account``."""
     bound = {
         o["roleRef"]["name"]
@@ -287,7 +288,12 @@ def granted(release: list[dict], account: str) -> set[tuple[str, str, str]]:
 
 
 def test_the_controllers_rbac_is_exactly_what_it_does_running_a_deployment_through_its_life(
-    api, namespace, rack, release, control_plane: ControlPlane, tmp_path: Path
+    api: client.ApiClient,
+    namespace: str,
+    rack: list[dict[str, Any]],
+    release: list[dict[str, Any]],
+    control_plane: ControlPlane,
+    tmp_path: Path,
 ) -> None:
     kinds = sorted({obj["kind"] for obj in release})
     assert kinds == [
@@ -351,7 +357,8 @@ def test_the_controllers_rbac_is_exactly_what_it_does_running_a_deployment_throu
         listed = custom.list_namespaced_custom_object(
             "resource.nvidia.com", "v1beta1", namespace, "computedomains"
         )
-        return cast(dict[str, Any], listed)["items"]
+        items: list[dict[str, Any]] = cast(dict[str, Any], listed)["items"]
+        return items
 
     with compute_domains_served(api):
         process = start_controller(
@@ -421,7 +428,7 @@ def test_the_controllers_rbac_is_exactly_what_it_does_running_a_deployment_throu
 
 
 def test_helm_upgrade_updates_the_crd_and_uninstall_keeps_it_and_the_deployments(
-    api, namespace, control_plane: ControlPlane, tmp_path: Path
+    api: client.ApiClient, namespace: str, control_plane: ControlPlane, tmp_path: Path
 ) -> None:
     install_crd(api)
     extensions = client.ApiextensionsV1Api(api)
@@ -494,7 +501,7 @@ def test_helm_upgrade_updates_the_crd_and_uninstall_keeps_it_and_the_deployments
 
 
 def test_the_charts_pods_wait_for_a_cpu_node_and_run_there_never_on_a_tray(
-    api, namespace, rack, control_plane: ControlPlane
+    api: client.ApiClient, namespace: str, rack: list[dict[str, Any]], control_plane: ControlPlane
 ) -> None:
     release = f"c-{namespace}"
     installed = helm(
@@ -523,7 +530,7 @@ def test_the_charts_pods_wait_for_a_cpu_node_and_run_there_never_on_a_tray(
             c.type == "PodScheduled" and c.reason == "Unschedulable" for c in conditions or []
         )
 
-    cpu_nodes: list[dict] = []
+    cpu_nodes: list[dict[str, Any]] = []
     try:
         # Two controllers, two gateways, one EPLB service; the trays' taint keeps them off.
         eventually(lambda: len(listed()) == 5 and all(map(unschedulable, listed())), timeout=60)
@@ -554,7 +561,7 @@ def test_the_charts_pods_wait_for_a_cpu_node_and_run_there_never_on_a_tray(
 
 
 def test_drains_keep_a_controller_and_a_gateway_and_every_pod_runs_under_runtime_seccomp(
-    api, namespace
+    api: client.ApiClient, namespace: str
 ) -> None:
     rendered = helm(
         "template",
@@ -590,7 +597,7 @@ def test_drains_keep_a_controller_and_a_gateway_and_every_pod_runs_under_runtime
 
 
 def test_the_notes_give_a_modeldeployment_that_reports_to_the_releases_eplb_service(
-    namespace, control_plane: ControlPlane
+    namespace: str, control_plane: ControlPlane
 ) -> None:
     # A one-letter release: "n" is a YAML boolean unless the chart quotes it.
     installed = helm(
@@ -658,7 +665,7 @@ def test_the_charts_commands_are_entry_points_of_the_image_it_names() -> None:
     assert values["podSecurityContext"]["runAsNonRoot"] is True
 
 
-def _selects(selector: dict, labels: dict[str, str]) -> bool:
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     """A label selector's verdict on ``labels`` (matchLabels and In expressions)."""
     if not selector.get("matchLabels", {}).items() <= labels.items():
         return False
@@ -681,7 +688,7 @@ def _admits(
 
 
 def test_with_the_network_policy_engines_take_traffic_from_baton_and_each_other_only(
-    api, namespace
+    api: client.ApiClient, namespace: str
 ) -> None:
     rendered = helm(
         "template",
@@ -735,7 +742,7 @@ def test_with_the_network_policy_engines_take_traffic_from_baton_and_each_other_
 
 
 def test_with_the_network_policy_only_prometheus_scrapes_the_controller_and_eplb_service(
-    api, namespace
+    api: client.ApiClient, namespace: str
 ) -> None:
     objects = render(
         "np",
@@ -898,7 +905,7 @@ def test_the_monitors_rules_and_dashboards_are_accepted_and_select_what_they_mon
         f"gateway.modelDeployment={namespace}/dsv4,crds.install=false,{MONITORING_ON}",
         "--skip-tests",
     )
-    by_kind: dict[str, list[dict]] = {}
+    by_kind: dict[str, list[dict[str, Any]]] = {}
     for obj in objects:
         by_kind.setdefault(obj["kind"], []).append(obj)
     with created(api, namespace, objects):

@@ -4,10 +4,11 @@ takes the Lease once it expires and carries on."""
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 from kubernetes import client
 
-from rigs.devcluster import pods, start_controller
+from rigs.devcluster import ControlPlane, pods, start_controller
 from rigs.processes import eventually, stop_process
 from tests.k8s.helpers import apply, controller_log, wait_ready
 
@@ -19,7 +20,9 @@ def holder(api: client.ApiClient) -> str | None:
     return lease.spec.holder_identity if lease.spec else None
 
 
-def test_standby_takes_over_when_the_leader_dies(api, namespace, rack, control_plane) -> None:
+def test_standby_takes_over_when_the_leader_dies(
+    api: client.ApiClient, namespace: str, rack: list[dict[str, Any]], control_plane: ControlPlane
+) -> None:
     first = start_controller(control_plane, "replica-a", LEASE)
     try:
         eventually(lambda: holder(api) == "replica-a", timeout=30)

@@ -3,7 +3,7 @@ latent KV over NIXL, behind the gateway."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -23,7 +23,9 @@ def cell(rig: LiveRig) -> dict[str, LiveEngine]:
 
 
 @pytest.fixture(scope="module")
-def client(cell: dict[str, LiveEngine], start_gateway_module) -> Iterator[openai.OpenAI]:
+def client(
+    cell: dict[str, LiveEngine], start_gateway_module: Callable[..., SimHandle]
+) -> Iterator[openai.OpenAI]:
     gateway: SimHandle = start_gateway_module(*gateway_flags(cell["prefill"], cell["decode"]))
     eventually(lambda: httpx.get(f"{gateway.url}/ready", timeout=5).status_code == 200, 300)
     with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0) as c:

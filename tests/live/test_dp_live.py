@@ -4,6 +4,8 @@ the decode engine pulls from that rank's side channel."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import httpx
 import pytest
 
@@ -21,7 +23,9 @@ def cell(rig: LiveRig) -> dict[str, LiveEngine]:
 
 
 @pytest.fixture(scope="module")
-def gateway(cell: dict[str, LiveEngine], start_gateway_module) -> SimHandle:
+def gateway(
+    cell: dict[str, LiveEngine], start_gateway_module: Callable[..., SimHandle]
+) -> SimHandle:
     # With DP ranks behind one server, vLLM's /metrics shows no engine series until each rank
     # has stepped (seen live): one request to each rank first, as traffic would.
     for rank in ("0", "1"):

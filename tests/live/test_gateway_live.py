@@ -81,7 +81,9 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gateway(cell: dict[str, LiveEngine], key_file: Path, start_gateway_module) -> SimHandle:
+def gateway(
+    cell: dict[str, LiveEngine], key_file: Path, start_gateway_module: Callable[..., SimHandle]
+) -> SimHandle:
     handle: SimHandle = start_gateway_module(
         *gateway_flags(cell["prefill"], cell["decode"], key_file)
     )
@@ -235,7 +237,10 @@ def proxy(cell: dict[str, LiveEngine]) -> Iterator[RewritingProxy]:
 
 @pytest.fixture(scope="module")
 def proxied(
-    cell: dict[str, LiveEngine], proxy: RewritingProxy, key_file: Path, start_gateway_module
+    cell: dict[str, LiveEngine],
+    proxy: RewritingProxy,
+    key_file: Path,
+    start_gateway_module: Callable[..., SimHandle],
 ) -> SimHandle:
     """A second gateway, whose prefill instance answers through the proxy."""
     handle: SimHandle = start_gateway_module(*gateway_flags(proxy.url, cell["decode"], key_file))

@@ -6,6 +6,7 @@ import itertools
 
 from bench.workload import (
     SHAPE,
+    Session,
     lane_sessions,
     messages,
     new_messages,
@@ -16,7 +17,7 @@ from bench.workload import (
 from sim.tokenizer import count_tokens
 
 
-def _first_sessions(seed: int, lanes: int) -> list:
+def _first_sessions(seed: int, lanes: int) -> list[Session]:
     return [next(lane_sessions(seed, lane)) for lane in range(lanes)]
 
 

@@ -126,7 +126,7 @@ spec:
     assert dumped["spec"]["engine"]["command"] == ["baton", "sim"]
 
 
-def _undocumented(schema: dict, path: str) -> list[str]:
+def _undocumented(schema: dict[str, Any], path: str) -> list[str]:
     missing = []
     for name, field in schema.get("properties", {}).items():
         where = f"{path}.{name}"

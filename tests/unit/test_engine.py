@@ -43,7 +43,7 @@ def test_dep2_prefill_sustains_about_64_4k_tokens_per_second_per_gpu_at_concurre
     prefix = b"agentic context " * 50_000  # 200,000 tokens, cached after the first request
     rng = random.Random(1)
 
-    def next_request(i: int):
+    def next_request(i: int) -> SimRequest | None:
         if i >= 1000:
             return None
         suffix = rng.randbytes(rng.randint(2048, 14336) * 4)
@@ -86,7 +86,7 @@ def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget() -> None:
 
 
 def test_uneven_load_over_lockstep_ranks_costs_time() -> None:
-    def arrivals(split: tuple[int, int]):
+    def arrivals(split: tuple[int, int]) -> list[tuple[float, int, SimRequest]]:
         return [
             (0.0, rank, request(f"r{rank}-{i}", max_tokens=200))
             for rank, count in enumerate(split)
@@ -118,7 +118,7 @@ def test_model_stops_on_its_own_unless_eos_is_ignored() -> None:
 def test_kv_capacity_holds_requests_back() -> None:
     tiny = PROFILE.model_copy(update={"kv_cache_bytes_per_gpu": 890 * 16 * 20})  # 20 blocks
 
-    def arrivals():
+    def arrivals() -> list[tuple[float, int, SimRequest]]:
         return [(0.0, 0, request(bytes([i]) + b"y" * 64 * 8, max_tokens=4)) for i in range(4)]
 
     cramped = run_open_loop(config(profile=tiny), arrivals())

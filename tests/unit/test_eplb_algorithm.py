@@ -226,7 +226,9 @@ def with_load(case: Case, load: np.ndarray) -> Case:
 
 @PROPERTY
 @given(drifted())
-def test_keeping_previous_never_moves_more_than_from_scratch(sample) -> None:
+def test_keeping_previous_never_moves_more_than_from_scratch(
+    sample: tuple[Case, np.ndarray],
+) -> None:
     case, later = sample
     previous = rebalanced(case)
     fresh = rebalanced(with_load(case, later))
@@ -236,7 +238,9 @@ def test_keeping_previous_never_moves_more_than_from_scratch(sample) -> None:
 
 @PROPERTY
 @given(drifted())
-def test_keeping_previous_stays_within_tolerance_of_from_scratch_balance(sample) -> None:
+def test_keeping_previous_stays_within_tolerance_of_from_scratch_balance(
+    sample: tuple[Case, np.ndarray],
+) -> None:
     case, later = sample
     previous = rebalanced(case)
     fresh = rebalanced(with_load(case, later))
@@ -246,7 +250,9 @@ def test_keeping_previous_stays_within_tolerance_of_from_scratch_balance(sample)
 
 @PROPERTY
 @given(drifted())
-def test_keeping_previous_keeps_every_invariant_and_is_deterministic(sample) -> None:
+def test_keeping_previous_keeps_every_invariant_and_is_deterministic(
+    sample: tuple[Case, np.ndarray],
+) -> None:
     case, later = sample
     previous = rebalanced(case)
     kept = rebalanced(with_load(case, later), previous=previous)

@@ -69,7 +69,9 @@ def test_a_bad_file_names_the_field(tmp_path: Path, text: str, needle: str) -> N
         load_config(write(tmp_path, text))
 
 
-def test_the_cli_exits_2_on_a_bad_file_or_token(capsys, tmp_path: Path) -> None:
+def test_the_cli_exits_2_on_a_bad_file_or_token(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read the config file" in capsys.readouterr().err
     good = write(tmp_path, "groups: [{name: a, agents: ['h:1']}]")

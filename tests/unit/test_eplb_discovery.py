@@ -5,6 +5,7 @@ agents' groups and the engines' reports."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -74,7 +75,7 @@ class Groups:
         self.event.set()
 
 
-async def until(check) -> None:
+async def until(check: Callable[[], bool]) -> None:
     """Poll state another task owns: at most 500 looks, 10 ms apart."""
     for _ in range(500):
         if check():

@@ -51,7 +51,9 @@ def deployment(tmp_path: Path) -> Path:
     return write(tmp_path / "mdep.yaml", MINIMAL)
 
 
-def test_minimal_deployment_gets_the_studys_cell_on_a_rack_map(capsys, nodes, deployment) -> None:
+def test_minimal_deployment_gets_the_studys_cell_on_a_rack_map(
+    capsys: pytest.CaptureFixture[str], nodes: Path, deployment: Path
+) -> None:
     code, out, _ = run(capsys, "--nodes", str(nodes), "--deployment", str(deployment))
     assert code == 0
     assert out.startswith("1 of 1 cells placed; GPUs: 72 total, 32 decode, 36 prefill, 4 spare")
@@ -62,7 +64,9 @@ def test_minimal_deployment_gets_the_studys_cell_on_a_rack_map(capsys, nodes, de
     assert "legend: D decode  P prefill  S spare" in out
 
 
-def test_rack_map_marks_failed_quarantined_and_other_gpus(capsys, tmp_path, deployment) -> None:
+def test_rack_map_marks_failed_quarantined_and_other_gpus(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, deployment: Path
+) -> None:
     nodes = write_nodes(
         tmp_path / "n.json",
         failed=[tray_name(0, 0)],
@@ -77,7 +81,9 @@ def test_rack_map_marks_failed_quarantined_and_other_gpus(capsys, tmp_path, depl
     assert marks[tray_name(0, 2)] == "PPoo"
 
 
-def test_json_plan_lists_cells_pods_gpus_and_ranks(capsys, nodes, deployment) -> None:
+def test_json_plan_lists_cells_pods_gpus_and_ranks(
+    capsys: pytest.CaptureFixture[str], nodes: Path, deployment: Path
+) -> None:
     code, out, _ = run(
         capsys, "--nodes", str(nodes), "--deployment", str(deployment), "--format", "json"
     )
@@ -111,7 +117,9 @@ def test_json_plan_lists_cells_pods_gpus_and_ranks(capsys, nodes, deployment) ->
     assert [tray["gpus"] for tray in plan["trays"]][7:10] == ["DDDD", "SSSS", "PPPP"]
 
 
-def test_json_plan_replays_as_current_after_a_tray_fails(capsys, tmp_path, nodes, deployment):
+def test_json_plan_replays_as_current_after_a_tray_fails(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, nodes: Path, deployment: Path
+) -> None:
     code, out, _ = run(
         capsys, "--nodes", str(nodes), "--deployment", str(deployment), "--format", "json"
     )
@@ -135,7 +143,9 @@ def test_json_plan_replays_as_current_after_a_tray_fails(capsys, tmp_path, nodes
     assert plan["cells"][0]["spareTrays"] == []
 
 
-def test_infeasible_placement_exits_1_and_prints_the_reason(capsys, nodes, tmp_path) -> None:
+def test_infeasible_placement_exits_1_and_prints_the_reason(
+    capsys: pytest.CaptureFixture[str], nodes: Path, tmp_path: Path
+) -> None:
     deployment = write(tmp_path / "two.yaml", MINIMAL + "  cells: 2\n")
     code, out, _ = run(capsys, "--nodes", str(nodes), "--deployment", str(deployment))
     assert code == 1
@@ -151,14 +161,18 @@ def test_infeasible_placement_exits_1_and_prints_the_reason(capsys, nodes, tmp_p
     assert "InsufficientCapacity" in err
 
 
-def test_what_a_domain_lacked_is_printed(capsys, tmp_path, deployment) -> None:
+def test_what_a_domain_lacked_is_printed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, deployment: Path
+) -> None:
     nodes = write_nodes(tmp_path / "n.json", failed=[tray_name(0, slot) for slot in range(11)])
     code, out, _ = run(capsys, "--nodes", str(nodes), "--deployment", str(deployment))
     assert code == 1
     assert "7 of 9 whole trays free (8 decode + 1 spare), 0 prefill slots" in out
 
 
-def test_svg_draws_every_gpu_of_every_rack(capsys, tmp_path, deployment) -> None:
+def test_svg_draws_every_gpu_of_every_rack(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, deployment: Path
+) -> None:
     nodes = write_nodes(tmp_path / "n.json", racks=2, split_cliques=1)
     code, out, _ = run(
         capsys, "--nodes", str(nodes), "--deployment", str(deployment), "--format", "svg"
@@ -173,7 +187,9 @@ def test_svg_draws_every_gpu_of_every_rack(capsys, tmp_path, deployment) -> None
     assert "deepseek-v4-1-flash-cell-0" in texts
 
 
-def test_yaml_node_list_and_full_manifest_are_accepted(capsys, tmp_path) -> None:
+def test_yaml_node_list_and_full_manifest_are_accepted(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     nodes = tmp_path / "nodes.yaml"
     nodes.write_text(
         yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": synthetic_nodes(1)})
@@ -232,7 +248,7 @@ def test_yaml_node_list_and_full_manifest_are_accepted(capsys, tmp_path) -> None
     ids=["no-model", "wrong-kind", "dep", "typo", "gpus-per-pod", "yaml", "empty"],
 )
 def test_bad_deployment_exits_2_naming_file_field_and_fix(
-    capsys, nodes, tmp_path, text: str, needles: list[str]
+    capsys: pytest.CaptureFixture[str], nodes: Path, tmp_path: Path, text: str, needles: list[str]
 ) -> None:
     deployment = write(tmp_path / "mdep.yaml", text)
     code, out, err = run(capsys, "--nodes", str(nodes), "--deployment", str(deployment))
@@ -258,7 +274,11 @@ def test_bad_deployment_exits_2_naming_file_field_and_fix(
     ids=["allocatable", "not-nodes", "no-name"],
 )
 def test_bad_node_list_exits_2_naming_file_field_and_fix(
-    capsys, deployment, tmp_path, text: str, needles: list[str]
+    capsys: pytest.CaptureFixture[str],
+    deployment: Path,
+    tmp_path: Path,
+    text: str,
+    needles: list[str],
 ) -> None:
     nodes = write(tmp_path / "nodes.json", text)
     code, out, err = run(capsys, "--nodes", str(nodes), "--deployment", str(deployment))
@@ -286,7 +306,12 @@ def test_bad_node_list_exits_2_naming_file_field_and_fix(
     ids=["missing-field", "instance-twice"],
 )
 def test_bad_current_plan_names_the_field(
-    capsys, nodes, deployment, tmp_path, cell: dict[str, object], needle: str
+    capsys: pytest.CaptureFixture[str],
+    nodes: Path,
+    deployment: Path,
+    tmp_path: Path,
+    cell: dict[str, object],
+    needle: str,
 ) -> None:
     current = write(tmp_path / "plan.json", json.dumps({"cells": [cell]}))
     code, _, err = run(
@@ -297,19 +322,25 @@ def test_bad_current_plan_names_the_field(
     assert "fix: pass a plan written by `baton place --format json`" in err
 
 
-def test_missing_file_and_missing_flag_exit_2(capsys, nodes, tmp_path) -> None:
+def test_missing_file_and_missing_flag_exit_2(
+    capsys: pytest.CaptureFixture[str], nodes: Path, tmp_path: Path
+) -> None:
     code, _, err = run(capsys, "--nodes", str(nodes), "--deployment", str(tmp_path / "none.yaml"))
     assert code == 2 and "none.yaml: cannot read the ModelDeployment file" in err
     code, _, err = run(capsys, "--nodes", str(nodes))
     assert code == 2 and "--deployment" in err
 
 
-def test_baton_place_is_a_baton_subcommand(capsys, nodes, deployment) -> None:
+def test_baton_place_is_a_baton_subcommand(
+    capsys: pytest.CaptureFixture[str], nodes: Path, deployment: Path
+) -> None:
     assert baton_main(["place", "--nodes", str(nodes), "--deployment", str(deployment)]) == 0
     assert "1 of 1 cells placed" in capsys.readouterr().out
 
 
-def test_load_deployment_gives_the_studys_shape_by_default(deployment, tmp_path) -> None:
+def test_load_deployment_gives_the_studys_shape_by_default(
+    deployment: Path, tmp_path: Path
+) -> None:
     assert load_deployment(deployment) == DeploymentShape(
         "deepseek-v4-1-flash", 1, DecodeShape(32, 4, 1), PrefillShape(2, None)
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -19,7 +20,7 @@ from sim.cli import build_parser, config_from_args, split_unknown_flags
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def rendered(**spec: object) -> tuple[list[dict], ModelDeployment]:
+def rendered(**spec: object) -> tuple[list[dict[str, Any]], ModelDeployment]:
     deployment = ModelDeployment.model_validate(
         {"metadata": {"name": "dsv4"}, "spec": {"model": "deepseek-ai/DeepSeek-V4.1-Flash", **spec}}
     )
@@ -30,7 +31,7 @@ def rendered(**spec: object) -> tuple[list[dict], ModelDeployment]:
     return manifests, deployment
 
 
-def pods(manifests: list[dict], role: str) -> list[dict]:
+def pods(manifests: list[dict[str, Any]], role: str) -> list[dict[str, Any]]:
     return [
         m for m in manifests if m["kind"] == "Pod" and m["metadata"]["labels"][ROLE_LABEL] == role
     ]

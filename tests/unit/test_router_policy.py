@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import replace
 from itertools import pairwise
 
@@ -73,7 +74,9 @@ def key(text: str) -> AffinityKey:
     return affinity_key({"x-session-id": text}, {}, "r")
 
 
-def chosen(snap: PoolSnapshot, k: AffinityKey, policy: RoutingPolicy = POLICY, **kw) -> str:
+def chosen(
+    snap: PoolSnapshot, k: AffinityKey, policy: RoutingPolicy = POLICY, **kw: Sequence[str]
+) -> str:
     choice = choose_prefill(snap, k, PROMPT, policy, **kw)
     assert choice is not None
     return choice.view.name

@@ -68,13 +68,17 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
         "faults-token-missing",
     ],
 )
-def test_bad_flag_exits_2_naming_the_flag(capsys, argv: list[str], needle: str) -> None:
+def test_bad_flag_exits_2_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
     code, err = run(capsys, *argv)
     assert code == 2
     assert needle in err
 
 
-def test_bad_profile_field_names_file_field_and_fix(capsys, tmp_path: Path) -> None:
+def test_bad_profile_field_names_file_field_and_fix(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     profile = tmp_path / "p.yaml"
     profile.write_text("model: m\nhardware: h\nkv_bytes_per_token: -1\n")
     code, err = run(capsys, "--profile", str(profile))
@@ -83,7 +87,9 @@ def test_bad_profile_field_names_file_field_and_fix(capsys, tmp_path: Path) -> N
     assert "start from the default profile" in err
 
 
-def test_bad_cluster_file_names_the_field(capsys, tmp_path: Path) -> None:
+def test_bad_cluster_file_names_the_field(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     cluster = tmp_path / "c.yaml"
     cluster.write_text(
         "decode_groups: [{name: d, port: 1, side_channel_port: 2, api_servers: 3}]\n"

@@ -37,7 +37,9 @@ def window() -> dict[str, Any]:
 
     def load() -> np.ndarray:
         probabilities = popularity.probabilities()
-        return sample_load(probabilities, DEP32_DECODE_TOKENS_PER_STEP, 6, rng, steps=200).sum(0)
+        steps = sample_load(probabilities, DEP32_DECODE_TOKENS_PER_STEP, 6, rng, steps=200)
+        window_load: np.ndarray = steps.sum(0)
+        return window_load
 
     old = vllm_rebalance(load(), RANKS, REDUNDANT)
     popularity.advance(3000)
