@@ -42,7 +42,14 @@ from baton.core.labels import (
     ROLE_LABEL,
     TEMPLATE_HASH_ANNOTATION,
 )
-from controller.names import decode_pod_name, prefill_pod_name
+from controller.names import (
+    channel_template_name,
+    compute_domain_name,
+    decode_pod_name,
+    decode_service,
+    leader_host,
+    prefill_pod_name,
+)
 from controller.placement import CellPlacement
 
 __all__ = [
@@ -53,11 +60,8 @@ __all__ = [
     "EPLB_TOKEN_DIR",
     "NIXL_PORT",
     "PLUGIN_DIR",
-    "channel_template_name",
     "compute_domain",
-    "compute_domain_name",
     "decode_command",
-    "decode_service",
     "prefill_command",
     "render_cell",
 ]
@@ -101,19 +105,6 @@ def _common_flags(spec: ModelDeploymentSpec) -> list[str]:
     ]
 
 
-def decode_service(cell: str) -> str:
-    return f"{cell}-decode"
-
-
-def compute_domain_name(cell: str) -> str:
-    return f"{cell}-imex"
-
-
-def channel_template_name(cell: str) -> str:
-    """The ResourceClaimTemplate NVIDIA's ComputeDomain controller creates for the domain."""
-    return f"{cell}-imex-channel"
-
-
 def _owner(deployment: str, uid: str) -> Manifest:
     return {
         "apiVersion": API_VERSION,
@@ -150,7 +141,7 @@ def compute_domain(cell: str, *, deployment: str, uid: str, namespace: str) -> M
 def decode_command(spec: ModelDeploymentSpec, cell: str, index: int, namespace: str) -> list[str]:
     """The engine's command line for decode pod ``index`` of ``cell``."""
     decode = spec.cell.decode
-    leader = f"{decode_pod_name(cell, 0)}.{decode_service(cell)}.{namespace}.svc"
+    leader = leader_host(cell, namespace)
     command = [*spec.engine.command, spec.model, *_common_flags(spec)]
     # A group of one is a plain engine: vLLM reads a start rank with one local rank as external
     # load balancing, which it refuses for a single rank.

@@ -192,6 +192,52 @@ class _Cause:
     moving: bool
 
 
+def _tell(
+    causes: list[_Cause],
+    reason: Reason,
+    names: Sequence[str],
+    template: str,
+    *,
+    moving: bool,
+    shown: int = 3,
+) -> None:
+    """Add the cause ``template`` tells of ``names``, if there are any. The template's fields:
+    ``{names}`` all of them, ``{some}`` the first ``shown`` of them, ``{count}`` how many."""
+    if names:
+        message = template.format(
+            names=", ".join(names), some=_some(names, shown), count=len(names)
+        )
+        causes.append(_Cause(reason, message, moving))
+
+
+# The causes told of planned pods by their state (``_pod_state``'s words, and "moving" for a pod
+# on another tray than planned), in the order they are told: after the cells' own, unschedulable
+# pods' and short prefill's.
+_POD_CAUSES: tuple[tuple[str, Reason, str, bool], ...] = (
+    (
+        "gates_unseen",
+        Reason.SCHEDULER_BEHIND,
+        "{count} pods have their scheduling gates lifted but kube-scheduler still holds them as "
+        "gated: {some}. If this lasts, the scheduler missed the update (seen after an API "
+        "server restart during a group restart): restart kube-scheduler",
+        True,
+    ),
+    (
+        "waiting",
+        Reason.PODS_PENDING,
+        "{count} pods not running yet (created with their cell, then scheduled): {some}",
+        True,
+    ),
+    ("moving", Reason.PODS_PENDING, "{count} pods being replaced on their new trays: {some}", True),
+    (
+        "starting",
+        Reason.ENGINES_STARTING,
+        "{count} engines running but not ready yet: {some}",
+        True,
+    ),
+)
+
+
 @dataclass(frozen=True, slots=True)
 class _Cells:
     """One deployment's placed cells, summed for its conditions."""
@@ -242,33 +288,19 @@ def _summarize(
         for c, a in zip(placed, actions, strict=True)
         if a.decode.updating or a.prefill.updating
     ]
-    if exhausted:
-        causes.append(
-            _Cause(
-                Reason.RESTART_BUDGET_EXHAUSTED,
-                f"{', '.join(exhausted)}: restart budget spent; waiting for old restarts to age "
-                "out",
-                moving=False,
-            )
-        )
-    if backoff:
-        causes.append(
-            _Cause(Reason.RESTART_BACKOFF, f"{', '.join(backoff)}: restart backing off", True)
-        )
-    if restarting:
-        causes.append(
-            _Cause(
-                Reason.GROUP_RESTARTING, f"{', '.join(restarting)}: decode group restarting", True
-            )
-        )
-    if updating:
-        causes.append(
-            _Cause(
-                Reason.UPDATING,
-                f"pods replaced on the updated spec: {', '.join(updating)}",
-                moving=True,
-            )
-        )
+    # The cells' own causes, told before their pods': the first cause is what Ready says.
+    for reason, names, template, moving in (
+        (
+            Reason.RESTART_BUDGET_EXHAUSTED,
+            exhausted,
+            "{names}: restart budget spent; waiting for old restarts to age out",
+            False,
+        ),
+        (Reason.RESTART_BACKOFF, backoff, "{names}: restart backing off", True),
+        (Reason.GROUP_RESTARTING, restarting, "{names}: decode group restarting", True),
+        (Reason.UPDATING, updating, "pods replaced on the updated spec: {names}", True),
+    ):
+        _tell(causes, reason, names, template, moving=moving)
     states: dict[str, list[str]] = {}
     unschedulable: list[str] = []
     short: list[str] = []
@@ -312,56 +344,18 @@ def _summarize(
             and cell.name not in updating
         ):
             ready_cells += 1
-    if unschedulable:
-        causes.append(
-            _Cause(
-                Reason.PODS_UNSCHEDULABLE,
-                f"{len(unschedulable)} pods cannot be scheduled: {_some(unschedulable, 2)}",
-                moving=False,
-            )
-        )
+    _tell(
+        causes,
+        Reason.PODS_UNSCHEDULABLE,
+        unschedulable,
+        "{count} pods cannot be scheduled: {some}",
+        moving=False,
+        shown=2,  # each comes with the scheduler's reason, which is long
+    )
     if short:
         causes.append(_Cause(Reason.PREFILL_SHORT, "; ".join(short), moving=False))
-    if states.get("gates_unseen"):
-        unseen = states["gates_unseen"]
-        causes.append(
-            _Cause(
-                Reason.SCHEDULER_BEHIND,
-                f"{len(unseen)} pods have their scheduling gates lifted but kube-scheduler "
-                f"still holds them as gated: {_some(unseen)}. If this lasts, the scheduler "
-                "missed the update (seen after an API server restart during a group restart): "
-                "restart kube-scheduler",
-                moving=True,
-            )
-        )
-    if states.get("waiting"):
-        waiting = states["waiting"]
-        causes.append(
-            _Cause(
-                Reason.PODS_PENDING,
-                f"{len(waiting)} pods not running yet (created with their cell, then "
-                f"scheduled): {_some(waiting)}",
-                moving=True,
-            )
-        )
-    if states.get("moving"):
-        replaced = states["moving"]
-        causes.append(
-            _Cause(
-                Reason.PODS_PENDING,
-                f"{len(replaced)} pods being replaced on their new trays: {_some(replaced)}",
-                moving=True,
-            )
-        )
-    if states.get("starting"):
-        starting = states["starting"]
-        causes.append(
-            _Cause(
-                Reason.ENGINES_STARTING,
-                f"{len(starting)} engines running but not ready yet: {_some(starting)}",
-                moving=True,
-            )
-        )
+    for state, reason, template, moving in _POD_CAUSES:
+        _tell(causes, reason, states.get(state, []), template, moving=moving)
     if ready_cells < view.model.spec.cells and not causes:
         causes.append(
             _Cause(
