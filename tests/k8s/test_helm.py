@@ -55,6 +55,8 @@ from rigs.devcluster import (
 )
 from rigs.processes import eventually, free_port, stop_process
 from router.cli import build_parser as gateway_parser
+from router.policy import PrefillPolicy
+from router.settings import GatewaySettings
 from tests.helpers import SimHandle
 from tests.k8s.helpers import apply, compute_domains_served, controller_log, read, wait_ready
 
@@ -102,7 +104,11 @@ def test_chart_lints_and_names_its_required_value() -> None:
     [
         ("controller.replicas=two", "at '/controller/replicas': got string, want integer"),
         ("gateway.polcy=affinity", "additional properties 'polcy' not allowed"),
-        ("gateway.policy=random", "at '/gateway/policy'"),
+        ("gateway.settings.policy=random", "at '/gateway/settings/policy'"),
+        (
+            "gateway.settings.prefill_timeout=60",
+            "additional properties 'prefill_timeout' not allowed",
+        ),
         ("gateway.workers=0", "at '/gateway/workers'"),
         ("gateway.modelDeployment=dsv4", "at '/gateway/modelDeployment'"),
         ("eplb.reportPort=70000", "at '/eplb/reportPort'"),
@@ -787,6 +793,23 @@ def test_with_the_network_policy_only_prometheus_scrapes_the_controller_and_eplb
 
 
 @pytest.mark.filterwarnings(RAY_WARNINGS)
+def test_the_gateways_settings_are_its_flags_and_its_serve_arguments_unset_ones_its_defaults() -> (
+    None
+):
+    settings = "gateway.settings.policy=least_loaded,gateway.settings.prefill_timeout_s=600"
+    objects = render("b", "--set", f"gateway.modelDeployment=serving/dsv4,{settings}")
+    [gateway] = [o for o in objects if o["metadata"]["name"] == "b-baton-gateway"]
+    [container] = gateway["spec"]["template"]["spec"]["containers"]
+    parsed = GatewaySettings.from_flags(gateway_parser().parse_args(container["args"]))
+    assert parsed == GatewaySettings(policy=PrefillPolicy.LEAST_LOADED, prefill_timeout_s=600)
+    objects = render("b", "-f", str(RAY_SERVE_EXAMPLE), "--set", settings)
+    [ray_service] = [o for o in objects if o["kind"] == "RayService"]
+    [application] = yaml.safe_load(ray_service["spec"]["serveConfigV2"])["applications"]
+    assert application["args"]["policy"] == "least_loaded"
+    assert application["args"]["prefill_timeout_s"] == 600
+    assert "pd_threshold_tokens" not in application["args"]  # the gateway's own default
+
+
 def test_the_ray_serve_example_runs_router_serve_app_on_a_rayservice_instead_of_the_deployment(
     tmp_path: Path,
 ) -> None:
