@@ -46,7 +46,7 @@ from controller.status import (
     ConditionStamp,
     cell_status,
     deployment_conditions,
-    invalid_spec_condition,
+    invalid_spec_conditions,
     set_condition,
 )
 from controller.topology import Topology
@@ -273,7 +273,9 @@ def _invalid_statuses(
         status = recorded_status(obj)
         generation = int(obj.get("metadata", {}).get("generation", 0))
         stamp = ConditionStamp(generation, rfc3339(observed.now))
-        changed = set_condition(status.conditions, invalid_spec_condition(bad.message, stamp))
+        changed = False
+        for condition in invalid_spec_conditions(bad.message, stamp):
+            changed = set_condition(status.conditions, condition) or changed
         if changed or status.observed_generation != generation:
             status.observed_generation = generation
             statuses[bad.name] = status.model_dump(

@@ -40,7 +40,7 @@ __all__ = [
     "ConditionStamp",
     "cell_status",
     "deployment_conditions",
-    "invalid_spec_condition",
+    "invalid_spec_conditions",
     "placement_conditions",
     "set_condition",
 ]
@@ -108,9 +108,14 @@ def placement_conditions(plan: Plan, deployment: str, stamp: ConditionStamp) -> 
     return [stamp.condition(ConditionType.PLACED, True, Reason.PLACED, domains)]
 
 
-def invalid_spec_condition(message: str, stamp: ConditionStamp) -> Condition:
-    """Placed=False, InvalidSpec: a spec the controller cannot act on, and why."""
-    return stamp.condition(ConditionType.PLACED, False, Reason.INVALID_SPEC, message)
+def invalid_spec_conditions(message: str, stamp: ConditionStamp) -> list[Condition]:
+    """Placed=False and Ready=False, InvalidSpec: a spec the controller cannot act on, and why.
+    Ready too, so that `kubectl get mdep` and `kubectl wait --for=condition=Ready` never show a
+    refused spec as ready, though cells of an earlier spec may still serve."""
+    return [
+        stamp.condition(ConditionType.PLACED, False, Reason.INVALID_SPEC, message),
+        stamp.condition(ConditionType.READY, False, Reason.INVALID_SPEC, message),
+    ]
 
 
 def cell_status(

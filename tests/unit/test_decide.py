@@ -329,6 +329,20 @@ def test_a_spec_the_api_server_accepts_but_baton_cannot_run_is_reported_not_plac
     assert w.step().status == {}  # reported once, not rewritten every reconcile
 
 
+def test_a_refused_change_to_a_serving_deployment_is_not_shown_ready() -> None:
+    # Seen on the dev cluster: kubectl get mdep showed 1/1 AllReady for a spec the controller
+    # refused (an InvalidSpec event only), so kubectl wait --for=condition=Ready passed.
+    w = world()
+    w.settle()
+    assert w.condition("Ready")["status"] == "True"
+    w.deployment["spec"]["cell"] = {"decode": {"dep": 30}}  # not a whole number of trays
+    w.deployment["metadata"]["generation"] = 2
+    w.step()
+    ready = w.condition("Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert "multiple of gpusPerPod" in ready["message"]
+
+
 def test_ready_column_and_condition_agree_while_a_prefill_engine_loads() -> None:
     w = world(cell={"prefill": {"instances": 2}})
     w.settle()

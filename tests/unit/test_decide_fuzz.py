@@ -124,8 +124,9 @@ def test_any_spec_is_reconciled_without_error_and_a_refused_one_says_which_field
     if refusal is None:
         assert not invalid
         return
-    [condition] = invalid
-    assert condition["type"] == "Placed" and condition["status"] == "False"
+    assert sorted(c["type"] for c in invalid) == ["Placed", "Ready"]
+    assert all(c["status"] == "False" for c in invalid)
+    [condition] = [c for c in invalid if c["type"] == "Placed"]
     for error in refusal.errors():
         where = ".".join(map(str, error["loc"]))
         assert f"'{where}'" in condition["message"], (where, condition["message"])
