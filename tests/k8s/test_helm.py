@@ -798,7 +798,11 @@ def test_the_gateways_settings_are_its_flags_and_its_serve_arguments_unset_ones_
 ):
     settings = "gateway.settings.policy=least_loaded,gateway.settings.prefill_timeout_s=600"
     objects = render("b", "--set", f"gateway.modelDeployment=serving/dsv4,{settings}")
-    [gateway] = [o for o in objects if o["metadata"]["name"] == "b-baton-gateway"]
+    [gateway] = [
+        o
+        for o in objects
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "b-baton-gateway"
+    ]
     [container] = gateway["spec"]["template"]["spec"]["containers"]
     parsed = GatewaySettings.from_flags(gateway_parser().parse_args(container["args"]))
     assert parsed == GatewaySettings(policy=PrefillPolicy.LEAST_LOADED, prefill_timeout_s=600)
