@@ -221,20 +221,13 @@ def _message_parts(message: object) -> Iterator[bytes]:
     """A message for its key, without serializing its text: its fields in name order, a text
     told apart by its length and its first and last :data:`PREFIX_SAMPLE_CHARS` characters,
     anything else by its JSON; each part led by its length."""
-    if not isinstance(message, Mapping):
-        parts = [orjson.dumps(message, option=orjson.OPT_SORT_KEYS)]
-    else:
-        parts = []
-        for name in sorted(message):
-            value = message[name]
-            parts.append(str(name).encode())
-            if isinstance(value, str):
-                tail = value[-PREFIX_SAMPLE_CHARS:] if len(value) > PREFIX_SAMPLE_CHARS else ""
-                sample = f"{len(value)}:{value[:PREFIX_SAMPLE_CHARS]}:{tail}"
-                parts.append(sample.encode())
-            else:
-                parts.append(orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
-    for part in parts:
+    fields = sorted(message.items()) if isinstance(message, Mapping) else [("", message)]
+    for name, value in fields:
+        if isinstance(value, str):
+            tail = value[-PREFIX_SAMPLE_CHARS:] if len(value) > PREFIX_SAMPLE_CHARS else ""
+            part = f"{name}={len(value)}:{value[:PREFIX_SAMPLE_CHARS]}:{tail}".encode()
+        else:
+            part = f"{name}=".encode() + orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
         yield len(part).to_bytes(8)
         yield part
 

@@ -747,11 +747,12 @@ class Pool:
         for target in server.targets:
             if target.name in self.prefill:
                 target.dp_ranks = len(ranks)
-                target.rank_others = {
-                    rank: max(0, load[label] - target.rank_requests.get(rank, 0))
-                    for rank, label in enumerate(ranks)
-                }
-                if len(ranks) <= 1:  # requests sent while the ranks were not known count too
+                if len(ranks) > 1:
+                    target.rank_others = {
+                        rank: max(0, load[label] - target.rank_requests.get(rank, 0))
+                        for rank, label in enumerate(ranks)
+                    }
+                else:  # one unit: requests sent before the ranks were known count too
                     target.rank_others = {-1: max(0, sum(load.values()) - target.in_flight)}
             elif 0 <= target.dp_rank < len(ranks):
                 target.others = max(0, load[ranks[target.dp_rank]] - target.in_flight)
