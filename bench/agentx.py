@@ -505,6 +505,21 @@ def router(name: str, rack: _Stack, directory: Path) -> Iterator[str]:
     if name == "baton":
         yield rack.gateway
         return
+    with vllm_router(name, rack.prefill, rack.decode, directory, GPUS_PER_DECODE_SERVER) as url:
+        yield url
+
+
+@contextmanager
+def vllm_router(
+    name: str,
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    directory: Path,
+    dp_size: int,
+    core: int = ROUTER_CORE,
+) -> Iterator[str]:
+    """vllm-router in P/D mode on one core: ``cache_aware`` prefill and ``power_of_two``
+    decode (``name`` vllm-router) or ``round_robin`` for both (round-robin); its URL."""
     port = free_port()
     binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     policies = (
@@ -519,11 +534,11 @@ def router(name: str, rack: _Stack, directory: Path) -> Iterator[str]:
         "--port",
         str(port),
         "--vllm-pd-disaggregation",
-        *[arg for url in rack.prefill for arg in ("--prefill", url)],
-        *[arg for url in rack.decode for arg in ("--decode", url)],
+        *[arg for url in prefill for arg in ("--prefill", url)],
+        *[arg for url in decode for arg in ("--decode", url)],
         *policies,
         "--intra-node-data-parallel-size",
-        str(GPUS_PER_DECODE_SERVER),
+        str(dp_size),
         "--api-key",
         "unused",  # vllm-router wants one for DP-aware routing; the engines check none
         "--prometheus-port",
@@ -533,7 +548,7 @@ def router(name: str, rack: _Stack, directory: Path) -> Iterator[str]:
     ]
     log = (directory / f"{name}.log").open("ab")
     process = subprocess.Popen(command, stdout=log, stderr=log)
-    pin(process.pid, ROUTER_CORE)
+    pin(process.pid, core)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, timeout=120)

