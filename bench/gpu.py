@@ -34,6 +34,7 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,39 +153,47 @@ def _download(cache: Path) -> None:
     (cache / ".complete").touch()
 
 
-def prepare() -> dict[str, Any]:
+def prepare(trace: Path | None) -> dict[str, Any]:
+    """The carry under ``.gpu/``: the pinned wheels and ``trace``, in folders of one device call
+    each; the calls, printed."""
     cache = _wheel_cache()
     _download(cache)
-    wheels = {p.name: p.stat().st_size for p in sorted(cache.glob("*.whl"))}
-    folders = pack(wheels)
-    if CARRY.exists():
-        for old in CARRY.glob("carry-*"):
-            for file in old.iterdir():
-                file.unlink()
-            old.rmdir()
+    sources = {p.name: p for p in sorted(cache.glob("*.whl"))}
+    if trace is not None:
+        if not trace.is_file():
+            raise SystemExit(f"baton bench gpu --step prepare: --trace {trace}: no such file")
+        sources[trace.name] = trace
+    folders = pack({name: path.stat().st_size for name, path in sources.items()})
+    for old in CARRY.glob("carry-*"):
+        shutil.rmtree(old)
+    where = {}
     for number, folder in enumerate(folders, 1):
         target = CARRY / f"carry-{number}"
         target.mkdir(parents=True)
         for part in folder:
-            with (cache / part.file).open("rb") as source, (target / part.name).open("wb") as out:
+            where[part.file] = target
+            with sources[part.file].open("rb") as source, (target / part.name).open("wb") as out:
                 source.seek(part.offset)
                 out.write(source.read(part.length))
-    calls = [
-        {"command": "du -sh .gpu", "carry": [f".gpu/carry-{n}"]} for n in range(1, len(folders) + 1)
-    ]
+    size = sum(path.stat().st_size for path in sources.values())
     print(
-        f"{len(wheels)} wheels, {sum(wheels.values()) / 2**20:.0f} MiB, in {len(folders)} folders "
-        f"under {CARRY}. Carry them with one device call each, issued together:",
+        f"{len(sources)} files, {size / 2**20:.0f} MiB, in {len(folders)} folders under {CARRY}. "
+        "Carry them with one device call each, issued together:",
         file=sys.stderr,
     )
-    for call in calls:
+    for number in range(1, len(folders) + 1):
+        call = {"command": "du -sh .gpu", "carry": [f".gpu/carry-{number}"]}
         print(f"  run {json.dumps(call)}", file=sys.stderr)
+    trace_there = (
+        f"{where[trace.name].relative_to(ROOT)}/{trace.name}" if trace is not None else "TRACE"
+    )
     print(
-        "then: run {command: 'deploy/vllm/gpu/install.sh && PYTHONPATH=/tmp/baton-gpu/site "
-        "python3 -m baton.cli bench gpu --step start --out $OUT', ...}",
+        "then, in the call that follows: bash deploy/vllm/gpu/install.sh && export "
+        "PYTHONPATH=/tmp/baton-gpu/site && python3 -m baton.cli bench gpu --step start --out "
+        f"$OUT && python3 -m baton.cli bench gpu --step points --trace {trace_there} --out $OUT",
         file=sys.stderr,
     )
-    return {"benchmark": "gpu-prepare", "wheels": len(wheels), "folders": len(folders)}
+    return {"benchmark": "gpu-prepare", "files": len(sources), "folders": len(folders)}
 
 
 # ---- start and stop: engines that outlive the command
@@ -634,7 +643,7 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
     if args.engines == "gpu":  # vllm-router's binary, where install.sh put it
         os.environ["PATH"] = f"{args.site / 'bin'}{os.pathsep}{os.environ['PATH']}"
     if args.step == "prepare":
-        return prepare()
+        return prepare(args.trace)
     if args.step == "start":
         return start(args)
     if args.step == "stop":
