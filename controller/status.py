@@ -398,25 +398,36 @@ def deployment_conditions(
     for condition in placement_conditions(plan, name, stamp):
         set_condition(status.conditions, condition)
     summary = _summarize(plan, view, cells, prefill_wanted, trays)
-    set_condition(status.conditions, _ready(summary, stamp))
-    if not any(c.deployment == name for c in plan.unplaced):
-        set_condition(status.conditions, _progressing(summary, stamp))
     # Quarantined trays in this deployment's domains: the ones that cost it a spare.
     domains = {c.domain for c in plan.cells if c.deployment == name}
     quarantined = sorted(t.name for t in trays.trays if t.quarantined and t.domain in domains)
-    set_condition(status.conditions, _degraded(summary, quarantined, stamp))
+    degraded = _degraded(summary, quarantined, stamp)
+    set_condition(status.conditions, _ready(summary, degraded, stamp))
+    if not any(c.deployment == name for c in plan.unplaced):
+        set_condition(status.conditions, _progressing(summary, stamp))
+    set_condition(status.conditions, degraded)
     status.ready = f"{summary.ready}/{summary.wanted}"
     status.placed_cells = sum(1 for c in plan.cells if c.deployment == name)
     status.prefill_ready = f"{summary.prefill_ready}/{prefill_wanted}"
 
 
-def _ready(summary: _Cells, stamp: ConditionStamp) -> Condition:
-    if summary.all_ready:
+def _ready(summary: _Cells, degraded: Condition, stamp: ConditionStamp) -> Condition:
+    """True only when every wanted cell serves and nothing degrades them: a deployment that
+    serves while degraded (a tray quarantined, its cell without a spare) is not shown ready,
+    or nothing a user watches (`kubectl get`, `kubectl wait`) would show the trouble."""
+    if not summary.all_ready:
+        cause = summary.causes[0]
+        return stamp.condition(ConditionType.READY, False, cause.reason, cause.message)
+    if degraded.status == "True":
         return stamp.condition(
-            ConditionType.READY, True, Reason.ALL_READY, f"{summary.wanted} cells ready"
+            ConditionType.READY,
+            False,
+            Reason(degraded.reason),
+            f"{summary.ready} of {summary.wanted} cells serve, degraded: {degraded.message}",
         )
-    cause = summary.causes[0]
-    return stamp.condition(ConditionType.READY, False, cause.reason, cause.message)
+    return stamp.condition(
+        ConditionType.READY, True, Reason.ALL_READY, f"{summary.wanted} cells ready"
+    )
 
 
 def _progressing(summary: _Cells, stamp: ConditionStamp) -> Condition:

@@ -92,14 +92,19 @@ def _schema(model: type[BaseModel]) -> dict[str, Any]:
 
 def generate_crd() -> dict[str, Any]:
     columns: Sequence[tuple[str, str, str, str]] = (
-        ("Ready", "string", ".status.ready", "ready cells / wanted cells"),
+        (
+            "Ready",
+            "string",
+            '.status.conditions[?(@.type=="Ready")].status',
+            "the Ready condition: False for a refused spec or a degraded deployment too",
+        ),
         (
             "Reason",
             "string",
             '.status.conditions[?(@.type=="Ready")].reason',
             "why the deployment is or is not Ready (the Ready condition's reason)",
         ),
-        ("Cells", "integer", ".spec.cells", "cells wanted"),
+        ("Cells", "string", ".status.ready", "ready cells / wanted cells"),
         ("Prefill", "string", ".status.prefillReady", "ready / desired prefill instances"),
         ("Decode Ranks", "integer", ".status.decodeRanks", "ready decode ranks"),
         ("Balance", "string", ".status.balance", "EPLB balance of the target model"),

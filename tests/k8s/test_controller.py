@@ -77,9 +77,9 @@ def test_deployment_runs_whole_cell_in_one_nvlink_domain_and_reports_ready(
     columns = [c["name"] for c in table["columnDefinitions"]]
     row = dict(zip(columns, table["rows"][0]["cells"], strict=True))
     assert (row["Ready"], row["Reason"], row["Cells"], row["Prefill"], row["Decode Ranks"]) == (
-        "1/1",
+        "True",
         "AllReady",
-        1,
+        "1/1",
         "4/4",
         32,
     )
@@ -301,7 +301,20 @@ def test_a_tray_whose_pods_keep_failing_is_quarantined_and_its_group_moves(
     eventually(quarantined_and_moved, timeout=60, interval=0.25)
     failures = annotations_of(core.read_node(tray))["baton.dev/tray-failures"].split(",")
     assert len(failures) == 3 and ",".join(failures[:2]) == earlier
-    obj = wait_ready(api, namespace, "dsv4")
+
+    # The cell serves again on its spare, and the deployment says it is degraded, not ready:
+    # the cell has no spare left (kubectl get mdep: Ready False, Reason TrayQuarantined).
+    def serving_degraded() -> dict[str, Any] | None:
+        obj = read(api, namespace, "dsv4")
+        ready = condition(obj, "Ready")
+        settled = obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+        serving = settled and obj["status"].get("ready") == "1/1"
+        return obj if serving and ready.get("reason") == "TrayQuarantined" else None
+
+    obj = eventually(serving_degraded, timeout=60, interval=0.25)
+    assert obj is not None
+    assert condition(obj, "Ready")["status"] == "False"
+    assert tray in condition(obj, "Ready")["message"]
     degraded = condition(obj, "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "TrayQuarantined")
     reasons = [e.reason for e in core.list_namespaced_event(namespace).items]

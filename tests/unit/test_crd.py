@@ -48,8 +48,20 @@ def test_crd_has_status_subresource_short_name_and_printer_columns() -> None:
         "status": {},
         "scale": {"specReplicasPath": ".spec.cells", "statusReplicasPath": ".status.placedCells"},
     }
-    columns = [column["name"] for column in version["additionalPrinterColumns"]]
-    assert columns == ["Ready", "Reason", "Cells", "Prefill", "Decode Ranks", "Balance", "Age"]
+    columns = {column["name"]: column["jsonPath"] for column in version["additionalPrinterColumns"]}
+    assert list(columns) == [
+        "Ready",
+        "Reason",
+        "Cells",
+        "Prefill",
+        "Decode Ranks",
+        "Balance",
+        "Age",
+    ]
+    # READY is the Ready condition itself (False for a refused spec or a degraded deployment,
+    # whatever the cells' count), CELLS the count of ready cells against those wanted
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert columns["Cells"] == ".status.ready"
 
 
 def test_spec_requires_model_and_bounds_its_numbers() -> None:

@@ -235,8 +235,27 @@ def test_a_tray_failing_repeatedly_is_quarantined_and_avoided() -> None:
     assert "TrayQuarantined" in [e.reason for e in decision.events]
     w.settle()
     assert tray not in {p["spec"].get("nodeName") for p in w.pods.values()}
-    assert w.condition("Ready")["status"] == "True"
     assert w.condition("Degraded")["reason"] == "TrayQuarantined"
+
+
+def test_a_deployment_serving_every_cell_while_degraded_is_not_shown_ready() -> None:
+    # Seen on the dev cluster: kubectl get mdep showed 1/1 AllReady while Degraded was True
+    # after a quarantine (the cell had used its spare), so nothing a user watches showed it.
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    tray = w.tray_of("dsv4-cell-0-decode-0")
+    w.annotate(tray, QUARANTINED_ANNOTATION, "NVLink errors")
+    w.settle()
+    assert w.deployment["status"]["ready"] == "1/1"  # every cell serves
+    ready = w.condition("Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "TrayQuarantined")
+    assert tray in ready["message"] and "1 of 1 cells serve" in ready["message"]
+    assert w.condition("Progressing")["status"] == "False"
+    # the tray back in service: Ready again
+    node = next(n for n in w.nodes if n["metadata"]["name"] == tray)
+    del node["metadata"]["annotations"][QUARANTINED_ANNOTATION]
+    w.settle()
+    assert (w.condition("Ready")["status"], w.condition("Ready")["reason"]) == ("True", "AllReady")
 
 
 def test_scaling_prefill_down_deletes_only_the_highest_prefill_instances() -> None:
