@@ -224,8 +224,8 @@ def deployments(observed: Observed) -> tuple[list[DeploymentView], list[InvalidD
                 {key: obj[key] for key in ("apiVersion", "kind", "metadata", "spec") if key in obj}
             )
         except ValidationError as exc:
-            # The API server validates the schema; this catches rules it cannot express
-            # (dep a multiple of gpusPerPod, windowSize <= stepInterval, ...).
+            # The API server refuses these at admission (the CRD's schema and CEL rules); this
+            # catches objects stored before the CRD had a rule, or with its rules absent.
             invalid.append(InvalidDeployment(meta.get("name", "?"), describe_errors(exc)))
             continue
         uid = meta.get("uid", "")

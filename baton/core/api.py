@@ -98,6 +98,23 @@ class _Resource(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, alias_generator=to_camel)
 
 
+def _admission(*rules: tuple[str, str]) -> ConfigDict:
+    """The CRD's CEL rules (``x-kubernetes-validations``) for the rules a model's validator
+    checks that a schema alone cannot: each (rule, CEL message expression) refuses at admission
+    what the validator beside it refuses, with the same message. Written next to the validator
+    they mirror; tests/k8s/test_admission.py holds the two to the same verdicts and messages."""
+    return ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": rule, "messageExpression": message} for rule, message in rules
+            ]
+        }
+    )
+
+
+DEFAULT_GPUS_PER_TRAY: Final = 4  # an NVL72 tray
+
+
 def decode_trays_problem(dep: int, gpus_per_pod: int) -> str | None:
     """Why a decode group of ``dep`` ranks cannot take whole trays of ``gpus_per_pod``, if so."""
     if dep % gpus_per_pod:
@@ -111,8 +128,18 @@ def decode_trays_problem(dep: int, gpus_per_pod: int) -> str | None:
 class DecodeSpec(_Resource):
     """One DEP decode group per cell; each pod takes a whole tray."""
 
+    model_config = _admission(
+        (
+            "self.dep % self.gpusPerPod == 0",
+            "'dep (%d) must be a multiple of gpusPerPod (%d): each decode pod takes a whole "
+            "tray'.format([self.dep, self.gpusPerPod])",
+        )
+    )
+
     dep: int = Field(default=32, ge=1, le=1024, description="DP/EP ranks of the decode group")
-    gpus_per_pod: int = Field(default=4, ge=1, le=8, description="GPUs (DP ranks) per pod")
+    gpus_per_pod: int = Field(
+        default=DEFAULT_GPUS_PER_TRAY, ge=1, le=8, description="GPUs (DP ranks) per pod"
+    )
     spare_trays: int = Field(default=1, ge=0, le=8, description="trays kept for recovery")
 
     @model_validator(mode="after")
@@ -148,7 +175,9 @@ class TopologySpec(_Resource):
     gpu_resource: str = Field(
         default=GPU_RESOURCE, min_length=1, description="extended resource naming a tray's GPUs"
     )
-    gpus_per_tray: int = Field(default=4, ge=1, le=8, description="GPUs of one tray (node)")
+    gpus_per_tray: int = Field(
+        default=DEFAULT_GPUS_PER_TRAY, ge=1, le=8, description="GPUs of one tray (node)"
+    )
 
 
 class EnvVar(_Resource):
@@ -165,18 +194,45 @@ class SecretKey(_Resource):
     key: str = Field(min_length=1, description="the key within the Secret")
 
 
+# The engine's program (its command's first word, less any directory) and its image's
+# repository (the image less its tag), in CEL: as EngineSpec._image_runs_command reads them.
+_PROGRAM = "(has(self.command) ? self.command[0] : 'vllm')"
+_PROGRAM = f"{_PROGRAM}.substring({_PROGRAM}.lastIndexOf('/') + 1)"
+_REPOSITORY = (
+    "(self.image.lastIndexOf(':') >= 0 ? self.image.substring(0, self.image.lastIndexOf(':')) "
+    ": self.image)"
+)
+
+
 class EngineSpec(_Resource):
     """What runs in the pods: vLLM in production, ``baton sim`` anywhere else."""
 
-    command: list[str] = Field(
+    model_config = _admission(
+        (
+            f"!({_PROGRAM} == 'baton' && {_REPOSITORY} == '{VLLM_IMAGE.rsplit(':', 1)[0]}')",
+            "\"engine.command runs baton (%s) but engine.image is vLLM's (%s), which has no "
+            f"baton: set engine.image to {BATON_IMAGE}\".format([self.command.join(' '), "
+            "self.image])",
+        ),
+        (
+            f"!({_PROGRAM} == 'vllm' && {_REPOSITORY} == '{BATON_IMAGE.rsplit(':', 1)[0]}')",
+            "\"engine.command runs vllm but engine.image is Baton's (%s), which has no vLLM: set "
+            f'engine.image to {VLLM_IMAGE}, or engine.command to [baton, sim]".format('
+            "[self.image])",
+        ),
+    )
+
+    command: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=lambda: ["vllm", "serve"],
         min_length=1,
+        max_length=64,
         description="the engine's command before the model and Baton's flags "
         "([vllm, serve], or [baton, sim] for the simulator)",
     )
     image: str = Field(
         default=VLLM_IMAGE,
         min_length=1,
+        max_length=512,
         description="the engine container's image (default: vLLM's official image of the "
         "version Baton is checked against)",
     )
@@ -230,6 +286,25 @@ class EplbModelSpec(_Resource):
 
 class EplbSpec(_Resource):
     """Expert-parallel load balancing of the decode groups."""
+
+    model_config = _admission(
+        (
+            "self.windowSize <= self.stepInterval",
+            "'windowSize (%d) must not exceed stepInterval (%d)'.format([self.windowSize, "
+            "self.stepInterval])",
+        ),
+        (
+            "!(self.enabled && self.mode == 'agent' && !has(self.tokenSecret))",
+            '"mode agent needs tokenSecret: an EPLB agent without a token refuses every switch, '
+            "so the service could never rebalance; give the Secret the service's --token-file "
+            "holds (the chart's eplb.tokenSecret)\"",
+        ),
+        (
+            "!(self.communicator in ['torch_nccl', 'pynccl'])",
+            "\"communicator %s: vLLM's asynchronous EPLB (its default, which Baton's plugin "
+            'needs) cannot use it; use torch_gloo, nixl or auto".format([self.communicator])',
+        ),
+    )
 
     enabled: bool = Field(default=True, description="rebalance the decode groups' experts")
     mode: Literal["plugin", "agent"] = Field(
@@ -297,7 +372,22 @@ class EplbSpec(_Resource):
         return self
 
 
+_DECODE_GPUS = (
+    f"(has(self.cell) && has(self.cell.decode) ? self.cell.decode.gpusPerPod : "
+    f"{DEFAULT_GPUS_PER_TRAY})"
+)
+_TRAY_GPUS = f"(has(self.topology) ? self.topology.gpusPerTray : {DEFAULT_GPUS_PER_TRAY})"
+
+
 class ModelDeploymentSpec(_Resource):
+    model_config = _admission(
+        (
+            f"{_DECODE_GPUS} == {_TRAY_GPUS}",
+            "'cell.decode.gpusPerPod (%d) must equal topology.gpusPerTray (%d): a decode pod "
+            f"takes a whole tray'.format([{_DECODE_GPUS}, {_TRAY_GPUS}])",
+        )
+    )
+
     model: str = Field(min_length=1, description="the model vLLM serves")
     served_model_name: str | None = Field(default=None, description="the name clients use")
     engine: EngineSpec = Field(default_factory=EngineSpec)

@@ -40,6 +40,7 @@ _KEEP = (
     "minItems",
     "maxItems",
     "format",
+    "x-kubernetes-validations",
 )
 
 
