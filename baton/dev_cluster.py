@@ -6,8 +6,9 @@ built by ``make dev-bin``) run detached from the command, so they outlive it, in
 and ``state.json``: the API server's URL, the kubeconfig's path, the racks and CPU nodes created
 and every process's pid. The other subcommands read that file.
 
-- ``start [--racks N] [--cpu-nodes N]``: a fresh control plane with the ModelDeployment CRD, N
-  racks of 18 fake GB300 trays and N CPU nodes; prints the kubeconfig and ``export`` lines.
+- ``start [--racks N] [--cpu-nodes N]``: a fresh control plane with N racks of 18 fake GB300
+  trays and N CPU nodes; prints the kubeconfig and ``export`` lines. No Baton CRD: as on a real
+  cluster, ``helm install`` brings it (and owns it).
 - ``kubeconfig``: the kubeconfig's path.
 - ``add-racks N``: N more racks of trays.
 - ``tray NAME --not-ready | --ready``: kwok stops playing the tray's kubelet and its Ready
@@ -34,7 +35,6 @@ from rigs.devcluster import (
     add_cpu_nodes,
     add_trays,
     binaries_dir,
-    install_crd,
     mark_tray_not_ready,
     mark_tray_ready,
     node_ready,
@@ -175,14 +175,13 @@ def _start(directory: Path, racks: int, cpu_nodes: int) -> int:
     _write_state(directory, state)
     try:
         api = _api(state)
-        install_crd(api)
         add_cpu_nodes(api, cpu_nodes)
         trays = add_trays(api, racks)
     except Exception as exc:
         plane.stop()
         _write_state(directory, state.model_copy(update={"processes": {}}))
         raise DevClusterError(
-            f"the control plane started but did not take the CRD and nodes ({exc!r}); its "
+            f"the control plane started but did not take the nodes ({exc!r}); its "
             f"logs are in {directory}"
         ) from exc
     except BaseException:  # Ctrl-C: nothing is left running

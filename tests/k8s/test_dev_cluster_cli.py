@@ -14,6 +14,7 @@ import psutil
 from baton.core.labels import CLIQUE_LABEL, GPU_RESOURCE, GPU_TAINT_KEY
 from rigs.devcluster import KWOK_ANNOTATION, binaries_dir
 from rigs.processes import baton_command
+from tests.helpers import ROOT
 
 
 def dev_cluster(
@@ -100,6 +101,42 @@ def test_start_add_a_rack_fail_a_tray_and_stop(tmp_path: Path) -> None:
         status = dev_cluster(directory, "status")
         assert status.returncode == 0, status.stdout
         assert "36/36 Ready in 2 racks" in status.stdout
+
+        # docs/dev-cluster.md's install, as a user pastes it: the chart owns its CRD (a CRD the
+        # dev cluster had applied itself made `helm install` fail: "exists and cannot be
+        # imported into the current release")
+        helm = [str(binaries_dir() / "helm"), "--kubeconfig", kubeconfig]
+        subprocess.run(
+            [
+                str(binaries_dir() / "kubectl"),
+                f"--kubeconfig={kubeconfig}",
+                "create",
+                "namespace",
+                "serving",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        installed = subprocess.run(
+            [
+                *helm,
+                "install",
+                "baton",
+                str(ROOT / "helm" / "baton"),
+                "-n",
+                "baton-system",
+                "--create-namespace",
+                "--set",
+                "gateway.modelDeployment=serving/dsv4",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert installed.returncode == 0, installed.stderr
+        crd = kubectl(kubeconfig, "get", "crd", "modeldeployments.baton.dev")
+        assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == "baton"
     finally:
         stopped = dev_cluster(directory, "stop")
     assert stopped.returncode == 0, stopped.stderr

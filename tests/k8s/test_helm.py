@@ -99,6 +99,40 @@ def test_chart_lints_and_names_its_required_value() -> None:
     assert "gateway.modelDeployment: set it to NAMESPACE/NAME" in missing.stderr
 
 
+def test_an_install_for_a_namespace_that_does_not_exist_fails_before_creating_anything(
+    api: client.ApiClient, namespace: str, control_plane: ControlPlane
+) -> None:
+    # Seen following the docs: the chart's Roles for the gateway and the EPLB service go in the
+    # ModelDeployment's namespace, created after the install, so the install failed four times
+    # on "namespaces not found" and left a failed release with its pods running.
+    kubeconfig = str(control_plane.kubeconfig)
+    release = f"n-{namespace}"
+    installed = helm(
+        "install",
+        release,
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--kubeconfig",
+        kubeconfig,
+        "--set",
+        "gateway.modelDeployment=not-created/dsv4,crds.install=false",
+    )
+    assert installed.returncode != 0
+    assert (
+        "namespace not-created (gateway.modelDeployment) does not exist: create it first "
+        "(kubectl create namespace not-created)" in installed.stderr
+    ), installed.stderr
+    listed = helm("list", "--all", "--namespace", namespace, "--kubeconfig", kubeconfig, "-q")
+    assert release not in listed.stdout
+    assert not client.AppsV1Api(api).list_namespaced_deployment(namespace).items
+    # without a cluster (helm template, lint) the chart renders as before
+    assert (
+        helm("template", "baton", str(CHART), "--set", "gateway.modelDeployment=x/y").returncode
+        == 0
+    )
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
