@@ -6,6 +6,7 @@ must succeed. A block that needs what this machine has not (a GPU, a real rack) 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,16 +19,44 @@ from rigs.devcluster import binaries_dir
 from rigs.docs import Block, command_blocks
 from tests.helpers import ROOT
 
-GUIDES = ["docs/dev-cluster.md"]
+# Each guide, and whether it starts from a cluster of trays, as its reader has one, or builds its
+# own (docs/dev-cluster.md).
+GUIDES = {"docs/dev-cluster.md": False, "docs/operator.md": True, "docs/operations.md": True}
 MARK = ">>> block "
+# The cluster a reader has: a dev cluster with kube-prometheus-stack's CRDs, and Baton's
+# controller running beside it (kwok runs no container, so the chart's controller pods are
+# status only; docs/dev-cluster.md runs the controller so too).
+CLUSTER = (
+    'eval "$(baton dev-cluster start)"',
+    'trap "baton dev-cluster stop >/dev/null" EXIT',
+    'kubectl apply --server-side -f "$BATON_DEV_BIN/monitoring-crds" >/dev/null',
+    'baton controller --kubeconfig "$KUBECONFIG" --lease-namespace default 2>/dev/null &',
+)
 
 
-def _script(blocks: list[Block]) -> str:
-    lines = ["set -euo pipefail"]
+def _script(blocks: list[Block], cluster: bool) -> str:
+    lines = ["set -euo pipefail", *(CLUSTER if cluster else ())]
     for block in blocks:
         if block.no_run is None:
             lines += [f"echo '{MARK}{block.where}' >&2", block.text]
     return "\n".join(lines) + "\n"
+
+
+def _checkout(into: Path) -> Path:
+    """The repository's files as a clone has them, for the walk to run in: a block that writes
+    a file (``helm get values ... > values.yaml``) writes it there, not into this checkout."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    )
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / name)
+    return into
 
 
 def _read_only(block: Block) -> None:
@@ -53,11 +82,12 @@ def test_every_command_of_the_guide_runs_as_written(guide: str, tmp_path: Path) 
         "BATON_DEV_BIN": str(binaries_dir()),  # built by `make dev-bin` before the tests
         "LANG": "C.UTF-8",
     }
+    checkout = _checkout(tmp_path / "baton")
     log = tmp_path / "walk.log"
     with log.open("w") as out:
         shell = subprocess.Popen(
-            ["bash", "-c", _script(blocks)],
-            cwd=ROOT,
+            ["bash", "-c", _script(blocks, GUIDES[guide])],
+            cwd=checkout,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
