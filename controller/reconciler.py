@@ -126,8 +126,10 @@ class ControllerMetrics:
 class ConditionCollector(Collector):
     """``baton_modeldeployment_condition{namespace,name,type,status}``, as kube-state-metrics
     exports a Deployment's conditions: one series per status (true, false, unknown) of each
-    condition, 1 for the status it has. A standby replica's cache is as current as the
-    leader's, so every replica exports the same series."""
+    condition, 1 for the status it has; and ``baton_modeldeployment_cells{namespace,name,
+    state}``, its cells wanted and ready as its status counts them (``status.ready``), which the
+    alerts judge each deployment by. A standby replica's cache is as current as the leader's, so
+    every replica exports the same series."""
 
     def __init__(self, deployments: Callable[[], list[dict[str, Any]]]) -> None:
         self.deployments = deployments
@@ -139,16 +141,27 @@ class ConditionCollector(Collector):
             "for the status each has",
             labels=["namespace", "name", "type", "status"],
         )
+        cells = GaugeMetricFamily(
+            "baton_modeldeployment_cells",
+            "The ModelDeployment's cells: wanted, and ready (decode group and every wanted "
+            "prefill instance serving)",
+            labels=["namespace", "name", "state"],
+        )
         for deployment in self.deployments():
             meta = deployment["metadata"]
-            conditions = (deployment.get("status") or {}).get("conditions") or []
-            for condition in conditions:
-                for status in ("True", "False", "Unknown"):
+            status = deployment.get("status") or {}
+            for condition in status.get("conditions") or []:
+                for value in ("True", "False", "Unknown"):
                     family.add_metric(
-                        [meta["namespace"], meta["name"], condition["type"], status.lower()],
-                        float(condition.get("status") == status),
+                        [meta["namespace"], meta["name"], condition["type"], value.lower()],
+                        float(condition.get("status") == value),
                     )
+            ready, _, wanted = str(status.get("ready", "")).partition("/")
+            if ready.isdigit() and wanted.isdigit():  # none until the controller has judged it
+                cells.add_metric([meta["namespace"], meta["name"], "wanted"], float(wanted))
+                cells.add_metric([meta["namespace"], meta["name"], "ready"], float(ready))
         yield family
+        yield cells
 
 
 def _placement_fingerprint(node: dict[str, Any] | None) -> tuple[Any, ...] | None:

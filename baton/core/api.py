@@ -335,7 +335,7 @@ class EplbSpec(_Resource):
     report_url: str | None = Field(
         default=None,
         pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
-        description="the EPLB service's report endpoint, e.g. http://baton-eplb.serving.svc:9091 "
+        description="the EPLB service's report endpoint, e.g. http://baton-eplb.baton-system.svc:9091 "
         "(plugin mode); unset: the engines rebalance with Baton's algorithm and report nothing",
     )
     token_secret: SecretKey | None = Field(

@@ -955,6 +955,26 @@ def test_monitoring_is_off_by_default() -> None:
     assert not any("dashboard" in name for name in names)
 
 
+def test_every_alerts_runbook_url_is_a_section_of_the_page_the_chart_value_names() -> None:
+    base = "https://wiki.example.com/ml-platform/baton-runbooks"
+    [rule] = [
+        o
+        for o in render(
+            "b",
+            "--set",
+            f"gateway.modelDeployment=serving/dsv4,{MONITORING_ON},monitoring.runbookBaseUrl={base}",
+        )
+        if o["kind"] == "PrometheusRule"
+    ]
+    alerts = [r for group in rule["spec"]["groups"] for r in group["rules"] if "alert" in r]
+    assert len(alerts) == 13
+    for alert in alerts:
+        assert alert["annotations"]["runbook_url"] == f"{base}#{alert['alert'].lower()}"
+    # each names a section of docs/observability.md, as Markdown anchors it
+    sections = (ROOT / "docs" / "observability.md").read_text()
+    assert all(f"### {alert['alert']}\n" in sections for alert in alerts)
+
+
 def test_the_monitors_rules_and_dashboards_are_accepted_and_select_what_they_monitor(
     api: client.ApiClient, namespace: str, monitoring_crds: None
 ) -> None:

@@ -63,3 +63,18 @@ def test_each_condition_exports_one_series_per_status_one_for_the_status_it_has(
     cache[0] = deployment("serving", "dsv4", Placed="True", Ready="True", Degraded="False")
     assert condition("Degraded", "true") == 0 and condition("Ready", "true") == 1
     assert b"# TYPE baton_modeldeployment_condition gauge" in generate_latest(registry)
+
+
+def test_each_deployment_exports_its_cells_wanted_and_ready_from_its_status() -> None:
+    registry = CollectorRegistry()
+    serving = deployment("serving", "dsv4", Ready="False")
+    serving["status"]["ready"] = "1/2"
+    cache = [serving, {"metadata": {"namespace": "serving", "name": "new"}}]  # no status yet
+    ControllerMetrics(registry).watch_conditions(registry, lambda: cache)
+
+    def cells(state: str, name: str = "dsv4") -> float | None:
+        labels = {"namespace": "serving", "name": name, "state": state}
+        return registry.get_sample_value("baton_modeldeployment_cells", labels)
+
+    assert (cells("wanted"), cells("ready")) == (2, 1)
+    assert cells("wanted", name="new") is None  # not judged yet: no series, no alert
