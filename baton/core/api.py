@@ -335,8 +335,9 @@ class EplbSpec(_Resource):
     report_url: str | None = Field(
         default=None,
         pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
-        description="the EPLB service's report endpoint, e.g. http://baton-eplb.baton-system.svc:9091 "
-        "(plugin mode); unset: the engines rebalance with Baton's algorithm and report nothing",
+        description="the EPLB service's report endpoint, e.g. "
+        "http://baton-eplb.baton-system.svc:9091 (plugin mode); unset: the engines rebalance "
+        "with Baton's algorithm and report nothing",
     )
     token_secret: SecretKey | None = Field(
         default=None,
