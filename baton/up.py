@@ -72,7 +72,7 @@ from rigs.processes import (
     wait_healthy,
 )
 from rigs.vllm_live import MODELS, live_rig, live_spec
-from router.pool import DecodeServerSpec, PoolCell, PoolSpec
+from router.targets import DecodeServerSpec, PoolCell, PoolSpec
 from sim.cluster import ClusterSpec, DecodeGroupSpec, PrefillInstancesSpec
 from sim.config import EplbConfig
 

@@ -15,6 +15,7 @@ import contextlib
 import hmac
 import logging
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -47,6 +48,7 @@ from router.errors import (
 from router.handoff import Handoff, JsonReply
 from router.metrics import CHAT_ROUTE, COMPLETIONS_ROUTE, GatewayMetrics
 from router.pool import Pool
+from router.prober import Prober
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.relay import SERVER_SEND, RelayResponse
 from router.settings import GatewayConfig, GatewaySettings
@@ -96,17 +98,15 @@ class Gateway:
 
 def create_gateway(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> Gateway:
     """The app ``baton gateway`` serves (see :class:`Gateway`)."""
-    api = _Api(config, metrics or GatewayMetrics(), None)
+    api = _Api(config, metrics or GatewayMetrics())
     return Gateway(
         _fastapi(api), {CHAT_ROUTE: api.chat_completions, COMPLETIONS_ROUTE: api.completions}
     )
 
 
-def create_app(
-    config: GatewayConfig, metrics: GatewayMetrics | None = None, pool: Pool | None = None
-) -> FastAPI:
+def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> FastAPI:
     """The FastAPI app alone (Ray Serve's ingress, tests)."""
-    return _fastapi(_Api(config, metrics or GatewayMetrics(), pool))
+    return _fastapi(_Api(config, metrics or GatewayMetrics()))
 
 
 # --- one request's steps, as functions -----------------------------------------------------------
@@ -270,7 +270,7 @@ class _Api:
     """The gateway's collaborators and its endpoints. The pool exists from the start (targets
     and health); the engines' client and the handoff are built in the lifespan, on the loop."""
 
-    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics, pool: Pool | None) -> None:
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics) -> None:
         settings = config.settings
         self.config = config
         self.metrics = metrics
@@ -280,13 +280,17 @@ class _Api:
                 "no API keys: every client is served without authentication (give --api-key, "
                 "--api-key-file or BATON_API_KEYS)"
             )
-        self.pool = pool or Pool(
+        self.pool = Pool(
             config.pool.cells if config.pool is not None else (),
-            probe_interval_s=settings.health_interval_s,
+            clock=time.monotonic,
             stall_after_s=settings.stall_after_s,
+            max_requests_per_rank=settings.max_requests_per_rank,
+        )
+        self.prober = Prober(
+            self.pool,
+            probe_interval_s=settings.health_interval_s,
             on_missed_probe=lambda url: self.metrics.missed_health_checks.labels(url).inc(),
             on_ejected=self._ejected,
-            max_requests_per_rank=settings.max_requests_per_rank,
         )
         self.handoff: Handoff | None = None
 
@@ -312,16 +316,16 @@ class _Api:
         ) as session:
             upstream = UpstreamPool(timeouts.connect_s, credentials)
             self.handoff = Handoff(
-                self.pool, upstream, settings.routing_policy(), self.metrics, timeouts
+                self.prober, upstream, settings.routing_policy(), self.metrics, timeouts
             )
-            await self.pool.start(session)
+            await self.prober.start(session)
             loop = asyncio.get_running_loop()
             watcher = None
             if self.config.pool_file is not None:
-                watcher = loop.create_task(watch_pool_file(self.config.pool_file, self.pool))
+                watcher = loop.create_task(watch_pool_file(self.config.pool_file, self.prober))
             deployment = None
             if self.config.model_deployment is not None:
-                deployment = DeploymentWatch(self.config.model_deployment, self.pool, loop)
+                deployment = DeploymentWatch(self.config.model_deployment, self.prober, loop)
                 deployment.start()
             publisher = None
             if self.metrics.multiprocess:
@@ -336,7 +340,7 @@ class _Api:
                     watcher.cancel()
                 if deployment is not None:
                     deployment.stop()
-                await self.pool.stop()
+                await self.prober.stop()
                 upstream.close()
 
     async def chat_completions(self, request: Request) -> Response:

@@ -22,8 +22,8 @@ import uvicorn
 from baton.core.follow import DeploymentRef
 from baton.core.secrets import read_token
 from router.app import create_gateway
-from router.pool import PoolCell, PoolSpec, load_pool_file, parse_decode_flag
 from router.settings import GatewayConfig, GatewaySettings
+from router.targets import PoolCell, PoolSpec, load_pool_file, parse_decode_flag
 from router.workers import LOG_FORMAT, serve_workers, tune_gc, uvicorn_options
 
 __all__ = ["config_from_args", "main"]

@@ -17,14 +17,15 @@ from typing import Any
 
 from baton.core.api import DecodeSpec, Endpoints
 from baton.core.follow import DeploymentRef, StatusFollower
-from router.pool import DecodeServerSpec, Pool, PoolCell, load_pool_file
+from router.prober import Prober
+from router.targets import DecodeServerSpec, PoolCell, load_pool_file
 
 __all__ = ["DeploymentWatch", "cells_from_deployment", "watch_pool_file"]
 
 log = logging.getLogger("baton.gateway.discovery")
 
 
-async def watch_pool_file(path: Path, pool: Pool, interval_s: float = 1.0) -> None:
+async def watch_pool_file(path: Path, prober: Prober, interval_s: float = 1.0) -> None:
     """Reload ``path`` into ``pool`` whenever its modification time changes; a bad edit is
     logged and the last good pool stays."""
     seen = (await asyncio.to_thread(path.stat)).st_mtime_ns
@@ -43,12 +44,12 @@ async def watch_pool_file(path: Path, pool: Pool, interval_s: float = 1.0) -> No
         except ValueError as exc:
             log.error("pool file not reloaded: %s", exc)
             continue
-        await pool.apply(spec.cells)
+        await prober.apply(spec.cells)
         log.info(
             "pool reloaded from %s: %d prefill, %d decode targets",
             path,
-            len(pool.prefill),
-            len(pool.decode),
+            len(prober.pool.prefill),
+            len(prober.pool.decode),
         )
 
 
@@ -75,8 +76,8 @@ class DeploymentWatch:
     """Hands each changed set of a ModelDeployment's ready cells to the pool, on the gateway's
     event loop."""
 
-    def __init__(self, ref: DeploymentRef, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
-        self.ref, self.pool, self.loop = ref, pool, loop
+    def __init__(self, ref: DeploymentRef, prober: Prober, loop: asyncio.AbstractEventLoop) -> None:
+        self.ref, self.prober, self.loop = ref, prober, loop
         self._change: asyncio.Task[None] | None = None  # the newest pool change
         self._follower = StatusFollower(ref, loop, cells_from_deployment, self._apply)
 
@@ -87,7 +88,7 @@ class DeploymentWatch:
         self._follower.stop()
 
     def _apply(self, cells: tuple[PoolCell, ...]) -> None:
-        self._change = self.loop.create_task(self.pool.apply(cells))
+        self._change = self.loop.create_task(self.prober.apply(cells))
         log.info(
             "pool from ModelDeployment %s/%s: %d cells, %d prefill, %d decode servers",
             self.ref.namespace,

@@ -65,8 +65,8 @@ from router.policy import (
     needs_prefill,
     prompt_bytes,
 )
-from router.pool import Pool
 from router.prefix import block_hashes
+from router.prober import Prober
 from router.relay import DecodeRelay, Timing
 from router.stream import DecodeStream, FirstToken, StreamState
 from router.upstream import UpstreamPool, UpstreamResponse
@@ -136,13 +136,14 @@ class _Request:
 class Handoff:
     def __init__(
         self,
-        pool: Pool,
+        prober: Prober,
         upstream: UpstreamPool,
         policy: RoutingPolicy,
         metrics: GatewayMetrics,
         timeouts: Timeouts,
     ) -> None:
-        self.pool = pool
+        self.prober = prober
+        self.pool = prober.pool
         self.upstream = upstream
         self.policy = policy
         self.metrics = metrics
@@ -193,7 +194,7 @@ class Handoff:
 
     async def _admit(self) -> None:
         """Wait for a decode rank below the pool's bound of requests, or refuse with 429."""
-        placed = await self.pool.decode_place(self.timeouts.queue_s)
+        placed = await self.prober.decode_place(self.timeouts.queue_s)
         if placed == "free":
             return
         self.metrics.child(self.metrics.admission_waits, placed).inc()

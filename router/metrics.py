@@ -33,7 +33,7 @@ COMPLETIONS_ROUTE = "/v1/completions"
 OUTCOMES = ("ok", "rejected", "error", "engine_error", "stream_error", "client_disconnect")
 UPSTREAM_REASONS = ("error", "status", "timeout", "connection")  # router.errors' UpstreamErrors
 EJECTION_REASONS = ("failed_health_check", "unanswered_health_checks")  # router.pool's
-ADMISSION_WAITS = ("waited", "saturated")  # router.pool's decode_place, past "free"
+ADMISSION_WAITS = ("waited", "saturated")  # router.prober's decode_place, past "free"
 FALLBACK_REASONS = (
     *UPSTREAM_REASONS,
     "malformed",

@@ -1,139 +1,72 @@
 """The gateway's pool: prefill instances and decode ranks by cell, their health and their load.
 
-The pool owns every piece of mutable routing state: which targets are healthy (active checks of
-``/health`` plus passive ejection by a circuit breaker) and which of them it routes to (all but
-the dead while a role's pool is in panic), how many requests and uncached prompt
-tokens this gateway has in flight at each target, which prompt prefixes each prefill DP rank was
-sent (``router/prefix.py``), and every few seconds the load other
-gateway replicas put on each target: the engines' own ``vllm:num_requests_running`` plus
-``vllm:num_requests_waiting`` less this gateway's share (so several replicas converge on the same
-view while each keeps its own count exact). It hands out immutable :class:`PoolSnapshot` objects
-for the pure policy to choose over.
+The pool owns every piece of mutable routing state: which targets are healthy (the outcome of
+active checks of ``/health``, plus passive ejection by a circuit breaker) and which of them it
+routes to (all but the dead while a role's pool is in panic), how many requests and uncached
+prompt tokens this gateway has in flight at each target, which prompt prefixes each prefill DP
+rank was sent (``router/prefix.py``), and the load other gateway replicas put on each target as
+the engines last reported it: their ``vllm:num_requests_running`` plus ``vllm:num_requests_
+waiting`` less this gateway's share (so several replicas converge on the same view while each
+keeps its own count exact). It hands out immutable :class:`PoolSnapshot` objects for the pure
+policy to choose over.
 
-Targets come as cells: from flags or a YAML pool file (:class:`PoolSpec`, reloaded when it
-changes) or from a ModelDeployment's status (``router/discovery.py``): set at start through
-``update``, changed later through ``apply``, which health-checks new engines first.
+Pure: no I/O and no clock of its own (it is given one). ``router/prober.py`` probes the engines
+and scrapes their load on the loop and records what it finds here; targets come as cells
+(``router/targets.py``), set at start and changed through ``update``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-from baton.core.files import load_yaml_model
 from router.policy import DecodeRankView, PoolSnapshot, PrefillView
 from router.prefix import BLOCK_TOKENS, PrefixIndex
+from router.targets import PoolCell
 
 __all__ = [
-    "ENGINE_LOAD_METRICS",
-    "METRICS_PAGE_BYTES",
     "MISSED_PROBES",
     "PANIC_THRESHOLD",
     "STALL_AFTER_S",
     "Breaker",
-    "DecodeServerSpec",
+    "EngineLoad",
     "Pool",
-    "PoolCell",
-    "PoolSpec",
-    "engine_url",
-    "load_pool_file",
-    "parse_decode_flag",
+    "Probe",
+    "Server",
 ]
 
 log = logging.getLogger("baton.gateway.pool")
 
-# vLLM's per-engine gauges whose sum is the load a rank carries (the ``engine`` label is its
-# global DP rank): requests, not tokens; vLLM exports no gauge of the prompt tokens it has yet to
-# compute.
-ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 # This gateway's mean uncached tokens per prefill, which prices other replicas' prefills: the
 # plain mean of its first prefills, then a moving mean over about this many.
 _MEAN_PREFILLS = 1024
-# The largest /metrics page read: a DEP32 decode server's four ranks are about 200 KB.
-METRICS_PAGE_BYTES = 8 * 1024 * 1024
-# Counters that move with every step an engine makes on running requests.
-_PROGRESS_METRICS = ("vllm:prompt_tokens", "vllm:generation_tokens")
 
 
-def engine_url(url: str) -> str:
-    """An engine's base URL: plain HTTP, as vLLM serves on the cluster network. The engines'
-    client speaks no TLS, so an https URL is refused here rather than failing every request."""
-    if url.startswith("https://"):
-        raise ValueError(
-            f"'{url}': engines are reached over plain HTTP (the gateway speaks no TLS to "
-            "engines); use http://, and a service mesh where the network needs encryption"
-        )
-    if not url.startswith("http://"):
-        raise ValueError(f"'{url}' is not an http:// URL")
-    return url.rstrip("/")
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What one health check of a server found: ``answered`` False when it timed out (busy, not
+    refused); ``up`` when it answered 200 (and its models, when it served them); ``refused``
+    when the connection was refused or reset, or the answer was nonsense."""
+
+    answered: bool
+    up: bool = False
+    refused: bool = False
+    models: tuple[str, ...] | None = None  # as /v1/models listed them, when it was asked
+    context: Mapping[str, int] = field(default_factory=dict)
 
 
-class DecodeServerSpec(BaseModel):
-    """One decode API server and the DP ranks it routes by ``X-data-parallel-rank``."""
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One scrape of an engine server's ``/metrics``: requests per ``engine`` label (its global
+    DP rank), requests running, prompt plus generation tokens counted, and the KV block size
+    (0 when not reported)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    url: str
-    ranks: tuple[int, ...] = ()  # header values (local indices under hybrid LB); () = no header
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, url: str) -> str:
-        return engine_url(url)
-
-
-class PoolCell(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    prefill: tuple[str, ...] = ()
-    decode: tuple[DecodeServerSpec, ...] = Field(min_length=1)
-
-    @field_validator("prefill")
-    @classmethod
-    def _http_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(engine_url(url) for url in urls)
-
-
-class PoolSpec(BaseModel):
-    """The pool file's shape: ``cells: [{name, prefill: [URL...], decode: [{url, ranks}]}]``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    cells: tuple[PoolCell, ...] = Field(min_length=1)
-
-
-def parse_decode_flag(value: str) -> DecodeServerSpec:
-    """``URL``, ``URL@3`` (one rank), ``URL@0-3`` or ``URL@0,1,2,3`` (hybrid-LB local ranks)."""
-    url, at, ranks = value.partition("@")
-    if not at:
-        return DecodeServerSpec(url=url)
-    problem = f"--decode {value}: ranks must look like @3, @0-3 or @0,1,2,3"
-    parsed: list[int] = []
-    for part in ranks.split(","):
-        low, dash, high = part.partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
-            raise ValueError(problem)
-        if dash and int(high) < int(low):
-            raise ValueError(f"{problem} (a range runs low to high)")
-        parsed.extend(range(int(low), int(high) + 1) if dash else [int(low)])
-    try:
-        return DecodeServerSpec(url=url, ranks=tuple(parsed))
-    except ValidationError as exc:
-        raise ValueError(f"--decode {value}: {exc.errors()[0]['msg']}") from exc
-
-
-def load_pool_file(path: str | Path) -> PoolSpec:
-    return load_yaml_model(path, PoolSpec, kind="pool file", fix="see docs/gateway.md")
+    requests: Mapping[str, int]
+    running: int
+    tokens: float
+    block_size: int
 
 
 @dataclass(slots=True)
@@ -188,7 +121,7 @@ class _Target:
 
 
 @dataclass(slots=True)
-class _Server:
+class Server:
     """One engine API server: its health and the ranks (targets) behind it."""
 
     url: str
@@ -227,31 +160,26 @@ class Pool:
         self,
         cells: Sequence[PoolCell],
         *,
-        probe_interval_s: float,
+        clock: Callable[[], float],
         stall_after_s: float = STALL_AFTER_S,
         breaker: Callable[[], Breaker] = Breaker,
         prefixes: PrefixIndex | None = None,
-        on_missed_probe: Callable[[str], None] | None = None,
-        on_ejected: Callable[[str, str, bool], None] | None = None,
         max_requests_per_rank: int = 0,
     ) -> None:
-        """``probe_interval_s``: seconds between health checks, and between load syncs;
-        ``stall_after_s``: seconds a decode server may run requests without counting a token
-        before it is routed around; ``breaker`` makes each target's circuit breaker;
+        """``clock``: monotonic seconds (the breakers', the stall bound's and the health rounds'
+        time); ``stall_after_s``: seconds a decode server may run requests without counting a
+        token before it is routed around; ``breaker`` makes each target's circuit breaker;
         ``prefixes``: the index of what each prefill DP rank was sent (a default one);
-        ``on_missed_probe``: told the server's URL when a health check goes unanswered;
-        ``on_ejected``: told the server's URL, why (``failed_health_check``,
-        ``unanswered_health_checks``) and whether its pool is in panic, each time a health
-        check round ejects a server; ``max_requests_per_rank``: the requests a decode rank may
-        hold, this gateway's and other replicas' (0: no bound; see :meth:`decode_place`)."""
-        self.probe_interval_s = probe_interval_s
-        self._on_missed_probe = on_missed_probe
-        self._on_ejected = on_ejected
+        ``max_requests_per_rank``: the requests a decode rank may hold, this gateway's and other
+        replicas' (0: no bound; see :meth:`has_place`)."""
+        self.clock = clock
         self.panic: dict[str, bool] = {"prefill": False, "decode": False}
-        self._ejected: list[tuple[_Server, str]] = []  # in this health check round
+        self._ejected: list[tuple[Server, str]] = []  # in this health check round
         self.max_requests_per_rank = max_requests_per_rank
-        self.waiting_for_place = 0  # requests waiting in decode_place now
-        self._place_freed: asyncio.Future[None] | None = None  # woken when a rank's load falls
+        self.waiting_for_place = 0  # requests waiting for a decode rank below the bound now
+        # told when a decode rank's load may have fallen (a request ended, a load sync found
+        # other replicas' requests gone, a rank came back): whoever waits for a place
+        self.on_place_freed: Callable[[], None] = lambda: None
         self.stall_after_s = stall_after_s
         self._new_breaker = breaker
         self.prefixes = prefixes or PrefixIndex()
@@ -259,36 +187,14 @@ class Pool:
         self._mean_uncached_tokens = 0.0
         self.prefill: dict[str, _Target] = {}
         self.decode: dict[str, _Target] = {}
-        self._servers: dict[str, _Server] = {}
-        self._session: aiohttp.ClientSession | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._servers: dict[str, Server] = {}
         self._models: tuple[str, ...] = ()
         self._context: dict[str, int] = {}
-        self._generation = 0  # of target sets handed to apply(), newest wins
-        self._odd: set[str] = set()  # servers whose odd /metrics was told (until it is not)
         self.update(cells)
 
     # ---- targets
 
-    async def apply(self, cells: Sequence[PoolCell]) -> None:
-        """Take a new set of targets once its new engines have answered a health check (their
-        health and model names known), so a changed pool never serves a moment with engines
-        whose models are unknown. A newer set arriving meanwhile wins."""
-        self._generation += 1
-        generation = self._generation
-        probed: dict[str, _Server] = {}
-        if self._session is not None:
-            urls = {url for cell in cells for url in (*cell.prefill, *(d.url for d in cell.decode))}
-            probed = {url: _Server(url) for url in urls - self._servers.keys()}
-            await asyncio.gather(*(self._probe(server) for server in probed.values()))
-        if generation == self._generation:
-            self.update(cells, probed)
-            # their load and prefill DP ranks, without waiting for the next sync
-            await asyncio.gather(*(self._sync_server(url) for url in probed))
-
-    def update(
-        self, cells: Sequence[PoolCell], probed: Mapping[str, _Server] | None = None
-    ) -> None:
+    def update(self, cells: Sequence[PoolCell], probed: Mapping[str, Server] | None = None) -> None:
         """Take a new set of targets; targets that stay keep their load and health, and new
         targets of a ``probed`` server start with its health."""
         probed = probed or {}
@@ -306,11 +212,11 @@ class Pool:
                     decode[name] = target
         self._forget_prefixes([t for name, t in self.prefill.items() if name not in prefill])
         self.prefill, self.decode = prefill, decode
-        servers: dict[str, _Server] = {}
+        servers: dict[str, Server] = {}
         for target in [*prefill.values(), *decode.values()]:
             server = servers.setdefault(
                 target.url,
-                self._servers.get(target.url) or probed.get(target.url) or _Server(target.url),
+                self._servers.get(target.url) or probed.get(target.url) or Server(target.url),
             )
             if target not in server.targets:
                 server.targets.append(target)
@@ -328,7 +234,7 @@ class Pool:
         """The targets as the policy sees them now: a prefill view per DP rank (per instance
         while its ranks are not known), each with how many tokens of the prompt whose
         ``prefix.block_hashes`` are ``prompt_blocks`` that rank was sent."""
-        now = time.monotonic()
+        now = self.clock()
         held = self.prefixes.match(prompt_blocks)  # "<url>#<rank>" -> leading blocks
         prefill, decode = self._routable(self.prefill, now), self._routable(self.decode, now)
         return PoolSnapshot(
@@ -362,7 +268,7 @@ class Pool:
         return {name: t.routable_in_panic() for name, t in targets.items()}
 
     def _judge_panic(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for role, targets in (("prefill", self.prefill), ("decode", self.decode)):
             healthy = sum(t.healthy(now) for t in targets.values())
             panic = healthy < PANIC_THRESHOLD * len(targets)
@@ -404,12 +310,12 @@ class Pool:
     def ready(self) -> bool:
         """A decode target to route to whose models are known: it serves every request, alone
         when no prefill instance is healthy."""
-        routable = self._routable(self.decode, time.monotonic())
+        routable = self._routable(self.decode, self.clock())
         return any(routable.values()) and bool(self.models)
 
     def prefill_health(self) -> tuple[int, int]:
         """(healthy, configured) prefill instances."""
-        now = time.monotonic()
+        now = self.clock()
         return sum(t.healthy(now) for t in self.prefill.values()), len(self.prefill)
 
     # ---- load accounting (called by the handoff)
@@ -454,44 +360,17 @@ class Pool:
         target = self.decode.get(name)
         if target is not None:
             target.in_flight = max(0, target.in_flight - 1)
-            self._wake_waiting()
+            self.on_place_freed()
 
-    def _wake_waiting(self) -> None:
-        freed, self._place_freed = self._place_freed, None
-        if freed is not None and not freed.done():
-            freed.set_result(None)
-
-    def _has_place(self) -> bool:
-        """A decode rank to route to holds fewer requests than the bound (or there is none to
-        route to: that is for the routing to answer, not a wait)."""
-        routable = self._routable(self.decode, time.monotonic())
+    def has_place(self) -> bool:
+        """A decode rank to route to holds fewer requests than ``max_requests_per_rank`` (or
+        there is no bound, or none to route to: that is for the routing to answer, not a
+        wait)."""
+        if not self.max_requests_per_rank:
+            return True
+        routable = self._routable(self.decode, self.clock())
         loads = [t.in_flight + t.others for name, t in self.decode.items() if routable[name]]
         return not loads or min(loads) < self.max_requests_per_rank
-
-    async def decode_place(self, within_s: float) -> str:
-        """Whether a decode rank below ``max_requests_per_rank`` is there: ``free`` now (always,
-        with no bound), ``waited`` when one freed up within ``within_s`` (a request ended here,
-        a load sync found other replicas' requests gone, a rank came back), else ``saturated``.
-        Called before a request's prefill, so a request that cannot be placed holds no KV."""
-        if not self.max_requests_per_rank or self._has_place():
-            return "free"
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within_s
-        self.waiting_for_place += 1
-        try:
-            while not self._has_place():
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    return "saturated"
-                if self._place_freed is None:
-                    self._place_freed = loop.create_future()
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._place_freed), remaining)
-                except TimeoutError:
-                    return "waited" if self._has_place() else "saturated"
-            return "waited"
-        finally:
-            self.waiting_for_place -= 1
 
     def succeeded(self, name: str) -> None:
         target = self.prefill.get(name) or self.decode.get(name)
@@ -499,12 +378,12 @@ class Pool:
             target.breaker.success()
             server = self._servers.get(target.url)
             if server is not None:
-                server.alive_at = time.monotonic()
+                server.alive_at = self.clock()
 
     def failed(self, name: str) -> None:
         target = self.prefill.get(name) or self.decode.get(name)
         if target is not None:
-            target.breaker.failure(time.monotonic())
+            target.breaker.failure(self.clock())
 
     def server_urls(self) -> tuple[str, ...]:
         """Every engine API server the pool health-checks."""
@@ -518,7 +397,7 @@ class Pool:
     def healthy_targets(self) -> dict[tuple[str, str], int]:
         """Healthy targets per (role, cell), zeros included: a cell whose decode group is down
         must show as 0, not vanish."""
-        now = time.monotonic()
+        now = self.clock()
         counts: dict[tuple[str, str], int] = {}
         for role, targets in (("prefill", self.prefill), ("decode", self.decode)):
             for target in targets.values():
@@ -556,91 +435,36 @@ class Pool:
         per prefill (none until it has run one)."""
         return round(requests * self._mean_uncached_tokens)
 
-    # ---- background: health and load
+    # ---- what the prober found (router/prober.py)
 
-    async def start(self, session: aiohttp.ClientSession) -> None:
-        """Probe every engine and take its load before serving: the first prefills then name
-        their DP rank (each rank has a prefix cache of its own), as every later turn will."""
-        self._session = session
-        await self.check_health()
-        await self.sync_load()
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._every(self.probe_interval_s, self.check_health)),
-            loop.create_task(self._every(self.probe_interval_s, self.sync_load)),
-        ]
+    def servers(self) -> list[Server]:
+        """Every engine API server the pool health-checks."""
+        return list(self._servers.values())
 
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    def load_urls(self) -> set[str]:
+        """The servers whose load to sync: those of a target whose last health check passed."""
+        return {t.url for t in [*self.prefill.values(), *self.decode.values()] if t.up}
 
-    async def _every(self, interval: float, action: Callable[[], Awaitable[None]]) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await action()
-            except Exception:  # a probe must never stop probing
-                log.exception("pool background task failed")
-
-    async def check_health(self) -> None:
-        await asyncio.gather(*(self._probe(server) for server in list(self._servers.values())))
-        self._refresh_models()
-        self._judge_panic()
-        self._wake_waiting()  # a rank back in the pool is a place
-        ejected, self._ejected = self._ejected, []
-        for server, reason in ejected:
-            if self._on_ejected is not None:
-                panic = any(
-                    self.panic["prefill" if t.name in self.prefill else "decode"]
-                    for t in server.targets
-                )
-                self._on_ejected(server.url, reason, panic)
-
-    async def _probe(self, server: _Server) -> None:
-        assert self._session is not None
-        server.probes.append(time.monotonic())
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.probe_interval_s))
-        try:
-            async with self._session.get(f"{server.url}/health", timeout=timeout) as response:
-                up = response.status == 200
-            if up and not server.models:
-                async with self._session.get(f"{server.url}/v1/models", timeout=timeout) as resp:
-                    if resp.status != 200:
-                        # Healthy but refusing the gateway (vLLM's --api-key): unusable.
-                        log.warning(
-                            "%s answers /v1/models with %d; if it needs a key, give the gateway "
-                            "--engine-api-key-file",
-                            server.url,
-                            resp.status,
-                        )
-                        up = False
-                    else:
-                        data = await resp.json()
-                        cards = data.get("data", [])
-                        server.models = tuple(card["id"] for card in cards)
-                        server.context = {
-                            card["id"]: card["max_model_len"]
-                            for card in cards
-                            if isinstance(card.get("max_model_len"), int)
-                        }
-        except TimeoutError:
-            # Unanswered, not refused: a busy API server (a large prompt to tokenize, a long
-            # pause, a loaded host) misses a check now and then, and ejecting it at once would
-            # take every engine of a busy host out together. Only MISSED_PROBES in a row with
-            # no other sign of life eject it.
+    def record_probe(self, server: Server, probe: Probe) -> None:
+        """One health check's outcome. A server that leaves a check unanswered is busy, not
+        gone: only ``MISSED_PROBES`` in a row with no other sign of life eject it (a busy API
+        server, a large prompt to tokenize, a loaded host miss checks now and then, and ejecting
+        at once would take every engine of a busy host out together). A refusal, a reset or an
+        answer other than 200 ejects at once."""
+        if probe.models is not None:
+            server.models, server.context = probe.models, dict(probe.context)
+        if not probe.answered:
             server.missed += 1
-            if self._on_missed_probe is not None:
-                self._on_missed_probe(server.url)
-            # busy, not gone: something answered since the first of its last three checks began
+            # busy, not gone: something answered since the first of its last checks began
             up = server.up and (
                 server.missed < MISSED_PROBES or server.alive_at >= server.probes[0]
             )
             dead = server.dead
-        except (aiohttp.ClientError, ValueError, KeyError):
-            up, dead = False, True  # refused, reset or nonsense: down now
+        elif probe.refused:
+            up, dead = False, True
         else:
-            server.missed, server.alive_at, dead = 0, time.monotonic(), not up
+            up = probe.up
+            server.missed, server.alive_at, dead = 0, self.clock(), not up
         unanswered = server.missed >= MISSED_PROBES
         for target in server.targets:
             if up and not target.up:
@@ -661,20 +485,37 @@ class Pool:
             self._forget_prefixes([t for t in server.targets if t.name in self.prefill])
         server.up, server.dead = up, dead
 
-    async def sync_load(self) -> None:
-        """Estimate the load other gateway replicas put on each target (decode rank, prefill
-        instance) from what the engines report. The engines' count lags this gateway's (a
-        request in handoff is not there yet), so it only adds to this gateway's exact count,
-        never replaces it. The same scrape tells a stalled decode server (see
-        :meth:`_judge_progress`)."""
-        urls = {t.url for t in [*self.prefill.values(), *self.decode.values()] if t.up}
-        await asyncio.gather(*(self._sync_server(url) for url in urls))
+    def end_health_round(self) -> list[tuple[str, str, bool]]:
+        """After a round of health checks: the models served and each role's panic judged
+        again; the servers the round ejected, each with why and whether its pool is now in
+        panic."""
+        self._refresh_models()
+        self._judge_panic()
+        self.on_place_freed()  # a rank back in the pool is a place
+        ejected, self._ejected = self._ejected, []
+        return [
+            (
+                server.url,
+                reason,
+                any(
+                    self.panic["prefill" if t.name in self.prefill else "decode"]
+                    for t in server.targets
+                ),
+            )
+            for server, reason in ejected
+        ]
 
-    def _judge_progress(self, server: _Server, running: int, tokens: float) -> None:
+    def alive(self, url: str) -> None:
+        """The server answered something (its /metrics): busy perhaps, not gone."""
+        server = self._servers.get(url)
+        if server is not None:
+            server.alive_at = self.clock()
+
+    def _judge_progress(self, server: Server, running: int, tokens: float) -> None:
         """A decode server with requests running whose token counts have not moved for
         ``stall_after_s`` is stalled (a hung engine keeps answering /health): its ranks take no
         new request until the counts move again."""
-        now = time.monotonic()
+        now = self.clock()
         if running == 0 or tokens != server.tokens:
             server.tokens, server.progressed_at = tokens, now
             stalled = False
@@ -694,88 +535,29 @@ class Pool:
         for target in server.targets:
             target.stalled = stalled
 
-    async def _sync_server(self, url: str) -> None:
-        assert self._session is not None
-        try:
-            timeout = aiohttp.ClientTimeout(total=max(1.0, self.probe_interval_s))
-            async with self._session.get(f"{url}/metrics", timeout=timeout) as response:
-                status, page = response.status, bytearray()
-                async for chunk in response.content.iter_chunked(1 << 16):
-                    page += chunk
-                    if len(page) > METRICS_PAGE_BYTES:
-                        break
-        except TimeoutError:
-            self._odd_metrics(url, "leaves /metrics unanswered")
-            return
-        except aiohttp.ClientError:
-            return  # the health checks judge an engine that refuses or resets
-        server = self._servers.get(url)
-        if server is not None:
-            server.alive_at = time.monotonic()  # it answered: busy perhaps, not gone
-        if status != 200:
-            self._odd_metrics(url, f"answers /metrics with HTTP {status}")
-        elif len(page) > METRICS_PAGE_BYTES:
-            self._odd_metrics(url, f"serves a /metrics page over {METRICS_PAGE_BYTES} bytes")
-        else:
-            self.record_engine_load(url, page.decode("utf-8", "replace"))
-
-    def _odd_metrics(self, url: str, what: str) -> None:
-        """One engine's odd /metrics is told once, and leaves its load unknown: never an error
-        of the gateway's."""
-        if url not in self._odd:
-            self._odd.add(url)
-            log.warning("%s %s; its load is unknown until it serves Prometheus text", url, what)
-
-    def record_engine_load(self, url: str, text: str) -> None:
+    def record_engine_load(self, url: str, load: EngineLoad) -> None:
         """Take one scrape of a server's ``/metrics``: other replicas' requests on each of its
         targets (a prefill instance's are all its ranks' requests) and a decode server's
         progress."""
         server = self._servers.get(url)
         if server is None:
             return
-        try:
-            load, running, tokens, block_size = _engine_load(text)
-        except ValueError as exc:
-            self._odd_metrics(url, f"serves a /metrics page that is not Prometheus text ({exc})")
-            return
-        self._odd.discard(url)
-        server.block_size = block_size or server.block_size
+        server.block_size = load.block_size or server.block_size
         if any(t.name in self.decode for t in server.targets):
-            self._judge_progress(server, running, tokens)
+            self._judge_progress(server, load.running, load.tokens)
         # Engines label global DP ranks; the header takes local indices: the n-th smallest label.
-        ranks = sorted(load, key=int)
+        requests = load.requests
+        ranks = sorted(requests, key=int)
         for target in server.targets:
             if target.name in self.prefill:
                 target.dp_ranks = len(ranks)
                 if len(ranks) > 1:
                     target.rank_others = {
-                        rank: max(0, load[label] - target.rank_requests.get(rank, 0))
+                        rank: max(0, requests[label] - target.rank_requests.get(rank, 0))
                         for rank, label in enumerate(ranks)
                     }
                 else:  # one unit: requests sent before the ranks were known count too
-                    target.rank_others = {-1: max(0, sum(load.values()) - target.in_flight)}
+                    target.rank_others = {-1: max(0, sum(requests.values()) - target.in_flight)}
             elif 0 <= target.dp_rank < len(ranks):
-                target.others = max(0, load[ranks[target.dp_rank]] - target.in_flight)
-        self._wake_waiting()  # other replicas' requests may have ended
-
-
-def _engine_load(text: str) -> tuple[dict[str, int], int, float, int]:
-    """Requests per engine label, requests running, prompt plus generation tokens counted, and
-    the KV block size (0 when not reported)."""
-    load: dict[str, int] = {}
-    running = 0
-    tokens = 0.0
-    block_size = 0
-    for family in text_string_to_metric_families(text):
-        if family.name == "vllm:cache_config_info":
-            size = next(iter(family.samples)).labels.get("block_size", "") if family.samples else ""
-            block_size = int(size) if size.isdigit() else 0
-        if family.name in ENGINE_LOAD_METRICS:
-            for sample in family.samples:
-                engine = sample.labels.get("engine", "0")
-                load[engine] = load.get(engine, 0) + int(sample.value)
-                if family.name == "vllm:num_requests_running":
-                    running += int(sample.value)
-        elif family.name in _PROGRESS_METRICS:
-            tokens += sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return load, running, tokens, block_size
+                target.others = max(0, requests[ranks[target.dp_rank]] - target.in_flight)
+        self.on_place_freed()  # other replicas' requests may have ended

@@ -28,8 +28,8 @@ from baton.core.files import describe_errors
 from baton.core.follow import DeploymentRef
 from baton.core.secrets import read_token
 from router.app import create_app
-from router.pool import load_pool_file
 from router.settings import GatewayConfig, GatewaySettings
+from router.targets import load_pool_file
 
 __all__ = ["POOL_FILE_ENV", "ServeArgs", "app", "build_app", "config_from_serve_args"]
 

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from baton.core.follow import DeploymentRef
 from router.handoff import Timeouts
 from router.policy import PrefillPolicy, RoutingPolicy
-from router.pool import STALL_AFTER_S, PoolSpec
+from router.pool import STALL_AFTER_S
+from router.targets import PoolSpec
 
 __all__ = ["GatewayConfig", "GatewaySettings"]
 

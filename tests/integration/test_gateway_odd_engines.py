@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from router.pool import METRICS_PAGE_BYTES
+from router.prober import METRICS_PAGE_BYTES
 from tests.helpers import SimHandle, eventually, free_port
 
 MODELS = b'{"object":"list","data":[{"id":"odd","object":"model","max_model_len":4096}]}'

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from eplb.config import load_config
 from router.cli import build_parser as gateway_parser
 from router.cli import config_from_args as gateway_config
-from router.pool import load_pool_file
+from router.targets import load_pool_file
 from sim.cli import build_parser as sim_parser
 from sim.cli import config_from_args as sim_config
 from sim.cluster import load_cluster

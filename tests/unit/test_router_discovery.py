@@ -6,7 +6,7 @@ import pytest
 
 from baton.core.follow import DeploymentRef
 from router.discovery import cells_from_deployment
-from router.pool import DecodeServerSpec, PoolCell
+from router.targets import DecodeServerSpec, PoolCell
 
 
 def test_ready_cells_of_a_status_become_pool_cells_and_unready_ones_are_left_out() -> None:

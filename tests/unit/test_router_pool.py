@@ -1,25 +1,19 @@
-"""router/pool.py without I/O: decode flags, the pool file, the breaker and load accounting."""
+"""router/pool.py, pure: the breaker, targets, health as recorded, and load accounting."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 from router.policy import AffinityKey, RoutingPolicy, affinity_key, choose_prefill, prompt_bytes
-from router.pool import (
-    Breaker,
-    DecodeServerSpec,
-    Pool,
-    PoolCell,
-    PoolSpec,
-    load_pool_file,
-    parse_decode_flag,
-)
+from router.pool import Breaker, Pool
 from router.prefix import BLOCK_BYTES, BLOCK_TOKENS, block_hashes
+from router.prober import engine_load
+from router.targets import DecodeServerSpec, PoolCell
 
 P0, P1, P2 = "http://p0:1", "http://p1:1", "http://p2:1"
 D0, D1 = "http://d0:1", "http://d1:1"
+
+
+def CLOCK() -> float:
+    return 100.0  # monotonic seconds; the breakers' cooldowns are judged against it
 
 
 def spec(*cells: tuple[str, tuple[str, ...], tuple[DecodeServerSpec, ...]]) -> tuple[PoolCell, ...]:
@@ -28,44 +22,6 @@ def spec(*cells: tuple[str, tuple[str, ...], tuple[DecodeServerSpec, ...]]) -> t
 
 def ranks(url: str, *numbers: int) -> DecodeServerSpec:
     return DecodeServerSpec(url=url, ranks=numbers)
-
-
-# ---- parse_decode_flag
-
-
-@pytest.mark.parametrize(
-    ("flag", "url", "ranks_"),
-    [
-        ("http://d:8000", "http://d:8000", ()),
-        ("http://d:8000/", "http://d:8000", ()),
-        ("http://d:8000@3", "http://d:8000", (3,)),
-        ("http://d:8000@0-3", "http://d:8000", (0, 1, 2, 3)),
-        ("http://d:8000@0,1,2,3", "http://d:8000", (0, 1, 2, 3)),
-        ("http://d:8000@0-1,6", "http://d:8000", (0, 1, 6)),
-    ],
-    ids=["url", "trailing-slash", "one-rank", "range", "list", "range-and-list"],
-)
-def test_decode_flag_forms(flag: str, url: str, ranks_: tuple[int, ...]) -> None:
-    assert parse_decode_flag(flag) == DecodeServerSpec(url=url, ranks=ranks_)
-
-
-@pytest.mark.parametrize(
-    "flag", ["http://d@x", "http://d@1-", "http://d@-1", "http://d@1,,2", "http://d@1-x"]
-)
-def test_malformed_ranks_name_the_flag_and_the_forms(flag: str) -> None:
-    with pytest.raises(ValueError) as caught:
-        parse_decode_flag(flag)
-    assert str(caught.value) == f"--decode {flag}: ranks must look like @3, @0-3 or @0,1,2,3"
-
-
-def test_decode_flag_needs_an_http_url() -> None:
-    with pytest.raises(ValueError, match=r"--decode ftp://d@0: .*is not an http:// URL"):
-        parse_decode_flag("ftp://d@0")
-
-
-def test_reversed_rank_range_is_an_error() -> None:
-    with pytest.raises(ValueError, match="--decode http://d@3-1"):
-        parse_decode_flag("http://d@3-1")
 
 
 # ---- Breaker
@@ -117,7 +73,7 @@ def test_failed_trial_reopens_the_breaker_for_a_full_cooldown() -> None:
 def pool() -> Pool:
     return Pool(
         spec(("c0", (P0, P1), (ranks(D0, 0, 1),)), ("c1", (P2,), (DecodeServerSpec(url=D1),))),
-        probe_interval_s=2.0,
+        clock=CLOCK,
     )
 
 
@@ -145,7 +101,7 @@ def test_snapshot_reflects_in_flight_accounting() -> None:
 def decode_pool(*urls: str) -> Pool:
     return Pool(
         spec(("c0", (P0,), tuple(DecodeServerSpec(url=url) for url in urls))),
-        probe_interval_s=2.0,
+        clock=CLOCK,
         breaker=lambda: Breaker(threshold=2),
     )
 
@@ -222,7 +178,7 @@ def keyed_to(p: Pool, instance: str, count: int) -> list[AffinityKey]:
 
 
 def two_instances() -> Pool:
-    return Pool(spec(("c0", (P0, P1), (ranks(D0, 0),))), probe_interval_s=2.0)
+    return Pool(spec(("c0", (P0, P1), (ranks(D0, 0),))), clock=CLOCK)
 
 
 def conversation(*contents: str, system: str | None = None) -> dict[str, object]:
@@ -304,7 +260,7 @@ def test_a_subagent_finds_its_parents_system_prompt_where_the_parent_ran() -> No
 
 def test_the_dp_rank_sent_the_prefix_is_the_one_the_view_names() -> None:
     p = two_instances()
-    p.record_engine_load(P0, engine_metrics({"0": (0, 0), "1": (0, 0)}))  # DEP2
+    p.record_engine_load(P0, engine_load(engine_metrics({"0": (0, 0), "1": (0, 0)})))  # DEP2
     body = conversation(TASK)
     p.routed(P0, 1, blocks(body))
     held = {v.unit: v.cached_tokens for v in p.snapshot(blocks(body)).prefill}
@@ -334,7 +290,7 @@ def engine_metrics(requests: dict[str, tuple[int, int]]) -> str:
 
 def test_other_replicas_prefills_are_priced_at_this_gateways_mean_uncached_tokens() -> None:
     p = two_instances()
-    p.record_engine_load(P0, engine_metrics({"0": (1, 1), "1": (1, 0)}))
+    p.record_engine_load(P0, engine_load(engine_metrics({"0": (1, 1), "1": (1, 0)})))
     # no prefill of its own yet: nothing to price the engine's three requests at
     assert p.peer_outstanding_tokens() == {P0: 0, P1: 0}
     p.begin_prefill(P1, -1, 2_000)
@@ -342,8 +298,8 @@ def test_other_replicas_prefills_are_priced_at_this_gateways_mean_uncached_token
     p.begin_prefill(P0, 0, 4_000)  # mean 3K uncached tokens per prefill
     # the engine's three requests (both ranks) less this gateway's one on rank 0: two, at 3K
     # each, one on each rank
-    p.record_engine_load(P0, engine_metrics({"0": (1, 1), "1": (1, 0)}))
-    p.record_engine_load(P1, engine_metrics({"0": (0, 0), "1": (0, 0)}))
+    p.record_engine_load(P0, engine_load(engine_metrics({"0": (1, 1), "1": (1, 0)})))
+    p.record_engine_load(P1, engine_load(engine_metrics({"0": (0, 0), "1": (0, 0)})))
     assert p.peer_outstanding_tokens() == {P0: 6_000, P1: 0}
     assert {v.unit: v.outstanding_tokens for v in p.snapshot().prefill} == {
         f"{P0}#0": 7_000,
@@ -359,7 +315,7 @@ def test_an_engine_behind_this_gateways_own_count_means_no_peer_load() -> None:
     p.begin_prefill(P0, -1, 4_000)
     p.begin_prefill(P0, -1, 4_000)
     # one of its two requests has not reached the engine yet: never a negative peer load
-    p.record_engine_load(P0, engine_metrics({"0": (1, 0)}))
+    p.record_engine_load(P0, engine_load(engine_metrics({"0": (1, 0)})))
     assert p.peer_outstanding_tokens() == {P0: 0, P1: 0}
 
 
@@ -367,8 +323,8 @@ def test_a_prefill_instance_s_dp_ranks_are_learned_from_its_engine_labels() -> N
     p = two_instances()
     # before, an instance is one unit and its engine chooses the rank; after, one per rank
     assert [v.unit for v in p.snapshot().prefill] == [P0, P1]
-    p.record_engine_load(P0, engine_metrics({"0": (1, 0), "1": (0, 0)}))  # DEP2
-    p.record_engine_load(P1, engine_metrics({"0": (0, 0)}))
+    p.record_engine_load(P0, engine_load(engine_metrics({"0": (1, 0), "1": (0, 0)})))  # DEP2
+    p.record_engine_load(P1, engine_load(engine_metrics({"0": (0, 0)})))
     assert [v.unit for v in p.snapshot().prefill] == [f"{P0}#0", f"{P0}#1", P1]
     assert p.prefill_dp_ranks() == {P0: 2, P1: 1}
 
@@ -380,62 +336,9 @@ def test_an_engine_s_kv_block_size_is_read_from_its_cache_config_info() -> None:
         "# TYPE vllm:cache_config_info gauge\n"
         'vllm:cache_config_info{block_size="128",enable_prefix_caching="True",engine="0"} 1.0\n'
     )
-    p.record_engine_load(P0, engine_metrics({"0": (0, 0)}) + info)
+    p.record_engine_load(P0, engine_load(engine_metrics({"0": (0, 0)}) + info))
     assert (p.block_size(P0), p.block_size(P1)) == (128, 0)
-    p.record_engine_load(P0, engine_metrics({"0": (0, 0)}))  # a page without it keeps it
+    p.record_engine_load(
+        P0, engine_load(engine_metrics({"0": (0, 0)}))
+    )  # a page without it keeps it
     assert p.block_size(P0) == 128
-
-
-# ---- load_pool_file
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "pool.yaml"
-    path.write_text(text)
-    return path
-
-
-def test_pool_file_loads_cells_with_normalised_urls(tmp_path: Path) -> None:
-    path = write(
-        tmp_path,
-        "cells:\n- name: c0\n  prefill: ['http://p:1/']\n"
-        "  decode: [{url: 'http://d:1/', ranks: [0, 1]}]\n",
-    )
-    assert load_pool_file(path) == PoolSpec(
-        cells=spec(("c0", ("http://p:1",), (ranks("http://d:1", 0, 1),)))
-    )
-
-
-@pytest.mark.parametrize(
-    ("text", "needle"),
-    [
-        ("cells: [unclosed\n", "not valid YAML"),
-        ("cells:\n- name: c0\n  prefill: ['http://p']\n", "field 'cells.0.decode': Field required"),
-        (
-            "cells:\n- name: c0\n  prefill: ['ftp://p']\n  decode: [{url: 'http://d'}]\n",
-            "field 'cells.0.prefill': Value error, 'ftp://p' is not an http:// URL",
-        ),
-        (
-            "cells:\n- name: c0\n  decode: [{url: 'http://d', rank: 3}]\n",
-            "field 'cells.0.decode.0.rank': Extra inputs are not permitted",
-        ),
-        ("cells: []\n", "field 'cells': Tuple should have at least 1 item"),
-    ],
-    ids=["yaml", "missing-decode", "bad-url", "unknown-field", "no-cells"],
-)
-def test_pool_file_errors_name_the_file_and_the_field(
-    tmp_path: Path, text: str, needle: str
-) -> None:
-    path = write(tmp_path, text)
-    with pytest.raises(ValueError) as caught:
-        load_pool_file(path)
-    message = str(caught.value)
-    assert message.startswith(f"{path}: ")
-    assert needle in message
-
-
-def test_missing_pool_file_is_named_with_the_reason(tmp_path: Path) -> None:
-    path = tmp_path / "absent.yaml"
-    with pytest.raises(ValueError) as caught:
-        load_pool_file(path)
-    assert str(caught.value) == f"{path}: cannot read the pool file (No such file or directory)"

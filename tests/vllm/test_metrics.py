@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.pool import ENGINE_LOAD_METRICS
+from router.prober import ENGINE_LOAD_METRICS
 from tests.helpers import NIXL
 from tests.vllm.conftest import Vllm
 
