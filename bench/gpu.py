@@ -36,6 +36,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,11 +48,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.agentx import fmt, gateway_affinity, served_model, summarize, vllm_router
+from bench.agentx import (
+    Record,
+    fmt,
+    gateway_affinity,
+    served_model,
+    stream_into,
+    summarize,
+    vllm_router,
+)
 from bench.procstat import pin
 from bench.trace import TraceError, TraceRequest, load_trace, replay, reusable_tokens
 from bench.workload import text
@@ -246,13 +256,14 @@ def _warm(engines: Sequence[Engine], lengths: Sequence[int]) -> float:
     async def handoff(http: httpx.AsyncClient, prefill: Engine, decode: Engine, seed: int) -> None:
         request = body(lengths[0], seed)
         raw = orjson.dumps(request)
+        legs = {**headers, "X-Request-Id": f"warm{seed}"}  # one id for both legs, as proxies do
         first = await http.post(
-            f"{prefill.url}/v1/completions", content=prefill_body(raw, request), headers=headers
+            f"{prefill.url}/v1/completions", content=prefill_body(raw, request), headers=legs
         )
         first.raise_for_status()
         params = first.json().get("kv_transfer_params")
         second = await http.post(
-            f"{decode.url}/v1/completions", content=decode_body(raw, params), headers=headers
+            f"{decode.url}/v1/completions", content=decode_body(raw, params), headers=legs
         )
         second.raise_for_status()
 
@@ -566,6 +577,117 @@ HEADER = (
 )
 
 
+# ---- the gateway's overhead
+
+
+OVERHEAD_PROMPT_TOKENS = 1024
+
+
+async def _overhead_pairs(
+    gateway: str, prefill: Engine, decode: Engine, requests: int
+) -> dict[str, list[Record]]:
+    """``requests`` pairs, one request at a time: the same kind of prompt through the gateway
+    and with the handoff done by the client itself (the prefill leg, then the decode leg
+    streamed from the same engines), in alternating order; a new prompt each time, so no prefix
+    cache serves either."""
+    records: dict[str, list[Record]] = {"gateway": [], "direct": []}
+    headers = {"Content-Type": "application/json"}
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        for index in range(requests):
+            for path in ("gateway", "direct") if index % 2 == 0 else ("direct", "gateway"):
+                body: dict[str, Any] = {
+                    "model": "bench",
+                    "prompt": text(
+                        1_000_000 + 2 * index + (path == "direct"), OVERHEAD_PROMPT_TOKENS
+                    ),
+                    "max_tokens": 16,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                record = Record(path, index, False, 0.0)
+                started = time.perf_counter()
+                if path == "gateway":
+                    await stream_into(
+                        record, http, f"{gateway}/v1/completions", body, headers, started
+                    )
+                else:  # both legs under one request id, as every P/D proxy sends them
+                    raw = orjson.dumps(body)
+                    legs = {**headers, "X-Request-Id": f"overhead-{index}"}
+                    async with http.post(
+                        f"{prefill.url}/v1/completions", data=prefill_body(raw, body), headers=legs
+                    ) as first:
+                        params = (await first.json()).get("kv_transfer_params")
+                    await stream_into(
+                        record,
+                        http,
+                        f"{decode.url}/v1/completions",
+                        orjson.loads(decode_body(raw, params)),
+                        legs,
+                        started,
+                    )
+                records[path].append(record)
+    return records
+
+
+def _routing_paths(gateway: str) -> dict[str, float]:
+    """The gateway's routing decisions by path (``pd``: a handoff; ``decode``: decode alone)."""
+    paths: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(httpx.get(f"{gateway}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "baton_gateway_routing_decisions_total":
+                paths[sample.labels["path"]] += sample.value
+    return dict(paths)
+
+
+def overhead(state: Path, requests: int) -> dict[str, Any]:
+    """What the gateway adds to a request's latency against a client doing the P/D handoff
+    itself, on the same prefill and decode engine (a gateway in front of those two only),
+    one request at a time: TTFT and end-to-end p50, each path's, and their difference."""
+    engines = _load_engines(state) if (state / "engines.json").exists() else []
+    if not engines or not _running(engines):
+        raise SystemExit("baton bench gpu: the engines are not up; run --step start first")
+    prefill = next(e for e in engines if e.role == "prefill")
+    decode = next(e for e in engines if e.role == "decode")
+    directory = state / "routers"
+    directory.mkdir(parents=True, exist_ok=True)
+    with baton_gateway([prefill, decode], directory) as url:
+        records = asyncio.run(_overhead_pairs(url, prefill, decode, requests))
+        # every gateway request must have been a handoff too, or the comparison is not one
+        paths = _routing_paths(url)
+    figures: dict[str, Any] = {}
+    for path, done in records.items():
+        ok = [r for r in done if r.error is None and r.first is not None and r.end is not None]
+        figures[path] = {
+            "requests": len(ok),
+            "errors": sorted(r.error for r in done if r.error is not None),
+            "ttft_ms_p50": statistics.median((r.first or 0) * 1000 for r in ok) if ok else None,
+            "end_ms_p50": statistics.median((r.end or 0) * 1000 for r in ok) if ok else None,
+        }
+    gateway, direct = figures["gateway"], figures["direct"]
+    added = {
+        key: gateway[key] - direct[key]
+        for key in ("ttft_ms_p50", "end_ms_p50")
+        if gateway[key] is not None and direct[key] is not None
+    }
+    ttft = (gateway["ttft_ms_p50"], direct["ttft_ms_p50"], added.get("ttft_ms_p50"))
+    print(
+        f"gateway against direct handoff, {requests} pairs: TTFT p50 {fmt(ttft[0], '.1f')} / "
+        f"{fmt(ttft[1], '.1f')} ms, added {fmt(ttft[2], '.2f')} ms; end p50 added "
+        f"{fmt(added.get('end_ms_p50'), '.2f')} ms"
+    )
+    return {
+        "benchmark": "gpu-overhead",
+        "prompt_tokens": OVERHEAD_PROMPT_TOKENS,
+        "pairs": requests,
+        "gateway_routing": paths,
+        "paths": figures,
+        "added_ms": added,
+        "target_added_ttft_ms_p50_max": 2.0,
+    }
+
+
 # ---- command line
 
 
@@ -573,7 +695,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("gpu")
     group.add_argument(
         "--step",
-        choices=["prepare", "start", "points", "stop"],
+        choices=["prepare", "start", "points", "overhead", "stop"],
         help="prepare the carry (here), start the engines, run the points, or stop them "
         "(there); the module's docstring says which device calls run them",
     )
@@ -603,6 +725,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--repeats", type=int, default=2, help="rounds of the routers per speedup")
     group.add_argument(
         "--budget-s", type=float, default=540.0, help="wall seconds this step may take"
+    )
+    group.add_argument(
+        "--requests", type=int, default=50, help="overhead: pairs of requests (gateway, direct)"
     )
 
 
@@ -646,6 +771,8 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
         return prepare(args.trace)
     if args.step == "start":
         return start(args)
+    if args.step == "overhead":
+        return overhead(args.state, args.requests)
     if args.step == "stop":
         return stop(args.state)
     settings = _settings(args)

@@ -48,7 +48,9 @@ def _step(state: Path, out: Path, *arguments: str) -> dict[str, Any]:
         timeout=1200,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    name = {"start": "gpu-start", "points": "gpu", "stop": "gpu-stop"}[arguments[1]]
+    name = {"start": "gpu-start", "points": "gpu", "overhead": "gpu-overhead", "stop": "gpu-stop"}[
+        arguments[1]
+    ]
     record: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
     return record
 
@@ -114,3 +116,16 @@ def test_each_router_replays_the_trace_with_every_prompt_handed_off(
         # caches were reset before the point: the first prompt was computed in full
         assert 0 <= point["prefix_reuse_achieved"] <= point["prefix_reuse_theoretical"]
     assert record["points"][0]["affinity"]["hit"] + record["points"][0]["affinity"]["miss"] > 0
+
+
+def test_the_gateways_overhead_is_measured_against_a_client_doing_the_handoff_itself(
+    started: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    state, _ = started
+    record = _step(state, tmp_path, "--step", "overhead", "--requests", "4")
+    assert record["gateway_routing"].get("pd") == 4  # a handoff each, as the direct path does
+    for path in ("gateway", "direct"):
+        assert record["paths"][path]["requests"] == 4, record["paths"][path]["errors"]
+        assert record["paths"][path]["ttft_ms_p50"] > 0
+    # a figure, not a verdict: on a shared 2-core host the difference is noise
+    assert set(record["added_ms"]) == {"ttft_ms_p50", "end_ms_p50"}
