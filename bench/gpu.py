@@ -9,16 +9,20 @@ gateway, vllm-router (``cache_aware`` prefill, ``power_of_two`` decode) or round
 pinned to one core, on the same engines with their prefix caches reset before it; the points
 alternate (Baton, vllm-router, Baton, ...) so that order and the machine's drift show.
 
-The GPU is lent by the ``device`` tool, 10 minutes a command and a fresh machine after 30 s idle,
-so the benchmark runs in steps (``--step``), each a command:
+The GPU is a machine lent for benchmarks and reached one command at a time (10 minutes a
+command, 64 MiB carried with it, a fresh machine after 30 s idle, no package index), so the
+benchmark runs in steps (``--step``), each a command:
 
 - ``prepare`` (here): downloads the pinned wheels (deploy/vllm/gpu/requirements.txt) once and
   packs them into folders under ``.gpu/`` of at most 56 MiB each, the larger wheels in parts;
   prints the device calls that carry them, one folder a call.
 - ``start`` (there, after deploy/vllm/gpu/install.sh): writes the model (deploy/vllm/gpu/
   model.py), starts the engines detached (they outlive the command), waits for them, records
-  their start times and warms their kernels with an unmeasured replay.
+  their start times, and warms them unmeasured (prompts of several lengths on each, one
+  handoff per prefill and decode pair).
 - ``points`` (there): the points that fit in ``--budget-s``, the result saved after each one.
+- ``overhead`` (there): what the gateway adds to a request against a client doing the handoff
+  itself, on the same two engines, one request at a time.
 - ``stop``: the engines' processes.
 
 ``--engines cpu`` runs the same steps on the CPU build of vLLM with a tiny model, so that the
