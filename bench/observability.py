@@ -29,7 +29,7 @@ from rigs.devcluster import ROOT, add_trays, binaries_dir, install_crd, start_co
 from rigs.observability import baton_up, controller_drill, drill, start_prometheus
 from rigs.processes import baton_command, eventually, free_port, stop_process
 
-__all__ = ["run"]
+__all__ = ["axis_label", "run"]
 
 FIGURES = ROOT / "docs" / "figures"
 DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
@@ -135,6 +135,26 @@ def _record(directory: Path, quick: bool) -> dict[str, Any]:
         plane.stop()
 
 
+# Grafana's unit ids, as a reader names them on an axis (Grafana formats the numbers itself).
+_AXIS = {
+    "Bps": "bytes/s",
+    "bool": "0 or 1",
+    "currencyUSD": "USD",
+    "ops": "operations/s",
+    "percentunit": "share (1 = 100%)",
+    "reqps": "requests/s",
+    "s": "seconds",
+    "short": "",
+}
+
+
+def axis_label(unit: str) -> str:
+    """The y axis label for a panel of Grafana unit ``unit`` (``suffix: X`` is X itself)."""
+    if unit.startswith("suffix: "):
+        return unit.removeprefix("suffix: ")
+    return _AXIS.get(unit, unit)
+
+
 def draw(data: dict[str, Any], directory: Path) -> list[Path]:
     """One PNG per dashboard: its panels in Grafana's two columns, each series a line."""
     import matplotlib
@@ -158,7 +178,7 @@ def draw(data: dict[str, Any], directory: Path) -> list[Path]:
                         lines += 1
             ax.set_title(panel["title"], fontsize=10)
             ax.set_xlabel("seconds into the run", fontsize=8)
-            ax.set_ylabel(panel["unit"].removeprefix("suffix: "), fontsize=8)
+            ax.set_ylabel(axis_label(panel["unit"]), fontsize=8)
             ax.tick_params(labelsize=7)
             ax.grid(alpha=0.3)
             if 0 < lines <= 8:
