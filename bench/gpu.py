@@ -301,15 +301,15 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     ready: dict[str, float] = {}
     # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache, between the points
     cells = rig.start_cell(spec, hooks={"VLLM_SERVER_DEV_MODE": "1"}, cells=2, wait=False)
+
+    def all_ready() -> bool:
+        for name, engine in cells.items():
+            if name not in ready and _healthy(engine):
+                ready[name] = time.monotonic() - launched
+        return len(ready) == len(cells)
+
     try:
-        while len(ready) < len(cells):
-            for name, engine in cells.items():
-                if name not in ready and _healthy(engine):
-                    ready[name] = time.monotonic() - launched
-            if time.monotonic() - launched > ENGINE_START_S:
-                late = sorted(set(cells) - set(ready))
-                raise TimeoutError(f"engines not ready in {ENGINE_START_S:g} s: {late}")
-            time.sleep(1)
+        eventually(all_ready, timeout=ENGINE_START_S, interval=1.0)
     except BaseException:
         rig.stop()  # a failed start leaves no engine holding the GPU
         raise

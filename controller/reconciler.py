@@ -49,7 +49,7 @@ from controller.podspec import COMPUTE_DOMAIN_API
 from controller.restarts import RestartPolicy
 from controller.runtime import Informer, WorkQueue
 
-__all__ = ["ConditionCollector", "Controller", "ControllerMetrics"]
+__all__ = ["Controller", "ControllerMetrics", "StatusCollector"]
 
 log = logging.getLogger("baton.controller")
 RESYNC_S = 30.0
@@ -57,7 +57,7 @@ RESYNC_S = 30.0
 
 class ControllerMetrics:
     """The controller's own series (``baton_controller_``) and, read from the informer's cache
-    at scrape time, every ModelDeployment's conditions (``baton_modeldeployment_condition``)."""
+    at scrape time, every ModelDeployment's conditions and cells (``baton_modeldeployment_``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.reconciles = Counter(
@@ -116,14 +116,15 @@ class ControllerMetrics:
             if counter is not None:
                 counter.inc()
 
-    def watch_conditions(
+    def watch_status(
         self, registry: CollectorRegistry, deployments: Callable[[], list[dict[str, Any]]]
     ) -> None:
-        """Export the conditions of ``deployments()`` (the informer's cache) at every scrape."""
-        registry.register(ConditionCollector(deployments))
+        """Export the conditions and cells of ``deployments()`` (the informer's cache) at every
+        scrape."""
+        registry.register(StatusCollector(deployments))
 
 
-class ConditionCollector(Collector):
+class StatusCollector(Collector):
     """``baton_modeldeployment_condition{namespace,name,type,status}``, as kube-state-metrics
     exports a Deployment's conditions: one series per status (true, false, unknown) of each
     condition, 1 for the status it has; and ``baton_modeldeployment_cells{namespace,name,
@@ -220,7 +221,7 @@ class Controller:
             self._on_pod,
             label_selector=DEPLOYMENT_LABEL,
         )
-        self.metrics.watch_conditions(registry, self.deployments.items)
+        self.metrics.watch_status(registry, self.deployments.items)
 
     # --- events into the queue -----------------------------------------------------------------
 

@@ -49,7 +49,7 @@ def test_each_condition_exports_one_series_per_status_one_for_the_status_it_has(
         deployment("serving", "dsv4", Placed="True", Ready="False", Degraded="True"),
         {"metadata": {"namespace": "serving", "name": "new"}},  # no status yet
     ]
-    ControllerMetrics(registry).watch_conditions(registry, lambda: cache)
+    ControllerMetrics(registry).watch_status(registry, lambda: cache)
 
     def condition(kind: str, status: str, name: str = "dsv4") -> float | None:
         labels = {"namespace": "serving", "name": name, "type": kind, "status": status}
@@ -70,7 +70,7 @@ def test_each_deployment_exports_its_cells_wanted_and_ready_from_its_status() ->
     serving = deployment("serving", "dsv4", Ready="False")
     serving["status"]["ready"] = "1/2"
     cache = [serving, {"metadata": {"namespace": "serving", "name": "new"}}]  # no status yet
-    ControllerMetrics(registry).watch_conditions(registry, lambda: cache)
+    ControllerMetrics(registry).watch_status(registry, lambda: cache)
 
     def cells(state: str, name: str = "dsv4") -> float | None:
         labels = {"namespace": "serving", "name": name, "state": state}
