@@ -73,7 +73,7 @@ from rigs.processes import ProcessExited, baton_command, eventually, free_port, 
 from rigs.vllm_live import GpuVllm, LiveEngine, LiveRig, Platform, cpu_vllm, live_spec
 from router.handoff import decode_body, prefill_body
 
-__all__ = ["Part", "add_arguments", "pack", "run"]
+__all__ = ["Fit", "Part", "add_arguments", "fit", "pack", "run"]
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENTS = ROOT / "deploy" / "vllm" / "gpu" / "requirements.txt"
@@ -86,7 +86,7 @@ ROUTERS = ("baton", "vllm-router", "round-robin")
 ROUTER_CORE = 0  # every router on the same one core
 ENGINE_START_S = 900.0
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-SHAPES = {"gpu": "deepseek-v2-lite-12l", "cpu": "tiny-qwen3-moe"}
+CPU_SHAPE = "tiny-qwen3-moe"
 
 
 # ---- prepare: the carry
@@ -222,19 +222,50 @@ class Engine:
     log: str
 
 
-def _platform(engines: str, site: Path, state: Path) -> Platform:
-    return GpuVllm(site=site, models=state / "models") if engines == "gpu" else cpu_vllm()
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """What each of the four engines on one card holds: the model's shape (deploy/vllm/gpu/
+    model.py) and its KV cache."""
+
+    shape: str
+    kv_cache_bytes: int
 
 
-def _write_model(engines: str, platform: Platform, state: Path) -> Path:
+def fit(card_bytes: int) -> Fit:
+    """DeepSeek-V2-Lite cut to 12 layers with 16 GiB of KV cache an engine where the card holds
+    four (an H200), else cut to 6 layers with 8 GiB (an H100's 80 GB): the same 1.2 M tokens of
+    cache an engine either way, since a token's MLA cache is per layer."""
+    if card_bytes >= 120 * 2**30:
+        return Fit("deepseek-v2-lite-12l", 16 * 2**30)
+    if card_bytes >= 70 * 2**30:
+        return Fit("deepseek-v2-lite-6l", 8 * 2**30)
+    raise SystemExit(
+        f"baton bench gpu: a card of {card_bytes / 2**30:.0f} GiB holds four engines of "
+        "neither model; use one of 70 GiB or more (an H100 or H200)"
+    )
+
+
+def _card() -> tuple[str, int]:
+    """The first GPU's name and memory in bytes, as nvidia-smi reports them."""
+    line = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()[0]
+    name, mib = line.rsplit(",", 1)
+    return name.strip(), int(mib) * 2**20
+
+
+def _write_model(platform: Platform, shape: str, state: Path) -> Path:
     """The model directory, written by the engines' python (its transformers and tokenizers)."""
     models = state / "models"
     subprocess.run(
-        [str(platform.python), str(MODEL_SCRIPT), SHAPES[engines], str(models)],
+        [str(platform.python), str(MODEL_SCRIPT), shape, str(models)],
         check=True,
         capture_output=True,
     )
-    return models / SHAPES[engines]
+    return models / shape
 
 
 # prompt lengths that warm the engines: within the CPU model's 8K positions there
@@ -291,8 +322,19 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
         engines = _load_engines(state)
         print(f"{len(engines)} engines already up", file=sys.stderr)
         return {"benchmark": "gpu-start", "reused": True, "engines": [asdict(e) for e in engines]}
-    platform = _platform(args.engines, args.site, state)
-    model = _write_model(args.engines, platform, state)
+    card: dict[str, Any] = {}
+    platform: Platform
+    if args.engines == "gpu":
+        card["name"], card["bytes"] = _card()
+        chosen = fit(card["bytes"])
+        card.update(asdict(chosen))
+        platform = GpuVllm(
+            site=args.site, models=state / "models", kv_cache_bytes=chosen.kv_cache_bytes
+        )
+        shape = chosen.shape
+    else:
+        platform, shape = cpu_vllm(), CPU_SHAPE
+    model = _write_model(platform, shape, state)
     directory = state / "engines"
     directory.mkdir(parents=True, exist_ok=True)
     rig = LiveRig(directory, platform)
@@ -320,6 +362,7 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "gpu-start",
         "reused": False,
+        "card": card,
         "engines": [asdict(e) for e in engines],
         "ready_s": ready,
         "warm_s": _warm(engines, WARM_PROMPT_TOKENS[args.engines]),

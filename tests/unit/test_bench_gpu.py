@@ -1,5 +1,6 @@
 """``baton bench gpu``'s carry: wheels packed into folders the device tool carries one a call,
-from a pinned list, and the steps' command-line errors."""
+from a pinned list; the model fitted to the card that is lent; the steps' command-line
+errors."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu import FOLDER_BYTES, REQUIREMENTS, Part, pack
+from bench.gpu import FOLDER_BYTES, REQUIREMENTS, Part, fit, pack
 from tests.helpers import ROOT, baton_command
 
 
@@ -58,6 +59,24 @@ def test_every_carried_wheel_is_pinned_by_version_and_sha256() -> None:
     assert {"nixl", "nixl-cu13", "vllm-router"} <= set(versions)
     # the machine's image has these: a second copy would shadow it
     assert not {"torch", "transformers", "tokenizers", "numpy"} & set(versions)
+
+
+H200_MIB, H100_MIB = 143_771, 81_559  # memory.total as nvidia-smi reports each
+
+
+def test_four_engines_fit_either_card_with_the_same_tokens_of_kv_cache() -> None:
+    h200, h100 = fit(H200_MIB * 2**20), fit(H100_MIB * 2**20)
+    assert (h200.shape, h100.shape) == ("deepseek-v2-lite-12l", "deepseek-v2-lite-6l")
+    # a token's MLA cache is per layer: half the layers, half the bytes, as many tokens
+    assert h200.kv_cache_bytes == 2 * h100.kv_cache_bytes
+    # four engines' weights (13 and 7 GiB) and caches leave room for activations and graphs
+    assert 4 * (13 * 2**30 + h200.kv_cache_bytes) < 0.9 * H200_MIB * 2**20
+    assert 4 * (7 * 2**30 + h100.kv_cache_bytes) < 0.9 * H100_MIB * 2**20
+
+
+def test_a_card_too_small_for_four_engines_is_refused_by_name() -> None:
+    with pytest.raises(SystemExit, match="a card of 40 GiB"):
+        fit(40 * 2**30)
 
 
 @pytest.mark.parametrize(

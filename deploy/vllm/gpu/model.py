@@ -7,6 +7,8 @@ weights (the engines load random ones: ``--load-format dummy``): ``config.json``
   DeepSeek-V2-Lite: MLA with kv_lora_rank 512, rope 64, nope 128, v 128; layer 0 dense, then
   MoE with 64 routed experts of 1,408 and 2 shared, top-6; hidden 2,048, 16 heads, vocabulary
   102,400) cut to 12 layers: 13 GiB of bf16 weights, so that four engines share one H200.
+- ``deepseek-v2-lite-6l``: the same cut to 6 layers (7 GiB), so that four engines share one
+  H100 with as many tokens of KV cache each as on the H200 (a token's MLA cache is per layer).
 - ``tiny-qwen3-moe``: the same tokenizer on a 4-layer Qwen3-MoE for the CPU build of vLLM, which
   caches prefixes for it (not for MLA), so that the benchmark's driver runs on CPU in ``make test``.
 
@@ -29,40 +31,42 @@ from transformers import AutoConfig, PreTrainedTokenizerFast
 
 SPECIAL = ["<|end|>", "<|pad|>", "<|unk|>"]
 _COMMON = {"bos_token_id": None, "eos_token_id": 0, "pad_token_id": 1, "dtype": "bfloat16"}
+_V2_LITE: dict[str, object] = {
+    **_COMMON,
+    "model_type": "deepseek_v2",
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "vocab_size": 102_400,
+    "hidden_size": 2048,
+    "intermediate_size": 10_944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    # the trace's longest request (prompt and output) is 122K tokens
+    "max_position_embeddings": 131_072,
+    "rope_theta": 10_000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
 CONFIGS: dict[str, dict[str, object]] = {
-    "deepseek-v2-lite-12l": {
-        **_COMMON,
-        "model_type": "deepseek_v2",
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "vocab_size": 102_400,
-        "hidden_size": 2048,
-        "intermediate_size": 10_944,
-        "moe_intermediate_size": 1408,
-        "num_hidden_layers": 12,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "n_routed_experts": 64,
-        "n_shared_experts": 2,
-        "num_experts_per_tok": 6,
-        "first_k_dense_replace": 1,
-        "moe_layer_freq": 1,
-        "topk_method": "greedy",
-        "n_group": 1,
-        "topk_group": 1,
-        "norm_topk_prob": False,
-        "routed_scaling_factor": 1.0,
-        "scoring_func": "softmax",
-        "q_lora_rank": None,
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128,
-        "v_head_dim": 128,
-        # the trace's longest request (prompt and output) is 122K tokens
-        "max_position_embeddings": 131_072,
-        "rope_theta": 10_000.0,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-    },
+    "deepseek-v2-lite-12l": _V2_LITE,
+    "deepseek-v2-lite-6l": {**_V2_LITE, "num_hidden_layers": 6},
     "tiny-qwen3-moe": {
         **_COMMON,
         "model_type": "qwen3_moe",
