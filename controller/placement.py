@@ -6,8 +6,10 @@ the prefill instances that feed it (DEP``p``: ``N`` instances, each ``p`` GPUs o
 module decides which trays and GPUs each cell gets. It reads nothing and writes nothing: the
 reconciler turns a ``Plan`` into pods, the CLI into a rack map.
 
-A tray is *whole* for a shape when it is eligible (domain label, Ready, schedulable, not
-quarantined), has exactly ``gpusPerPod`` GPUs, none of them held by anyone. A *prefill slot* is
+A tray is *eligible* for a deployment when it has a domain label, is Ready, not quarantined, carries
+every label of the deployment's node selector and is schedulable, or not cordoned and tainted
+only with taints the deployment tolerates (``TraySelector``). It is *whole* for a shape when it is
+eligible, has exactly ``gpusPerPod`` GPUs, none of them held by anyone. A *prefill slot* is
 ``p`` free GPUs of an eligible tray; a whole GB300 tray has two DEP2 slots.
 
 Algorithm (``plan_placement``), in three steps:
@@ -71,9 +73,9 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
-from baton.core.api import ModelDeployment, Reason, decode_trays_problem
+from baton.core.api import ModelDeployment, Reason, Toleration, decode_trays_problem
 from controller.names import cell_name, decode_pod_name, prefill_pod_name
-from controller.topology import NVLinkDomain, Topology, Tray
+from controller.topology import NVLinkDomain, Topology, Tray, TrayTaint
 
 __all__ = [
     "CellPlacement",
@@ -83,6 +85,7 @@ __all__ = [
     "Plan",
     "PrefillInstance",
     "PrefillShape",
+    "TraySelector",
     "UnplacedCell",
     "plan_placement",
 ]
@@ -121,6 +124,62 @@ class PrefillShape:
 
 
 @dataclass(frozen=True, slots=True)
+class TraySelector:
+    """The trays a deployment's pods may use besides Baton's own rules: those carrying every
+    label of its node selector, and tainted trays whose taints it all tolerates (its
+    ``engine.nodeSelector`` and ``engine.tolerations``, which its pods carry too)."""
+
+    labels: tuple[tuple[str, str], ...] = ()
+    tolerations: tuple[Toleration, ...] = ()
+
+    @classmethod
+    def of(
+        cls, node_selector: Mapping[str, str], tolerations: Sequence[Toleration]
+    ) -> TraySelector:
+        return cls(tuple(sorted(node_selector.items())), tuple(tolerations))
+
+    def tolerates(self, taint: TrayTaint) -> bool:
+        """Kubernetes' toleration match: key (empty with Exists: any), value, effect."""
+        return any(
+            (t.key == taint.key or (not t.key and t.operator == "Exists"))
+            and (t.operator == "Exists" or t.value == taint.value)
+            and (not t.effect or t.effect == taint.effect)
+            for t in self.tolerations
+        )
+
+    def admits(self, tray: Tray) -> bool:
+        """New pods of the deployment may be scheduled to ``tray`` (health aside)."""
+        if any(label not in tray.labels for label in self.labels):
+            return False
+        if tray.schedulable:
+            return True
+        # unschedulable with no taint kept: cordoned (the hand-written form says only that)
+        return not tray.cordoned and bool(tray.taints) and all(map(self.tolerates, tray.taints))
+
+    def eligible(self, tray: Tray) -> bool:
+        """New pods of the deployment may be placed on ``tray``."""
+        return tray.domain is not None and tray.ready and not tray.quarantined and self.admits(tray)
+
+    def keeps(self, tray: Tray) -> bool:
+        """The deployment's pods already on ``tray`` keep running there."""
+        if tray.keeps_pods:
+            return True
+        evicting = [t for t in tray.taints if t.effect == "NoExecute"]
+        return (
+            tray.domain is not None
+            and tray.ready
+            and not tray.quarantined
+            and bool(evicting)  # evicting with no taint kept: the hand-written form says only that
+            and all(map(self.tolerates, evicting))
+        )
+
+    def excludes(self, tray: Tray) -> bool:
+        """A healthy tray the node selector or the taints keep the deployment off."""
+        healthy = tray.domain is not None and tray.ready and not tray.quarantined
+        return healthy and not tray.cordoned and not self.admits(tray)
+
+
+@dataclass(frozen=True, slots=True)
 class DeploymentShape:
     """What a ModelDeployment asks placement for: ``cells`` cells of one shape."""
 
@@ -128,6 +187,7 @@ class DeploymentShape:
     cells: int = 1
     decode: DecodeShape = field(default_factory=DecodeShape)
     prefill: PrefillShape = field(default_factory=PrefillShape)
+    trays: TraySelector = field(default_factory=TraySelector)
 
     def __post_init__(self) -> None:
         if not self.name or self.cells < 0:
@@ -142,6 +202,9 @@ class DeploymentShape:
             cells=deployment.spec.cells,
             decode=DecodeShape(cell.decode.dep, cell.decode.gpus_per_pod, cell.decode.spare_trays),
             prefill=PrefillShape(cell.prefill.dep, cell.prefill.instances),
+            trays=TraySelector.of(
+                deployment.spec.engine.node_selector, deployment.spec.engine.tolerations
+            ),
         )
 
 
@@ -260,6 +323,7 @@ class _Fit:
     position: int  # the domain's place in topology order, the last tie-break
     whole: int
     slots: int  # prefill slots left once decode and spares have their whole trays
+    excluded: int = 0  # healthy trays the deployment's node selector or taints keep it off
 
 
 def _prefill_wanted(shape: DeploymentShape) -> int:
@@ -278,7 +342,7 @@ class _Pass:
 
     def is_whole(self, tray: Tray, shape: DeploymentShape) -> bool:
         return (
-            tray.eligible
+            shape.trays.eligible(tray)
             and tray.gpus == shape.decode.gpus_per_pod
             and tray.used_by_others == 0
             and self.ledger.is_empty(tray)
@@ -287,12 +351,13 @@ class _Pass:
     def fit(self, domain: NVLinkDomain, position: int, shape: DeploymentShape) -> _Fit:
         whole = slots = 0
         for tray in domain.trays:
-            if tray.eligible:
+            if shape.trays.eligible(tray):
                 slots += self.ledger.free(tray) // shape.prefill.dep
                 whole += self.is_whole(tray, shape)
         needed = shape.decode.trays + shape.decode.spare_trays
         per_whole = shape.decode.gpus_per_pod // shape.prefill.dep
-        return _Fit(domain, position, whole, slots - min(whole, needed) * per_whole)
+        excluded = sum(map(shape.trays.excludes, domain.trays))
+        return _Fit(domain, position, whole, slots - min(whole, needed) * per_whole, excluded)
 
     def repair(self, old: CellPlacement, shape: DeploymentShape) -> CellPlacement | None:
         """Step 1: keep the cell in its domain, re-placing only what lost its tray."""
@@ -306,7 +371,7 @@ class _Pass:
         ledger = self.ledger
         decode: list[Tray | None] = []
         for rank, name in enumerate(old.decode_trays):
-            tray = self._keepable(name, domain, decode_pod_name(old.name, rank))
+            tray = self._keepable(name, domain, decode_pod_name(old.name, rank), shape)
             if (
                 tray is not None
                 and tray.gpus == shape.decode.gpus_per_pod
@@ -319,7 +384,7 @@ class _Pass:
                 decode.append(None)  # a lost rank, re-placed by _complete_decode
         spares: list[Tray] = []
         for name in old.spare_trays[: shape.decode.spare_trays]:
-            tray = self._keepable(name, domain, None)
+            tray = self._keepable(name, domain, None, shape)
             if tray is not None and self.is_whole(tray, shape):
                 ledger.take_whole(tray)
                 spares.append(tray)
@@ -328,7 +393,9 @@ class _Pass:
         for instance in sorted(old.prefill, key=lambda instance: instance.index):
             if limit is not None and instance.index >= limit:
                 continue
-            tray = self._keepable(instance.tray, domain, prefill_pod_name(old.name, instance.index))
+            tray = self._keepable(
+                instance.tray, domain, prefill_pod_name(old.name, instance.index), shape
+            )
             if tray is not None and ledger.take(tray, instance.gpus):
                 prefill[instance.index] = instance
         if not self._complete_decode(decode, spares, prefill, domain, shape):
@@ -367,12 +434,14 @@ class _Pass:
             max_prefill_instances=len(prefill) + free_slots,
         )
 
-    def _keepable(self, name: str, domain: NVLinkDomain, pod: str | None) -> Tray | None:
+    def _keepable(
+        self, name: str, domain: NVLinkDomain, pod: str | None, shape: DeploymentShape
+    ) -> Tray | None:
         """Tray ``name`` if ``pod`` (None: a spare) may stay on it."""
         tray = self.topology.tray(name)
-        if tray is None or tray.domain != domain.name or not tray.keeps_pods:
+        if tray is None or tray.domain != domain.name or not shape.trays.keeps(tray):
             return None
-        if pod in self.unbound and not tray.eligible:
+        if pod in self.unbound and not shape.trays.eligible(tray):
             return None  # its pod is created anew, and a new pod is not bound to a cordoned tray
         return tray
 
@@ -414,7 +483,7 @@ class _Pass:
             tray
             for tray in domain.trays
             if tray.name in instances_on
-            and tray.eligible
+            and shape.trays.eligible(tray)
             and tray.gpus == shape.decode.gpus_per_pod
             and tray.used_by_others == 0
         ]
@@ -440,7 +509,11 @@ class _Pass:
         if wanted is not None:
             missing = (index for index in range(wanted) if index not in prefill)
         trays = sorted(
-            (tray for tray in domain.trays if tray.eligible and ledger.free(tray) >= dep),
+            (
+                tray
+                for tray in domain.trays
+                if shape.trays.eligible(tray) and ledger.free(tray) >= dep
+            ),
             key=lambda tray: (ledger.free(tray) == tray.gpus, ledger.free(tray), tray.slot),
         )
         # Sorted by free GPUs, a tray keeps fewer free GPUs than any later one once it takes an
@@ -456,7 +529,7 @@ class _Pass:
         return sum(ledger.free(tray) // dep for tray in trays[position:])
 
 
-_ShapeKey = tuple[DecodeShape, PrefillShape]
+_ShapeKey = tuple[DecodeShape, PrefillShape, TraySelector]
 
 
 def _assign(
@@ -523,10 +596,16 @@ def _augment(
 def _shortfall(fit: _Fit, shape: DeploymentShape) -> str:
     needed = shape.decode.trays + shape.decode.spare_trays
     wanted = "" if shape.prefill.instances is None else f" of {shape.prefill.instances}"
+    kept_off = ""
+    if fit.excluded:
+        kept_off = (
+            f"; {fit.excluded} healthy tray{'' if fit.excluded == 1 else 's'} left out by "
+            "engine.nodeSelector or untolerated taints"
+        )
     return (
         f"domain {fit.domain.name}: {min(fit.whole, needed)} of {needed} whole trays free "
         f"({shape.decode.trays} decode + {shape.decode.spare_trays} spare), "
-        f"{fit.slots}{wanted} prefill slots"
+        f"{fit.slots}{wanted} prefill slots{kept_off}"
     )
 
 
@@ -631,7 +710,7 @@ def plan_placement(
         if domain.name not in hosted
     ]
     newcomers = [
-        (name, (shape.decode, shape.prefill))
+        (name, (shape.decode, shape.prefill, shape.trays))
         for name, shape in wanted.items()
         if name not in placed
     ]

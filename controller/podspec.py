@@ -30,7 +30,7 @@ import hashlib
 import json
 from typing import Any
 
-from baton.core.api import API_VERSION, KIND, ModelDeploymentSpec
+from baton.core.api import API_VERSION, KIND, MODEL_DIR, EnvVar, ModelDeploymentSpec
 from baton.core.eplb_report import REPORT_URL_ENV, TOKEN_ENV, WHERE_ENV
 from baton.core.labels import (
     CELL_GATE,
@@ -74,6 +74,7 @@ Manifest = dict[str, Any]
 COMPUTE_DOMAIN_API = ("resource.nvidia.com", "v1beta1", "computedomains")
 _CHANNEL_CLAIM = "imex-channel"
 _SHM = "dshm"
+_MODEL_VOLUME = "model"  # spec.modelSource's volume, at MODEL_DIR
 PLUGIN_DIR = "/opt/baton/vllm-plugin"
 _PLUGIN_VOLUME = "baton-eplb-plugin"
 _EPLB_TOKEN_VOLUME = "baton-eplb-token"
@@ -142,7 +143,7 @@ def decode_command(spec: ModelDeploymentSpec, cell: str, index: int, namespace: 
     """The engine's command line for decode pod ``index`` of ``cell``."""
     decode = spec.cell.decode
     leader = leader_host(cell, namespace)
-    command = [*spec.engine.command, spec.model, *_common_flags(spec)]
+    command = [*spec.engine.command, spec.model_path, *_common_flags(spec)]
     # A group of one is a plain engine: vLLM reads a start rank with one local rank as external
     # load balancing, which it refuses for a single rank.
     if decode.dep > 1:
@@ -182,7 +183,7 @@ def prefill_command(spec: ModelDeploymentSpec) -> list[str]:
     dep = spec.cell.prefill.dep
     return [
         *spec.engine.command,
-        spec.model,
+        spec.model_path,
         *_common_flags(spec),
         "--data-parallel-size",
         str(dep),
@@ -216,16 +217,84 @@ def _pod(
             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
         },
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_PORT)},
-        *({"name": e.name, "value": e.value} for e in spec.engine.env),
+        *(_env_var(e) for e in spec.engine.env),
     ]
+    # Secrets as env vars from their keys: a command line shows in `ps` and events.
     secret = spec.engine.api_key_secret
-    if secret is not None:  # an env var, not --api-key: a command line shows in `ps` and events
-        env.append(
-            {
-                "name": "VLLM_API_KEY",
-                "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
+    if secret is not None:
+        env.append(_from_secret("VLLM_API_KEY", secret.name, secret.key))
+    token = spec.model_source.token_secret
+    if token is not None:
+        env.append(_from_secret("HF_TOKEN", token.name, token.key))
+    engine = spec.engine
+    volumes: list[Manifest] = [{"name": _SHM, "emptyDir": {"medium": "Memory"}}]
+    mounts: list[Manifest] = [{"name": _SHM, "mountPath": "/dev/shm"}]
+    source = spec.model_source.volume
+    if source is not None:
+        volumes.append({"name": _MODEL_VOLUME, **source})
+        mounts.append({"name": _MODEL_VOLUME, "mountPath": MODEL_DIR, "readOnly": True})
+    volumes += [volume.model_dump(by_alias=True) for volume in engine.volumes]
+    mounts += [
+        mount.model_dump(by_alias=True, exclude_defaults=True) for mount in engine.volume_mounts
+    ]
+    pod_spec: Manifest = {
+        "schedulingGates": [{"name": CELL_GATE}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {"key": HOSTNAME_LABEL, "operator": "In", "values": [tray]}
+                            ]
+                        }
+                    ]
+                }
             }
-        )
+        },
+        "tolerations": [
+            {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
+            *(t.model_dump(by_alias=True, exclude_defaults=True) for t in engine.tolerations),
+        ],
+        "restartPolicy": "Never",  # a group restarts as a whole, by the controller
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        # vLLM's workers share tensors through /dev/shm, which a container gets 64 MiB of.
+        "volumes": volumes,
+        "containers": [
+            {
+                "name": "engine",
+                "image": engine.image,
+                "command": command,
+                "env": env,
+                "ports": [
+                    {"name": "http", "containerPort": API_PORT},
+                    {"name": "nixl", "containerPort": NIXL_PORT},
+                ],
+                "resources": {
+                    "requests": {**engine.resources.requests, gpu_resource: str(gpus)},
+                    "limits": {**engine.resources.limits, gpu_resource: str(gpus)},
+                },
+                "volumeMounts": mounts,
+                # Loading the weights takes minutes: liveness counts only once /health
+                # has answered (the startup probe allows 30 minutes).
+                "startupProbe": _health_probe(period_s=10, failures=180),
+                "livenessProbe": _health_probe(period_s=10, failures=6),
+                "readinessProbe": _health_probe(period_s=5, failures=2),
+                # All a GPU container can drop: the device plugin hands the GPUs in and
+                # NVLink needs no capability. The vLLM image runs as root, so runAsNonRoot
+                # would refuse to start it; the pod meets Pod Security's "baseline" level.
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "capabilities": {"drop": ["ALL"]},
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
+            }
+        ],
+    }
+    if engine.node_selector:
+        pod_spec["nodeSelector"] = dict(engine.node_selector)
+    if engine.priority_class_name is not None:
+        pod_spec["priorityClassName"] = engine.priority_class_name
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -240,58 +309,22 @@ def _pod(
             },
             "ownerReferences": [_owner(deployment, uid)],
         },
-        "spec": {
-            "schedulingGates": [{"name": CELL_GATE}],
-            "affinity": {
-                "nodeAffinity": {
-                    "requiredDuringSchedulingIgnoredDuringExecution": {
-                        "nodeSelectorTerms": [
-                            {
-                                "matchExpressions": [
-                                    {"key": HOSTNAME_LABEL, "operator": "In", "values": [tray]}
-                                ]
-                            }
-                        ]
-                    }
-                }
-            },
-            "tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
-            "restartPolicy": "Never",  # a group restarts as a whole, by the controller
-            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-            # vLLM's workers share tensors through /dev/shm, which a container gets 64 MiB of.
-            "volumes": [{"name": _SHM, "emptyDir": {"medium": "Memory"}}],
-            "containers": [
-                {
-                    "name": "engine",
-                    "image": spec.engine.image,
-                    "command": command,
-                    "env": env,
-                    "ports": [
-                        {"name": "http", "containerPort": API_PORT},
-                        {"name": "nixl", "containerPort": NIXL_PORT},
-                    ],
-                    "resources": {
-                        "requests": {gpu_resource: str(gpus)},
-                        "limits": {gpu_resource: str(gpus)},
-                    },
-                    "volumeMounts": [{"name": _SHM, "mountPath": "/dev/shm"}],
-                    # Loading the weights takes minutes: liveness counts only once /health
-                    # has answered (the startup probe allows 30 minutes).
-                    "startupProbe": _health_probe(period_s=10, failures=180),
-                    "livenessProbe": _health_probe(period_s=10, failures=6),
-                    "readinessProbe": _health_probe(period_s=5, failures=2),
-                    # All a GPU container can drop: the device plugin hands the GPUs in and
-                    # NVLink needs no capability. The vLLM image runs as root, so runAsNonRoot
-                    # would refuse to start it; the pod meets Pod Security's "baseline" level.
-                    "securityContext": {
-                        "allowPrivilegeEscalation": False,
-                        "capabilities": {"drop": ["ALL"]},
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
-                }
-            ],
-        },
+        "spec": pod_spec,
     }
+
+
+def _env_var(var: EnvVar) -> Manifest:
+    source = var.value_from
+    if source is None:
+        return {"name": var.name, "value": var.value}
+    ref = source.secret_key_ref or source.config_map_key_ref
+    assert ref is not None  # EnvSource holds exactly one
+    kind = "secretKeyRef" if source.secret_key_ref is not None else "configMapKeyRef"
+    return {"name": var.name, "valueFrom": {kind: {"name": ref.name, "key": ref.key}}}
+
+
+def _from_secret(name: str, secret: str, key: str) -> Manifest:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
 def _with_eplb(

@@ -17,8 +17,10 @@ What a Node becomes:
   annotation ``baton.dev/gpus-used-by-others`` or from a mapping given by the caller, which wins.
 - Ready is the node's Ready condition. A tray is schedulable unless cordoned
   (``spec.unschedulable``) or tainted NoSchedule/NoExecute with a key other than
-  ``nvidia.com/gpu`` (the one taint Baton's pods tolerate); a NoExecute taint also evicts the
-  pods already there. ``baton.dev/quarantined`` (any value but "false") quarantines a tray.
+  ``nvidia.com/gpu`` (the one taint every Baton pod tolerates); a NoExecute taint also evicts the
+  pods already there. Those taints and the node's labels are kept, so that placement can use a
+  tainted tray for a deployment that tolerates its taints, and only the trays a deployment's
+  node selector names. ``baton.dev/quarantined`` (any value but "false") quarantines a tray.
 
 Racks are told apart by the ClusterUUID part of the clique value; one rack may hold several
 domains when Fabric Manager splits it (e.g. two x36 cliques). Rack and slot indices exist for
@@ -56,6 +58,7 @@ __all__ = [
     "Topology",
     "TopologyError",
     "Tray",
+    "TrayTaint",
     "parse_topology",
     "synthetic_nodes",
     "synthetic_topology",
@@ -68,6 +71,15 @@ _BLOCKING_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
 
 class TopologyError(ValueError):
     """The node data is not what ``kubectl get nodes`` prints; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrayTaint:
+    """A NoSchedule or NoExecute taint of a tray (a node's ``spec.taints`` entry)."""
+
+    key: str
+    value: str
+    effect: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +101,9 @@ class Tray:
     evicts_pods: bool = False
     rack: int = -1
     slot: int = -1
+    cordoned: bool = False
+    labels: tuple[tuple[str, str], ...] = ()
+    taints: tuple[TrayTaint, ...] = ()  # the blocking ones, nvidia.com/gpu's aside
 
     @property
     def eligible(self) -> bool:
@@ -228,6 +243,7 @@ class _Metadata(_Lenient):
 
 class _Taint(_Lenient):
     key: str = ""
+    value: str = ""
     effect: str = ""
 
 
@@ -307,6 +323,9 @@ def _tray_from_node(
         gpus=gpus,
         ready=any(c.type == "Ready" and c.status == "True" for c in node.status.conditions),
         schedulable=not node.spec.unschedulable and not blocking,
+        cordoned=node.spec.unschedulable,
+        labels=tuple(sorted(meta.labels.items())),
+        taints=tuple(TrayTaint(t.key, t.value, t.effect) for t in blocking),
         quarantined=quarantine is not None and quarantine.strip().lower() != "false",
         # More GPUs than the tray has would be a stale count; the tray is simply full.
         used_by_others=min(max(others, 0), gpus),

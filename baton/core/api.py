@@ -26,7 +26,9 @@ __all__ = [
     "BATON_IMAGE",
     "GROUP",
     "KIND",
+    "MODEL_DIR",
     "PLURAL",
+    "RESERVED_VOLUMES",
     "VLLM_IMAGE",
     "CellEndpoints",
     "CellSpec",
@@ -41,9 +43,14 @@ __all__ = [
     "ModelDeployment",
     "ModelDeploymentSpec",
     "ModelDeploymentStatus",
+    "ModelSourceSpec",
     "PrefillSpec",
     "Reason",
+    "ResourcesSpec",
+    "Toleration",
     "TopologySpec",
+    "Volume",
+    "VolumeMount",
     "decode_trays_problem",
     "parse_prefill_record",
     "prefill_record",
@@ -58,7 +65,20 @@ PLURAL = "modeldeployments"
 BATON_IMAGE: Final = "ghcr.io/baton-dev/baton:0.1.0"
 # vLLM's official OpenAI-server image of the version Baton is checked against (docs/vllm.md).
 VLLM_IMAGE: Final = "vllm/vllm-openai:v0.33.0"
+# Where the engine container mounts spec.modelSource's volume; vLLM serves the directory in it.
+MODEL_DIR: Final = "/models"
+# The engine pods' own volumes (controller/podspec.py): engine.volumes may not reuse the names.
+RESERVED_VOLUMES: Final = frozenset({"dshm", "model", "baton-eplb-plugin", "baton-eplb-token"})
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Kubernetes' resource.Quantity and resource names, as the API server checks them.
+_QUANTITY = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+    r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+_RESOURCE_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+_RELATIVE_PATH = r"^([^/].*)?$"  # and no ".." segment: _climbs
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
@@ -180,11 +200,18 @@ class TopologySpec(_Resource):
     )
 
 
-class EnvVar(_Resource):
-    """One environment variable of the engine container."""
+def _climbs(path: str) -> bool:
+    """Whether a relative path leaves its volume (a ".." segment)."""
+    return ".." in path.split("/")
 
-    name: str = Field(min_length=1, description="the variable's name")
-    value: str = Field(default="", description="its value")
+
+def _climbs_cel(field: str) -> str:
+    """``_climbs`` in CEL, for ``self.<field>``."""
+    path = f"self.{field}"
+    return (
+        f"!has({path}) || !({path} == '..' || {path}.startsWith('../') || "
+        f"{path}.endsWith('/..') || {path}.contains('/../'))"
+    )
 
 
 class SecretKey(_Resource):
@@ -192,6 +219,162 @@ class SecretKey(_Resource):
 
     name: str = Field(pattern=_DNS_SUBDOMAIN, description="the Secret's name")
     key: str = Field(min_length=1, description="the key within the Secret")
+
+
+class ConfigMapKey(_Resource):
+    """One key of a ConfigMap in the deployment's namespace."""
+
+    name: str = Field(pattern=_DNS_SUBDOMAIN, description="the ConfigMap's name")
+    key: str = Field(min_length=1, description="the key within the ConfigMap")
+
+
+class EnvSource(_Resource):
+    """Where a variable's value comes from: a Secret's key or a ConfigMap's."""
+
+    model_config = _admission(
+        (
+            "has(self.secretKeyRef) != has(self.configMapKeyRef)",
+            "'valueFrom needs exactly one of secretKeyRef and configMapKeyRef'",
+        )
+    )
+
+    secret_key_ref: SecretKey | None = Field(default=None, description="a Secret's key")
+    config_map_key_ref: ConfigMapKey | None = Field(default=None, description="a ConfigMap's key")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvSource:
+        if (self.secret_key_ref is None) == (self.config_map_key_ref is None):
+            raise ValueError("valueFrom needs exactly one of secretKeyRef and configMapKeyRef")
+        return self
+
+
+class EnvVar(_Resource):
+    """One environment variable of the engine container."""
+
+    model_config = _admission(
+        (
+            "!(has(self.valueFrom) && has(self.value) && self.value != '')",
+            "'env %s: give value or valueFrom, not both'.format([self.name])",
+        )
+    )
+
+    name: str = Field(min_length=1, max_length=256, description="the variable's name")
+    value: str = Field(default="", max_length=32_768, description="its value")
+    value_from: EnvSource | None = Field(
+        default=None,
+        description="its value from a Secret or ConfigMap (a token stays out of the spec)",
+    )
+
+    @model_validator(mode="after")
+    def _one_value(self) -> EnvVar:
+        if self.value_from is not None and self.value:
+            raise ValueError(f"env {self.name}: give value or valueFrom, not both")
+        return self
+
+
+class ResourcesSpec(_Resource):
+    """What the engine container asks of its node besides GPUs (CPU, memory, hugepages,
+    ephemeral storage, NICs), as a container's ``resources``; the GPUs are the controller's."""
+
+    requests: dict[str, Annotated[str, Field(pattern=_QUANTITY)]] = Field(
+        default_factory=dict, description="resource name -> quantity the scheduler reserves"
+    )
+    limits: dict[str, Annotated[str, Field(pattern=_QUANTITY)]] = Field(
+        default_factory=dict, description="resource name -> quantity the container may use"
+    )
+
+    @model_validator(mode="after")
+    def _names(self) -> ResourcesSpec:
+        for section, values in (("requests", self.requests), ("limits", self.limits)):
+            for name in values:
+                if not _RESOURCE_NAME.match(name):
+                    raise ValueError(
+                        f"engine.resources.{section}: '{name}' is not a resource name (cpu, "
+                        "memory, hugepages-2Mi, ephemeral-storage, or DOMAIN/NAME)"
+                    )
+        return self
+
+
+class Toleration(_Resource):
+    """A taint the engine pods tolerate, as a pod's ``tolerations`` entry; placement uses the
+    trays whose taints are all tolerated."""
+
+    model_config = ConfigDict(
+        **_admission(
+            (
+                "!(self.operator == 'Exists' && has(self.value) && self.value != '')",
+                "'a toleration with operator Exists takes no value'",
+            )
+        ),
+        frozen=True,  # placement keys its work by a deployment's tolerations
+    )
+
+    key: str = Field(
+        default="", max_length=317, description="the taint's key (empty: every key, with Exists)"
+    )
+    operator: Literal["Equal", "Exists"] = Field(default="Equal", description="Equal or Exists")
+    value: str = Field(default="", max_length=63, description="the taint's value (operator Equal)")
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] = Field(
+        default="", description="the taint's effect (empty: every effect)"
+    )
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, description="NoExecute: how long the pod stays once tainted"
+    )
+
+    @model_validator(mode="after")
+    def _exists_takes_no_value(self) -> Toleration:
+        if self.operator == "Exists" and self.value:
+            raise ValueError("a toleration with operator Exists takes no value")
+        return self
+
+
+class Volume(BaseModel):
+    """A pod volume as Kubernetes defines it: a name and one source (persistentVolumeClaim,
+    hostPath, configMap, ...), given to the engine pods as written."""
+
+    model_config = ConfigDict(
+        extra="allow", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+
+    name: str = Field(pattern=_DNS_LABEL, max_length=63, description="the volume's name")
+
+    @model_validator(mode="after")
+    def _has_source(self) -> Volume:
+        if not self.model_extra:
+            raise ValueError(
+                f"volume {self.name} has no source: add one, e.g. persistentVolumeClaim: "
+                "{claimName: ...} or hostPath: {path: ...}"
+            )
+        return self
+
+
+class VolumeMount(_Resource):
+    """Where the engine container mounts one of ``engine.volumes``."""
+
+    model_config = _admission(
+        (
+            _climbs_cel("subPath"),
+            "'engine.volumeMounts: subPath %s leaves the volume'.format([self.subPath])",
+        )
+    )
+
+    name: str = Field(pattern=_DNS_LABEL, description="the volume's name in engine.volumes")
+    mount_path: str = Field(
+        pattern=r"^/", max_length=1024, description="the absolute path in the container"
+    )
+    read_only: bool = Field(default=False, description="mount it read-only")
+    sub_path: str = Field(
+        default="",
+        max_length=1024,
+        pattern=_RELATIVE_PATH,
+        description="a directory within the volume",
+    )
+
+    @model_validator(mode="after")
+    def _within_volume(self) -> VolumeMount:
+        if _climbs(self.sub_path):
+            raise ValueError(f"engine.volumeMounts: subPath {self.sub_path} leaves the volume")
+        return self
 
 
 # The engine's program (its command's first word, less any directory) and its image's
@@ -238,13 +421,62 @@ class EngineSpec(_Resource):
     )
     args: list[str] = Field(default_factory=list, description="extra engine flags")
     env: list[EnvVar] = Field(
-        default_factory=list, description="extra environment of the engine container"
+        default_factory=list,
+        max_length=256,
+        description="extra environment of the engine container",
     )
     api_key_secret: SecretKey | None = Field(
         default=None,
         description="the engines' API key (vLLM's VLLM_API_KEY): every /v1 call must carry it; "
         "give the gateway the same key (--engine-api-key-file)",
     )
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec,
+        description="CPU, memory, hugepages, ephemeral storage and other resources of each "
+        "engine container (its GPUs are the controller's)",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="node labels every tray of the deployment must carry (placement uses only "
+        "those trays)",
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        max_length=64,
+        description="taints the engine pods tolerate besides nvidia.com/gpu (placement uses "
+        "trays whose taints are all tolerated)",
+    )
+    priority_class_name: str | None = Field(
+        default=None, pattern=_DNS_SUBDOMAIN, description="the engine pods' PriorityClass"
+    )
+    volumes: list[Volume] = Field(
+        default_factory=list, max_length=64, description="extra volumes of the engine pods"
+    )
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list,
+        max_length=64,
+        description="where the engine container mounts engine.volumes",
+    )
+
+    @model_validator(mode="after")
+    def _mounts_name_volumes(self) -> EngineSpec:
+        names = [volume.name for volume in self.volumes]
+        taken = sorted(
+            {name for name in names if names.count(name) > 1} | set(names) & RESERVED_VOLUMES
+        )
+        if taken:
+            raise ValueError(
+                f"engine.volumes: {', '.join(taken)} named twice or taken by Baton's own "
+                f"volumes ({', '.join(sorted(RESERVED_VOLUMES))}): rename it"
+            )
+        for mount in self.volume_mounts:
+            if mount.name not in names:
+                raise ValueError(
+                    f"engine.volumeMounts: {mount.name} is not in engine.volumes: add the "
+                    "volume or fix the name"
+                )
+        return self
 
     @model_validator(mode="after")
     def _image_runs_command(self) -> EngineSpec:
@@ -373,11 +605,103 @@ class EplbSpec(_Resource):
         return self
 
 
+class PvcModelSource(_Resource):
+    """A PersistentVolumeClaim holding the weights (ReadOnlyMany, or on one tray's disk)."""
+
+    claim_name: str = Field(pattern=_DNS_SUBDOMAIN, description="the claim's name")
+
+
+class HostPathModelSource(_Resource):
+    """A directory on every tray holding the weights (a node-local cache)."""
+
+    path: str = Field(pattern=r"^/", description="the absolute path on the node")
+
+
+class ImageModelSource(_Resource):
+    """An OCI image holding the weights, mounted as an image volume (Kubernetes 1.33+)."""
+
+    reference: str = Field(min_length=1, max_length=512, description="the image")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="when the kubelet pulls it"
+    )
+
+
+_SOURCES = ("pvc", "hostPath", "image")
+
+
+class ModelSourceSpec(_Resource):
+    """Where the engines find the weights: one volume (a claim, a node directory or an image)
+    mounted read-only at /models, vLLM given ``/models/<path>``; or, with no volume, vLLM
+    downloads ``spec.model`` from the Hugging Face Hub. ``tokenSecret`` gives HF_TOKEN either
+    way (gated models, and tokenizer files vLLM may fetch)."""
+
+    model_config = _admission(
+        (
+            " + ".join(f"(has(self.{source}) ? 1 : 0)" for source in _SOURCES) + " <= 1",
+            f"'modelSource: give one of {', '.join(_SOURCES)}, not several'",
+        ),
+        (
+            "!has(self.path) || self.path == '' || "
+            + " || ".join(f"has(self.{source})" for source in _SOURCES),
+            f"'modelSource.path names a directory in a volume: give one of {', '.join(_SOURCES)}'",
+        ),
+        (
+            _climbs_cel("path"),
+            "\"modelSource.path %s leaves the volume: drop the '..'\".format([self.path])",
+        ),
+    )
+
+    pvc: PvcModelSource | None = Field(default=None, description="weights on a claim")
+    host_path: HostPathModelSource | None = Field(
+        default=None, description="weights in a directory of every tray"
+    )
+    image: ImageModelSource | None = Field(default=None, description="weights in an image")
+    path: str = Field(
+        default="",
+        max_length=1024,
+        pattern=_RELATIVE_PATH,
+        description="the model's directory within the volume (empty: its root)",
+    )
+    token_secret: SecretKey | None = Field(
+        default=None, description="a Secret's key holding a Hugging Face token (HF_TOKEN)"
+    )
+
+    @property
+    def volume(self) -> dict[str, object] | None:
+        """The pod volume's source (a Kubernetes VolumeSource), None for the Hub."""
+        if self.pvc is not None:
+            return {"persistentVolumeClaim": {"claimName": self.pvc.claim_name, "readOnly": True}}
+        if self.host_path is not None:
+            return {"hostPath": {"path": self.host_path.path, "type": "Directory"}}
+        if self.image is not None:
+            return {
+                "image": {"reference": self.image.reference, "pullPolicy": self.image.pull_policy}
+            }
+        return None
+
+    @model_validator(mode="after")
+    def _one_volume(self) -> ModelSourceSpec:
+        given = [self.pvc, self.host_path, self.image]
+        if sum(source is not None for source in given) > 1:
+            raise ValueError(f"modelSource: give one of {', '.join(_SOURCES)}, not several")
+        if _climbs(self.path):
+            raise ValueError(f"modelSource.path {self.path} leaves the volume: drop the '..'")
+        if self.path and not any(source is not None for source in given):
+            raise ValueError(
+                f"modelSource.path names a directory in a volume: give one of {', '.join(_SOURCES)}"
+            )
+        return self
+
+
 _DECODE_GPUS = (
     f"(has(self.cell) && has(self.cell.decode) ? self.cell.decode.gpusPerPod : "
     f"{DEFAULT_GPUS_PER_TRAY})"
 )
 _TRAY_GPUS = f"(has(self.topology) ? self.topology.gpusPerTray : {DEFAULT_GPUS_PER_TRAY})"
+_GPU = f"(has(self.topology) ? self.topology.gpuResource : '{GPU_RESOURCE}')"
+_EPLB_ON = "(has(self.eplb) && (!has(self.eplb.enabled) || self.eplb.enabled))"
+_ENGINE_PROGRAM = "(has(self.engine) && has(self.engine.command) ? self.engine.command[0] : 'vllm')"
+_ENGINE_PROGRAM = f"{_ENGINE_PROGRAM}.substring({_ENGINE_PROGRAM}.lastIndexOf('/') + 1)"
 
 
 class ModelDeploymentSpec(_Resource):
@@ -386,17 +710,71 @@ class ModelDeploymentSpec(_Resource):
             f"{_DECODE_GPUS} == {_TRAY_GPUS}",
             "'cell.decode.gpusPerPod (%d) must equal topology.gpusPerTray (%d): a decode pod "
             f"takes a whole tray'.format([{_DECODE_GPUS}, {_TRAY_GPUS}])",
-        )
+        ),
+        (
+            f"!(has(self.engine) && has(self.engine.resources) && "
+            f"((has(self.engine.resources.requests) && {_GPU} in self.engine.resources.requests)"
+            f" || (has(self.engine.resources.limits) && {_GPU} in self.engine.resources.limits)))",
+            "'engine.resources names %s: the controller gives each pod the GPUs placement "
+            f"chose; remove it'.format([{_GPU}])",
+        ),
+        (
+            f"!({_EPLB_ON} && has(self.eplb.mode) && self.eplb.mode == 'agent' && "
+            f"{_ENGINE_PROGRAM} == 'vllm')",
+            "'eplb.mode agent needs an EPLB agent beside each engine, which baton sim serves "
+            "and vLLM does not (vllm serve refuses --eplb-agent-port): use eplb.mode plugin "
+            "with vLLM, or engine.command [baton, sim]'",
+        ),
     )
 
-    model: str = Field(min_length=1, description="the model vLLM serves")
-    served_model_name: str | None = Field(default=None, description="the name clients use")
+    model: str = Field(
+        min_length=1,
+        description="the model vLLM serves: a Hugging Face Hub id, or the name clients use for "
+        "the weights in modelSource's volume",
+    )
+    served_model_name: str | None = Field(
+        default=None, description="the name clients use (default: model)"
+    )
+    model_source: ModelSourceSpec = Field(
+        default_factory=ModelSourceSpec,
+        description="where the weights are (default: the Hub, by model)",
+    )
     engine: EngineSpec = Field(default_factory=EngineSpec)
     cells: int = Field(default=1, ge=0, le=10_000, description="cells wanted (one per domain)")
     cell: CellSpec = Field(default_factory=CellSpec)
     topology: TopologySpec = Field(default_factory=TopologySpec)
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
     eplb: EplbSpec = Field(default_factory=EplbSpec)
+
+    @property
+    def model_path(self) -> str:
+        """What vLLM is given as its model: the mounted directory, or the Hub id."""
+        if self.model_source.volume is None:
+            return self.model
+        path = self.model_source.path.strip("/")
+        return f"{MODEL_DIR}/{path}" if path else MODEL_DIR
+
+    @model_validator(mode="after")
+    def _gpus_are_placed(self) -> ModelDeploymentSpec:
+        resources = self.engine.resources
+        gpu = self.topology.gpu_resource
+        if gpu in resources.requests or gpu in resources.limits:
+            raise ValueError(
+                f"engine.resources names {gpu}: the controller gives each pod the GPUs placement "
+                "chose; remove it"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _agents_need_the_simulator(self) -> ModelDeploymentSpec:
+        program = self.engine.command[0].rsplit("/", 1)[-1]
+        if self.eplb.enabled and self.eplb.mode == "agent" and program == "vllm":
+            raise ValueError(
+                "eplb.mode agent needs an EPLB agent beside each engine, which baton sim serves "
+                "and vLLM does not (vllm serve refuses --eplb-agent-port): use eplb.mode plugin "
+                "with vLLM, or engine.command [baton, sim]"
+            )
+        return self
 
     @model_validator(mode="after")
     def _decode_fills_trays(self) -> ModelDeploymentSpec:

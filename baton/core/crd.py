@@ -41,6 +41,7 @@ _KEEP = (
     "maxItems",
     "format",
     "x-kubernetes-validations",
+    "x-kubernetes-preserve-unknown-fields",
 )
 
 

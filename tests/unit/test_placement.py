@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from baton.core.api import Reason
+from baton.core.api import Reason, Toleration
 from controller.names import cell_name, decode_pod_name, prefill_pod_name
 from controller.placement import (
     CellPlacement,
@@ -20,9 +20,17 @@ from controller.placement import (
     DeploymentShape,
     Plan,
     PrefillShape,
+    TraySelector,
     plan_placement,
 )
-from controller.topology import Topology, Tray, synthetic_topology, topology_from_trays, tray_name
+from controller.topology import (
+    Topology,
+    Tray,
+    TrayTaint,
+    synthetic_topology,
+    topology_from_trays,
+    tray_name,
+)
 
 PROPERTY = settings(max_examples=300, deadline=None)
 
@@ -288,6 +296,63 @@ def test_no_nvlink_domain_at_all_is_explained() -> None:
     topology = topology_of([Tray("t0", None, 4)])
     (unplaced,) = plan_placement([FLASH], topology).unplaced
     assert "there is no NVLink domain" in unplaced.message
+
+
+GB300 = ("nvidia.com/gpu.product", "NVIDIA-GB300")
+RESERVED = TrayTaint("example.com/reserved", "llm", "NoSchedule")
+
+
+def test_a_node_selector_keeps_cells_on_the_trays_it_names() -> None:
+    # rack a's trays lack the label; rack b's carry it: the cell goes to b though a comes first
+    topology = topology_of(
+        rack("a", 18), rack("b", 18, {i: {"labels": (GB300,)} for i in range(18)})
+    )
+    selected = replace(FLASH, trays=TraySelector(labels=(GB300,)))
+    assert only(plan_placement([selected], topology)).domain == "b"
+    assert only(plan_placement([FLASH], topology)).domain == "a"
+
+
+def test_a_node_selector_no_tray_matches_is_named_in_the_explanation() -> None:
+    selected = replace(FLASH, trays=TraySelector(labels=(GB300,)))
+    (unplaced,) = plan_placement([selected], topology_of(rack("a", 18))).unplaced
+    assert "18 healthy trays left out by engine.nodeSelector or untolerated taints" in str(
+        unplaced.domains
+    )
+
+
+def test_tainted_trays_serve_only_deployments_that_tolerate_the_taint() -> None:
+    tainted = {i: {"schedulable": False, "taints": (RESERVED,)} for i in range(18)}
+    topology = topology_of(rack("a", 18, tainted))
+    assert not plan_placement([FLASH], topology).cells
+    exists = Toleration(key=RESERVED.key, operator="Exists")
+    equal = Toleration(key=RESERVED.key, value="llm", effect="NoSchedule")
+    wrong_value = Toleration(key=RESERVED.key, value="batch")
+    for toleration, placed in ((exists, True), (equal, True), (wrong_value, False)):
+        shape = replace(FLASH, trays=TraySelector(tolerations=(toleration,)))
+        assert bool(plan_placement([shape], topology).cells) is placed, toleration
+
+
+def test_a_cordoned_tray_stays_closed_whatever_the_tolerations() -> None:
+    cordoned = {
+        i: {"schedulable": False, "cordoned": True, "taints": (RESERVED,)} for i in range(18)
+    }
+    shape = replace(FLASH, trays=TraySelector(tolerations=(Toleration(operator="Exists"),)))
+    assert not plan_placement([shape], topology_of(rack("a", 18, cordoned))).cells
+
+
+def test_pods_on_a_tray_tainted_noexecute_stay_only_if_they_tolerate_it() -> None:
+    evict = TrayTaint("example.com/maintenance", "", "NoExecute")
+    tolerant = replace(
+        FLASH, trays=TraySelector(tolerations=(Toleration(key=evict.key, operator="Exists"),))
+    )
+    for shape, stays in ((FLASH, False), (tolerant, True)):
+        before = only(plan_placement([shape], synthetic_topology(1)))
+        rank0 = before.decode_trays[0]
+        later = fail(
+            synthetic_topology(1), rank0, schedulable=False, evicts_pods=True, taints=(evict,)
+        )
+        after = only(plan_placement([shape], later, Plan((before,))))
+        assert (after.decode_trays[0] == rank0) is stays
 
 
 def test_shape_errors_say_why() -> None:

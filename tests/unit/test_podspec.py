@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -252,7 +253,8 @@ def test_plugin_mode_installs_the_plugin_from_batons_image_onto_the_engines_pyth
 
 def test_agent_mode_serves_the_simulators_agent_with_its_token_as_a_file() -> None:
     manifests, _ = rendered(
-        eplb={"mode": "agent", "tokenSecret": {"name": "eplb-token", "key": "token"}}
+        engine={"command": ["baton", "sim"], "image": BATON_IMAGE},
+        eplb={"mode": "agent", "tokenSecret": {"name": "eplb-token", "key": "token"}},
     )
     for pod in pods(manifests, "decode"):
         assert "initContainers" not in pod["spec"]
@@ -265,6 +267,169 @@ def test_agent_mode_serves_the_simulators_agent_with_its_token_as_a_file() -> No
         assert volume["secret"]["secretName"] == "eplb-token"
         assert mount["readOnly"] is True
         assert TOKEN_ENV not in {e["name"] for e in engine["env"]}
+
+
+def test_agent_mode_with_vllm_is_refused_with_the_fix() -> None:
+    with pytest.raises(
+        ValueError, match=re.escape("use eplb.mode plugin with vLLM, or engine.command")
+    ):
+        rendered(eplb={"mode": "agent", "tokenSecret": {"name": "t", "key": "t"}})
+
+
+@pytest.mark.parametrize(
+    ("source", "volume"),
+    [
+        (
+            {"pvc": {"claimName": "dsv4"}},
+            {"persistentVolumeClaim": {"claimName": "dsv4", "readOnly": True}},
+        ),
+        (
+            {"hostPath": {"path": "/mnt/models"}},
+            {"hostPath": {"path": "/mnt/models", "type": "Directory"}},
+        ),
+        (
+            {"image": {"reference": "registry.example/dsv4-weights:1"}},
+            {
+                "image": {
+                    "reference": "registry.example/dsv4-weights:1",
+                    "pullPolicy": "IfNotPresent",
+                }
+            },
+        ),
+    ],
+    ids=["pvc", "host-path", "image"],
+)
+def test_the_model_volume_is_mounted_read_only_and_vllm_serves_its_directory(
+    source: dict[str, Any], volume: dict[str, Any]
+) -> None:
+    manifests, _ = rendered(modelSource={**source, "path": "deepseek-ai/DeepSeek-V4.1-Flash"})
+    for pod in pods(manifests, "decode") + pods(manifests, "prefill"):
+        engine = pod["spec"]["containers"][0]
+        assert engine["command"][2] == "/models/deepseek-ai/DeepSeek-V4.1-Flash"
+        # clients keep the model's name
+        assert flag(engine["command"], "--served-model-name") == "deepseek-ai/DeepSeek-V4.1-Flash"
+        [mount] = [m for m in engine["volumeMounts"] if m["mountPath"] == "/models"]
+        assert mount["readOnly"] is True
+        [model] = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert {k: v for k, v in model.items() if k != "name"} == volume
+
+
+def test_without_a_volume_vllm_downloads_the_model_by_its_hub_id_with_the_token() -> None:
+    manifests, _ = rendered(modelSource={"tokenSecret": {"name": "hf", "key": "token"}})
+    for pod in pods(manifests, "decode") + pods(manifests, "prefill"):
+        engine = pod["spec"]["containers"][0]
+        assert engine["command"][2] == "deepseek-ai/DeepSeek-V4.1-Flash"
+        [token] = [e for e in engine["env"] if e["name"] == "HF_TOKEN"]
+        assert token == {
+            "name": "HF_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}},
+        }
+        assert "hf" not in " ".join(engine["command"])
+
+
+def test_resources_scheduling_env_and_volumes_reach_every_engine_pod() -> None:
+    manifests, _ = rendered(
+        engine={
+            "resources": {
+                "requests": {"cpu": "32", "memory": "512Gi", "hugepages-2Mi": "8Gi"},
+                "limits": {"memory": "600Gi", "hugepages-2Mi": "8Gi", "rdma/ib": "1"},
+            },
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-GB300"},
+            "tolerations": [{"key": "example.com/reserved", "operator": "Exists"}],
+            "priorityClassName": "inference-critical",
+            "env": [
+                {"name": "PLAIN", "value": "1"},
+                {"name": "FROM_MAP", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}},
+            ],
+            "volumes": [{"name": "hf-cache", "hostPath": {"path": "/var/cache/hf"}}],
+            "volumeMounts": [{"name": "hf-cache", "mountPath": "/root/.cache/huggingface"}],
+        }
+    )
+    for pod in pods(manifests, "decode") + pods(manifests, "prefill"):
+        spec = pod["spec"]
+        engine = spec["containers"][0]
+        gpus = engine["resources"]["limits"]["nvidia.com/gpu"]
+        assert engine["resources"]["requests"] == {
+            "cpu": "32",
+            "memory": "512Gi",
+            "hugepages-2Mi": "8Gi",
+            "nvidia.com/gpu": gpus,
+        }
+        assert engine["resources"]["limits"]["rdma/ib"] == "1"
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-GB300"}
+        assert {"key": "example.com/reserved", "operator": "Exists"} in spec["tolerations"]
+        assert spec["priorityClassName"] == "inference-critical"
+        assert {"name": "PLAIN", "value": "1"} in engine["env"]
+        assert {
+            "name": "FROM_MAP",
+            "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}},
+        } in engine["env"]
+        assert {"name": "hf-cache", "hostPath": {"path": "/var/cache/hf"}} in spec["volumes"]
+        assert {"name": "hf-cache", "mountPath": "/root/.cache/huggingface"} in engine[
+            "volumeMounts"
+        ]
+    gpus_per_role = {
+        role: {
+            p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+            for p in pods(manifests, role)
+        }
+        for role in ("decode", "prefill")
+    }
+    assert gpus_per_role == {"decode": {"4"}, "prefill": {"2"}}  # the controller's, always
+
+
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        (
+            {"resources": {"limits": {"nvidia.com/gpu": "4"}}},
+            "engine.resources names nvidia.com/gpu",
+        ),
+        ({"resources": {"requests": {"cpu": "lots"}}}, "String should match pattern"),
+        ({"volumes": [{"name": "dshm", "emptyDir": {}}]}, "taken by Baton's own volumes"),
+        ({"volumes": [{"name": "cache"}]}, "volume cache has no source"),
+        (
+            {"volumeMounts": [{"name": "cache", "mountPath": "/c"}]},
+            "cache is not in engine.volumes",
+        ),
+        (
+            {
+                "env": [
+                    {
+                        "name": "A",
+                        "value": "1",
+                        "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}},
+                    }
+                ]
+            },
+            "give value or valueFrom, not both",
+        ),
+        ({"tolerations": [{"operator": "Exists", "value": "x"}]}, "operator Exists takes no value"),
+    ],
+)
+def test_engine_options_a_pod_cannot_carry_are_refused_with_the_fix(
+    engine: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rendered(engine=engine)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            {"pvc": {"claimName": "a"}, "hostPath": {"path": "/m"}},
+            "give one of pvc, hostPath, image, not several",
+        ),
+        ({"path": "dsv4"}, "names a directory in a volume"),
+        ({"pvc": {"claimName": "a"}, "path": "../etc"}, "leaves the volume"),
+    ],
+)
+def test_a_model_source_that_names_no_one_directory_is_refused(
+    source: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rendered(modelSource=source)
 
 
 @pytest.mark.parametrize(

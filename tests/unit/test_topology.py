@@ -17,6 +17,7 @@ from controller.topology import (
     Topology,
     TopologyError,
     Tray,
+    TrayTaint,
     parse_topology,
     synthetic_nodes,
     synthetic_topology,
@@ -141,6 +142,19 @@ def test_only_untolerated_blocking_taints_make_a_tray_unschedulable(
     assert tray.schedulable is schedulable
     assert tray.evicts_pods is evicts
     assert tray.keeps_pods is not evicts
+
+
+def test_a_tray_keeps_its_blocking_taints_and_labels_for_deployments_that_name_them() -> None:
+    taints = [
+        {"key": "example.com/reserved", "value": "llm", "effect": "NoSchedule"},
+        {"key": "nvidia.com/gpu", "effect": "NoSchedule"},
+        {"key": "soft", "effect": "PreferNoSchedule"},
+    ]
+    tray = only_tray(node("t0", taints=taints))
+    assert tray.taints == (TrayTaint("example.com/reserved", "llm", "NoSchedule"),)
+    assert not tray.schedulable and not tray.cordoned
+    assert ("kubernetes.io/hostname", "t0") in tray.labels
+    assert only_tray(node("t1", unschedulable=True)).cordoned
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,15 @@ def test_every_decode_line_parses_as_the_wide_ep_rank_it_is_meant_to_be(
         assert speculative == (json.loads(MTP[1]) if args else None)
 
 
+def test_a_mounted_model_is_served_from_its_directory_under_the_hub_name(vllm: Vllm) -> None:
+    source = {"pvc": {"claimName": "weights"}, "path": "deepseek-ai/DeepSeek-V4.1-Flash"}
+    for role in ("decode", "prefill"):
+        for command in commands(role, modelSource=source):
+            parsed = serve(vllm, command)
+            assert parsed["model"] == "/models/deepseek-ai/DeepSeek-V4.1-Flash"
+            assert parsed["served_model_name"] == [MODEL]
+
+
 def test_every_prefill_line_parses_as_a_dep2_instance(vllm: Vllm) -> None:
     lines = commands("prefill", cell={"prefill": {"instances": 4}})
     assert len(lines) == 4
