@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -200,6 +201,47 @@ def test_the_helm_test_pods_check_passes_against_a_running_gateway_and_fails_wit
     eventually(lambda: check(gateway.url).returncode == 0, timeout=30)
     assert "serving dsv4" in check(gateway.url).stdout
     assert check(f"http://127.0.0.1:{free_port()}").returncode != 0
+
+
+def test_the_helm_test_pod_sends_one_of_the_gateways_api_keys_from_its_secret(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
+) -> None:
+    rendered = helm(
+        "template",
+        "b",
+        str(CHART),
+        "--set",
+        "gateway.modelDeployment=serving/dsv4",
+        "--set",
+        "gateway.apiKeySecret.name=gateway-keys",
+        "--show-only",
+        "templates/tests/gateway.yaml",
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    [container] = yaml.safe_load(rendered.stdout)["spec"]["containers"]
+    [keys] = container["env"]
+    assert keys == {
+        "name": "BATON_API_KEYS",
+        "valueFrom": {"secretKeyRef": {"name": "gateway-keys", "key": "api-keys"}},
+    }
+    script = container["command"][2]
+    engine = start_sim("--served-model-name", "dsv4")
+    gateway = start_gateway("--decode", engine.url, "--api-key", "k-1", "--api-key", "k-2")
+
+    def check(secret: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", script.replace("http://b-baton-gateway:8000", gateway.url)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={**os.environ, "BATON_API_KEYS": secret},
+        )
+
+    eventually(lambda: check("k-2, k-1").returncode == 0, timeout=30)
+    assert "serving dsv4" in check("k-1").stdout
+    refused = check("")  # the chart before: no key sent
+    assert refused.returncode != 0 and "401" in refused.stderr
 
 
 def render(*args: str) -> list[dict[str, Any]]:
