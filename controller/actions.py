@@ -37,6 +37,7 @@ class Actions:
     delete_pods: tuple[str, ...] = ()
     delete_services: tuple[str, ...] = ()
     delete_compute_domains: tuple[str, ...] = ()
+    delete_resource_claims: tuple[str, ...] = ()
     ungate: tuple[str, ...] = ()
     trays: tuple[TrayMark, ...] = ()
     status: dict[str, dict[str, Any]] = field(default_factory=dict)  # deployment -> new status

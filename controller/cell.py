@@ -16,8 +16,10 @@ instances and its scheduling gates, each decided by a function that returns what
   changes what a pod would be (image, flags, env), the decode group is restarted as a whole on
   the new spec (a planned restart: no backoff, no budget) and prefill instances are replaced one
   at a time while the others serve.
-- Where the cluster serves NVIDIA's ComputeDomain API, each cell gets its ComputeDomain and its
-  decode pods claim the domain's IMEX channel (``controller/podspec.py``).
+- Where the cluster serves NVIDIA's ComputeDomain API, each cell gets its ComputeDomain; its
+  decode pods claim the domain's IMEX channel from its template, and once the domain has a UID
+  each tray holding the cell's prefill gets the claim its prefill pods share
+  (``controller/podspec.py``).
 
 Pure: no I/O.
 """
@@ -35,6 +37,7 @@ from controller.actions import Event
 from controller.names import (
     compute_domain_name,
     decode_pod_name,
+    prefill_channel_claim_name,
     prefill_index,
     prefill_pod_name,
 )
@@ -55,7 +58,7 @@ from controller.observe import (
     tray_keeps_pods,
 )
 from controller.placement import CellPlacement
-from controller.podspec import compute_domain, render_cell
+from controller.podspec import compute_domain, prefill_channel_claim, render_cell
 from controller.restarts import RestartPolicy, TrayFailure
 from controller.topology import Topology
 
@@ -140,12 +143,28 @@ def plan_cell(
     objects: list[Manifest] = []
     if service["metadata"]["name"] not in {s["metadata"]["name"] for s in observed.services}:
         objects.append(service)
-    domains = {d["metadata"]["name"] for d in observed.compute_domains or ()}
-    if imex and compute_domain_name(cell.name) not in domains:
+    domains = {d["metadata"]["name"]: d for d in observed.compute_domains or ()}
+    domain = domains.get(compute_domain_name(cell.name))
+    if imex and domain is None:
         objects.append(
             compute_domain(
                 cell.name, deployment=view.name, uid=view.uid, namespace=observed.namespace
             )
+        )
+    domain_uid = (domain or {}).get("metadata", {}).get("uid")
+    if domain_uid:  # a claim names its domain by UID: made once the domain exists
+        claims = {c["metadata"]["name"] for c in observed.resource_claims}
+        objects.extend(
+            prefill_channel_claim(
+                cell.name,
+                tray,
+                domain_uid=domain_uid,
+                deployment=view.name,
+                uid=view.uid,
+                namespace=observed.namespace,
+            )
+            for tray in sorted({instance.tray for instance in cell.prefill})
+            if prefill_channel_claim_name(cell.name, tray) not in claims
         )
     pods = view.cell_pods(cell.name)
     live = {n: p for n, p in pods.items() if not terminating(p)}

@@ -22,17 +22,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from baton.core.api import Endpoints, ModelDeploymentStatus, Reason
+from baton.core.labels import DEPLOYMENT_LABEL
 from controller.actions import Actions, Event
 from controller.cell import CellActions, plan_cell
-from controller.names import cell_name
+from controller.names import cell_name, prefill_channel_claim_name
 from controller.observe import (
     DeploymentView,
     InvalidDeployment,
     Manifest,
     Observed,
     cell_of,
+    claims_of,
     current_cells,
     deployments,
+    labels,
     left_behind,
     recorded_status,
     rfc3339,
@@ -65,6 +68,7 @@ class _DeploymentActions:
     delete_pods: tuple[str, ...]
     delete_services: tuple[str, ...]
     delete_compute_domains: tuple[str, ...]
+    delete_resource_claims: tuple[str, ...]
     ungate: tuple[str, ...]
     events: tuple[Event, ...]
     failures: tuple[TrayFailure, ...]
@@ -107,6 +111,7 @@ def decide(observed: Observed, policy: RestartPolicy | None = None) -> Actions:
         delete_pods=tuple(n for share in shares for n in share.delete_pods),
         delete_services=tuple(n for share in shares for n in share.delete_services),
         delete_compute_domains=tuple(n for share in shares for n in share.delete_compute_domains),
+        delete_resource_claims=tuple(n for share in shares for n in share.delete_resource_claims),
         ungate=tuple(n for share in shares for n in share.ungate),
         trays=tuple(marks),
         status=status,
@@ -182,6 +187,7 @@ def _deployment_actions(
             for d in observed.compute_domains or ()
             if left_behind(d, name, kept)
         ),
+        delete_resource_claims=_claims_left_behind(name, plan, view, observed),
         ungate=tuple(n for actions in cells.values() for n in actions.ungate),
         events=tuple(events),
         failures=tuple(f for actions in cells.values() for f in actions.failures),
@@ -190,6 +196,27 @@ def _deployment_actions(
             (a.decode.wake_in for a in cells.values() if a.decode.wake_in is not None),
             default=None,
         ),
+    )
+
+
+def _claims_left_behind(
+    deployment: str, plan: Plan, view: DeploymentView, observed: Observed
+) -> tuple[str, ...]:
+    """The deployment's prefill channel claims that no planned prefill instance will use and no
+    pod still names (a tray its prefill left, a cell removed)."""
+    wanted = {
+        prefill_channel_claim_name(cell.name, instance.tray)
+        for cell in plan.cells
+        if cell.deployment == deployment
+        for instance in cell.prefill
+    }
+    named = {claim for pod in view.pods.values() for claim in claims_of(pod)}
+    return tuple(
+        c["metadata"]["name"]
+        for c in observed.resource_claims
+        if labels(c).get(DEPLOYMENT_LABEL) == deployment
+        and c["metadata"]["name"] not in wanted | named
+        and not c["metadata"].get("deletionTimestamp")
     )
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "decode_pod_name",
     "decode_service",
     "leader_host",
+    "prefill_channel_claim_name",
     "prefill_index",
     "prefill_pod_name",
 ]
@@ -57,3 +58,8 @@ def compute_domain_name(cell: str) -> str:
 def channel_template_name(cell: str) -> str:
     """The ResourceClaimTemplate NVIDIA's ComputeDomain controller creates for the domain."""
     return f"{cell}-imex-channel"
+
+
+def prefill_channel_claim_name(cell: str, tray: str) -> str:
+    """The ResourceClaim the cell's prefill pods on ``tray`` share for its IMEX channel."""
+    return f"{cell}-prefill-imex-{tray}"

@@ -71,6 +71,8 @@ class Observed:
     now: datetime
     # The namespace's ComputeDomains; None when the cluster does not serve the API.
     compute_domains: Sequence[Mapping[str, Any]] | None = None
+    # The ResourceClaims Baton made in the namespace (prefill pods' IMEX channels).
+    resource_claims: Sequence[Mapping[str, Any]] = ()
 
 
 def rfc3339(moment: datetime) -> str:
@@ -96,6 +98,15 @@ def left_behind(obj: Mapping[str, Any], deployment: str, kept: set[str | None]) 
     """A per-cell object (Service, ComputeDomain) of ``deployment`` whose cell is in none of
     ``kept`` (neither planned nor still running pods)."""
     return labels(obj).get(DEPLOYMENT_LABEL) == deployment and cell_of(obj) not in kept
+
+
+def claims_of(pod: Mapping[str, Any]) -> set[str]:
+    """The ResourceClaims a pod names (not those made for it from a template)."""
+    return {
+        claim["resourceClaimName"]
+        for claim in pod.get("spec", {}).get("resourceClaims") or ()
+        if claim.get("resourceClaimName")
+    }
 
 
 def planned_tray(pod: Mapping[str, Any]) -> str | None:

@@ -11,11 +11,12 @@ pod over its local ranks; rank 0's pod leads, reached through the cell's headles
       --kv-transfer-config {NixlConnector} [--enable-eplb --eplb-config {...}] <args>
 
 When the cluster serves NVIDIA's ComputeDomain API, each cell gets one ComputeDomain (its IMEX
-domain) and every decode pod claims its channel through the domain's ResourceClaimTemplate: the
-DEP32 group's all-to-all crosses trays over the NVLink fabric, which needs IMEX. One decode pod
-per tray keeps to the driver's one channel claim per node. Prefill pods claim no channel: a DEP2
-instance stays on one tray, and two of them share a tray, which one claim per node forbids
-(k8s-dra-driver-gpu#309).
+domain) and every pod of the cell joins it: the DEP32 group's all-to-all crosses trays over the
+NVLink fabric, and so does the P->D KV handoff (NIXL over UCX cuda_ipc between trays), both of
+which need IMEX on each side. NVIDIA's driver publishes one channel per node and allocates it to
+one claim (k8s-dra-driver-gpu#309), so a decode pod (alone on its tray) claims it through the
+domain's ResourceClaimTemplate, and the prefill pods of one tray share one ResourceClaim the
+controller makes for that tray (``prefill_channel_claim``).
 
 Prefill instances run their DEP2 line on their planned GPUs of a tray. Every pod is created
 behind the ``baton.dev/cell`` scheduling gate with a required node affinity to its tray, carries
@@ -48,6 +49,7 @@ from controller.names import (
     decode_pod_name,
     decode_service,
     leader_host,
+    prefill_channel_claim_name,
     prefill_pod_name,
 )
 from controller.placement import CellPlacement
@@ -60,8 +62,10 @@ __all__ = [
     "EPLB_TOKEN_DIR",
     "NIXL_PORT",
     "PLUGIN_DIR",
+    "RESOURCE_CLAIM_API",
     "compute_domain",
     "decode_command",
+    "prefill_channel_claim",
     "prefill_command",
     "render_cell",
 ]
@@ -72,6 +76,7 @@ DP_RPC_PORT = 5555
 EPLB_AGENT_PORT = 50100  # Baton's EPLB agent beside a decode engine (docs/eplb-protocol.md)
 Manifest = dict[str, Any]
 COMPUTE_DOMAIN_API = ("resource.nvidia.com", "v1beta1", "computedomains")
+RESOURCE_CLAIM_API = ("resource.k8s.io", "v1", "resourceclaims")
 _CHANNEL_CLAIM = "imex-channel"
 _SHM = "dshm"
 _MODEL_VOLUME = "model"  # spec.modelSource's volume, at MODEL_DIR
@@ -135,6 +140,48 @@ def compute_domain(cell: str, *, deployment: str, uid: str, namespace: str) -> M
                 "resourceClaimTemplate": {"name": channel_template_name(cell)},
                 "allocationMode": "Single",
             },
+        },
+    }
+
+
+# What NVIDIA's ComputeDomain controller puts in the domain's ResourceClaimTemplate: the driver's
+# channel device class and the domain's UID in the driver's channel config.
+_CHANNEL_CLASS = "compute-domain-default-channel.nvidia.com"
+_CD_DRIVER = "compute-domain.nvidia.com"
+
+
+def prefill_channel_claim(
+    cell: str, tray: str, *, domain_uid: str, deployment: str, uid: str, namespace: str
+) -> Manifest:
+    """The IMEX channel claim the prefill pods of ``cell`` on ``tray`` share (the channel of
+    the cell's ComputeDomain, whose UID is ``domain_uid``)."""
+    return {
+        "apiVersion": "/".join(RESOURCE_CLAIM_API[:2]),
+        "kind": "ResourceClaim",
+        "metadata": {
+            "name": prefill_channel_claim_name(cell, tray),
+            "namespace": namespace,
+            "labels": {DEPLOYMENT_LABEL: deployment, CELL_LABEL: cell, ROLE_LABEL: "prefill"},
+            "ownerReferences": [_owner(deployment, uid)],
+        },
+        "spec": {
+            "devices": {
+                "requests": [{"name": "channel", "exactly": {"deviceClassName": _CHANNEL_CLASS}}],
+                "config": [
+                    {
+                        "requests": ["channel"],
+                        "opaque": {
+                            "driver": _CD_DRIVER,
+                            "parameters": {
+                                "apiVersion": "resource.nvidia.com/v1beta1",
+                                "kind": "ComputeDomainChannelConfig",
+                                "domainID": domain_uid,
+                                "allocationMode": "Single",
+                            },
+                        },
+                    }
+                ],
+            }
         },
     }
 
@@ -424,7 +471,8 @@ def render_cell(
     compute_domain: bool = False,
 ) -> list[Manifest]:
     """The headless Service and every pod of ``cell``, in creation order; with
-    ``compute_domain`` (the cluster serves the API), decode pods claim the cell's IMEX channel."""
+    ``compute_domain`` (the cluster serves the API), every pod claims the cell's IMEX channel
+    (decode pods from the domain's template, prefill pods their tray's shared claim)."""
     gpu_resource = spec.topology.gpu_resource
     decode = spec.cell.decode
     service: Manifest = {
@@ -464,31 +512,30 @@ def render_cell(
         pod["spec"]["subdomain"] = decode_service(cell.name)
         _with_eplb(pod, spec, namespace=namespace, deployment=deployment, cell=cell.name)
         if compute_domain:
-            pod["spec"]["resourceClaims"] = [
-                {
-                    "name": _CHANNEL_CLAIM,
-                    "resourceClaimTemplateName": channel_template_name(cell.name),
-                }
-            ]
-            pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": _CHANNEL_CLAIM}]
+            _claim_channel(pod, {"resourceClaimTemplateName": channel_template_name(cell.name)})
         manifests.append(_stamp(pod))
-    manifests.extend(
-        _stamp(
-            _pod(
-                prefill_pod_name(cell.name, instance.index),
-                deployment=deployment,
-                uid=uid,
-                namespace=namespace,
-                cell=cell.name,
-                role="prefill",
-                rank=instance.index,
-                tray=instance.tray,
-                gpus=len(instance.gpus),
-                command=prefill_command(spec),
-                spec=spec,
-                gpu_resource=gpu_resource,
-            )
+    for instance in cell.prefill:
+        pod = _pod(
+            prefill_pod_name(cell.name, instance.index),
+            deployment=deployment,
+            uid=uid,
+            namespace=namespace,
+            cell=cell.name,
+            role="prefill",
+            rank=instance.index,
+            tray=instance.tray,
+            gpus=len(instance.gpus),
+            command=prefill_command(spec),
+            spec=spec,
+            gpu_resource=gpu_resource,
         )
-        for instance in cell.prefill
-    )
+        if compute_domain:
+            claim = prefill_channel_claim_name(cell.name, instance.tray)
+            _claim_channel(pod, {"resourceClaimName": claim})
+        manifests.append(_stamp(pod))
     return manifests
+
+
+def _claim_channel(pod: Manifest, source: Manifest) -> None:
+    pod["spec"]["resourceClaims"] = [{"name": _CHANNEL_CLAIM, **source}]
+    pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": _CHANNEL_CLAIM}]

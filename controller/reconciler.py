@@ -45,7 +45,7 @@ from controller.decide import decide
 from controller.events import EventWrite, Occurrences
 from controller.leader import LeaseElector
 from controller.observe import Observed, rfc3339
-from controller.podspec import COMPUTE_DOMAIN_API
+from controller.podspec import COMPUTE_DOMAIN_API, RESOURCE_CLAIM_API
 from controller.restarts import RestartPolicy
 from controller.runtime import Informer, WorkQueue
 
@@ -343,7 +343,25 @@ class Controller:
         domains: list[dict[str, Any]] = raw_json(response)["items"]
         return domains
 
+    def _resource_claims(self, namespace: str, served: bool) -> list[dict[str, Any]]:
+        """The namespace's ResourceClaims that Baton made (prefill pods' IMEX channels), listed
+        only where the cluster serves ComputeDomains: no channel claim is made elsewhere."""
+        if not served:
+            return []
+        group, version, plural = RESOURCE_CLAIM_API
+        response = self.custom.list_namespaced_custom_object(
+            group,
+            version,
+            namespace,
+            plural,
+            label_selector=DEPLOYMENT_LABEL,
+            _preload_content=False,
+        )
+        claims: list[dict[str, Any]] = raw_json(response)["items"]
+        return claims
+
     def observe(self, namespace: str) -> Observed:
+        domains = self._compute_domains(namespace)
         return Observed(
             namespace=namespace,
             deployments=[
@@ -353,7 +371,8 @@ class Controller:
             pods=self.pods.items(),
             services=[s for s in self.services.items() if s["metadata"]["namespace"] == namespace],
             now=datetime.now(UTC),
-            compute_domains=self._compute_domains(namespace),
+            compute_domains=domains,
+            resource_claims=self._resource_claims(namespace, domains is not None),
         )
 
     def reconcile(self, namespace: str) -> Actions:
@@ -387,7 +406,7 @@ class Controller:
             }
             for manifest in actions.create:
                 name = manifest["metadata"]["name"]
-                if manifest["kind"] == "ComputeDomain":
+                if manifest["kind"] in ("ComputeDomain", "ResourceClaim"):
                     continue  # not cached: listed afresh by every reconcile
                 if name not in (services if manifest["kind"] == "Service" else pods):
                     return f"created {manifest['kind']} {name}"
@@ -452,11 +471,33 @@ class Controller:
                 plural,
                 name,
             )
+        claim_group, claim_version, claims = RESOURCE_CLAIM_API
+        for name in actions.delete_resource_claims:
+            self._count("delete", claims)
+            _ignore(
+                404,
+                self.custom.delete_namespaced_custom_object,
+                claim_group,
+                claim_version,
+                namespace,
+                claims,
+                name,
+            )
         for manifest in actions.create:
             kind = manifest["kind"]
             self._count("create", kind.lower() + "s")
             # already there: the cache lagged (409)
-            if kind == "ComputeDomain":
+            if kind == "ResourceClaim":
+                _ignore(
+                    409,
+                    self.custom.create_namespaced_custom_object,
+                    claim_group,
+                    claim_version,
+                    namespace,
+                    claims,
+                    manifest,
+                )
+            elif kind == "ComputeDomain":
                 _ignore(
                     409,
                     self.custom.create_namespaced_custom_object,

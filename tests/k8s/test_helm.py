@@ -433,11 +433,18 @@ def test_the_controllers_rbac_is_exactly_what_it_does_running_a_deployment_throu
         stop_process(process)
 
     # Where NVIDIA's ComputeDomain API is served (checked when a controller starts, then every
-    # minute), a cell gets one, deleted with it. The pods claiming its channel stay Pending here:
-    # no DRA driver runs.
+    # minute), a cell gets one and its prefill trays their shared channel claims, deleted with
+    # it. The pods claiming a channel stay Pending here: no DRA driver runs.
     def compute_domains() -> list[dict[str, Any]]:
         listed = custom.list_namespaced_custom_object(
             "resource.nvidia.com", "v1beta1", namespace, "computedomains"
+        )
+        items: list[dict[str, Any]] = cast(dict[str, Any], listed)["items"]
+        return items
+
+    def channel_claims() -> list[dict[str, Any]]:
+        listed = custom.list_namespaced_custom_object(
+            "resource.k8s.io", "v1", namespace, "resourceclaims"
         )
         items: list[dict[str, Any]] = cast(dict[str, Any], listed)["items"]
         return items
@@ -452,9 +459,13 @@ def test_the_controllers_rbac_is_exactly_what_it_does_running_a_deployment_throu
         )
         try:
             patch_model_deployment_spec(api, namespace, "dsv4", {"cells": 1})
-            eventually(compute_domains, timeout=60, interval=0.25)
+            eventually(channel_claims, timeout=60, interval=0.25)
             patch_model_deployment_spec(api, namespace, "dsv4", {"cells": 0})
-            eventually(lambda: cell_gone() and not compute_domains(), timeout=60, interval=0.25)
+            eventually(
+                lambda: cell_gone() and not compute_domains() and not channel_claims(),
+                timeout=60,
+                interval=0.25,
+            )
         finally:
             stop_process(process)
     log = controller_log(control_plane, f"sa-{namespace}")

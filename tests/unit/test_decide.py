@@ -305,6 +305,42 @@ def test_where_the_api_is_served_each_cell_gets_its_compute_domain_once() -> Non
     assert not [m for m in without_api.create if m["kind"] == "ComputeDomain"]
 
 
+def test_each_prefill_tray_gets_one_shared_channel_claim_once_the_domain_has_a_uid() -> None:
+    w = world(cell={"prefill": {"instances": 4}})
+    observed = w.observe()
+    first = decide(replace(observed, compute_domains=[]))
+    assert not [m for m in first.create if m["kind"] == "ResourceClaim"]  # no UID to name yet
+    [domain] = [m for m in first.create if m["kind"] == "ComputeDomain"]
+    domain["metadata"]["uid"] = "cd-uid-1"
+    second = decide(replace(observed, compute_domains=[domain]))
+    claims = [m for m in second.create if m["kind"] == "ResourceClaim"]
+    prefill_pods = [
+        m for m in second.create if m["kind"] == "Pod" and "-prefill-" in m["metadata"]["name"]
+    ]
+    named = {p["spec"]["resourceClaims"][0]["resourceClaimName"] for p in prefill_pods}
+    assert {c["metadata"]["name"] for c in claims} == named
+    assert len(claims) == 2  # four DEP2 instances on two 4-GPU trays
+    for claim in claims:
+        parameters = claim["spec"]["devices"]["config"][0]["opaque"]["parameters"]
+        assert parameters["domainID"] == "cd-uid-1"
+    third = decide(replace(observed, compute_domains=[domain], resource_claims=claims))
+    assert not [m for m in third.create if m["kind"] == "ResourceClaim"]
+    assert third.delete_resource_claims == ()
+
+
+def test_a_channel_claim_no_prefill_instance_needs_is_deleted() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    stale = {
+        "metadata": {
+            "name": "dsv4-cell-0-prefill-imex-gone-tray",
+            "labels": {"baton.dev/deployment": "dsv4", "baton.dev/cell": "dsv4-cell-0"},
+        }
+    }
+    other = {"metadata": {"name": "theirs", "labels": {"baton.dev/deployment": "other"}}}
+    decision = decide(replace(w.observe(), compute_domains=[], resource_claims=[stale, other]))
+    assert decision.delete_resource_claims == ("dsv4-cell-0-prefill-imex-gone-tray",)
+
+
 def hashes(w: World, role: str) -> set[str]:
     return {
         p["metadata"]["annotations"]["baton.dev/pod-template-hash"]

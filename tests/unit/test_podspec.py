@@ -147,7 +147,7 @@ def test_the_same_pods_run_baton_sim_when_engine_command_says_so(role: str) -> N
     assert config.kv_transfer.nixl
 
 
-def test_with_compute_domains_decode_pods_claim_the_cells_imex_channel_and_prefill_none() -> None:
+def test_with_compute_domains_every_pod_joins_the_cells_imex_domain() -> None:
     deployment = ModelDeployment.model_validate(
         {"metadata": {"name": "dsv4"}, "spec": {"model": "deepseek-ai/DeepSeek-V4.1-Flash"}}
     )
@@ -165,8 +165,16 @@ def test_with_compute_domains_decode_pods_claim_the_cells_imex_channel_and_prefi
             {"name": "imex-channel", "resourceClaimTemplateName": "dsv4-cell-0-imex-channel"}
         ]
         assert pod["spec"]["containers"][0]["resources"]["claims"] == [{"name": "imex-channel"}]
+    by_tray: dict[str, set[str]] = {}
     for pod in pods(manifests, "prefill"):  # two share a tray: one channel claim per node
-        assert "resourceClaims" not in pod["spec"]
+        [claim] = pod["spec"]["resourceClaims"]
+        tray = pod["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]["nodeSelectorTerms"][0]["matchExpressions"][0]["values"][0]
+        by_tray.setdefault(tray, set()).add(claim["resourceClaimName"])
+        assert pod["spec"]["containers"][0]["resources"]["claims"] == [{"name": claim["name"]}]
+    assert by_tray == {tray: {f"dsv4-cell-0-prefill-imex-{tray}"} for tray in by_tray}
+    assert len(by_tray) < len(pods(manifests, "prefill"))  # pods of one tray share its claim
     domain = compute_domain("dsv4-cell-0", deployment="dsv4", uid="u-1", namespace="serving")
     assert domain["spec"]["channel"] == {
         "resourceClaimTemplate": {"name": "dsv4-cell-0-imex-channel"},
