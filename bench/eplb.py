@@ -17,7 +17,10 @@
      switch, the placement from the plugin's own code (``eplb.vllm_plugin.rebalance_window``:
      Baton's algorithm, experts kept where they are), at the study's cadence and at 500 / 500;
 
-   each with 32 and with 0 redundant experts; the share of the gap to uniform recovered. Every
+   each with 32 and with 0 redundant experts; the share of the gap to uniform recovered. The
+   draft is the study's DSpark draft, which vLLM 0.33 leaves out of its in-engine EPLB
+   (``baton.core.model.draft_balanced_in_engine``): in every configuration vLLM runs (its
+   policy in-engine, Baton's plugin) it keeps its plain layout; Baton's service balances it. Every
    switch costs its copies (``sim.perf.switch_copy_seconds``: per layer, the most experts a rank
    receives over its NVLink), carried by the decode steps it overlaps; the mean decode step
    (``sim.perf.step_seconds`` at 72 requests per GPU, 6 tokens each, 128K context, from the
@@ -47,7 +50,14 @@ import numpy as np
 
 from baton.core.eplb_wire import decode_placement, encode_placement
 from baton.core.experts import Placement, balance, moves
-from baton.core.model import DRAFT, EXPERT_BYTES, TARGET, MoEModel
+from baton.core.model import (
+    DRAFT,
+    EXPERT_BYTES,
+    SPECULATIVE_METHOD,
+    TARGET,
+    MoEModel,
+    draft_balanced_in_engine,
+)
 from baton.core.vllm_eplb import vllm_rebalance
 from eplb.algorithm import rebalance
 from eplb.client import AgentClient
@@ -108,6 +118,9 @@ def _plugin(load: np.ndarray, current: Placement, boundary: int) -> Placement:
 class Configuration:
     schedule: EplbSchedule | None  # None: no EPLB
     rebalancer: Rebalancer | None = None  # None: vLLM's in-engine policy
+    # vLLM's own EPLB runs it (in-engine or Baton's plugin): the draft is balanced only where
+    # vLLM registers it (draft_balanced_in_engine); Baton's service balances any model
+    in_engine: bool = False
 
 
 def _in_engine(redundant: int) -> EplbSchedule:
@@ -125,16 +138,20 @@ def _service_cadence(redundant: int) -> EplbSchedule:
 
 CONFIGURATIONS = {
     "no_eplb": Configuration(None),
-    "vllm_32": Configuration(_in_engine(32)),
-    "vllm_0": Configuration(_in_engine(0)),
+    "vllm_32": Configuration(_in_engine(32), in_engine=True),
+    "vllm_0": Configuration(_in_engine(0), in_engine=True),
     "service_32": Configuration(_service_cadence(32), _service),
     "service_0": Configuration(_service_cadence(0), _service),
     "vllm_policy_at_service_cadence_32": Configuration(_service_cadence(32)),
-    "plugin_32": Configuration(_in_engine(32), _plugin),
+    "plugin_32": Configuration(_in_engine(32), _plugin, in_engine=True),
     "plugin_32_at_500": Configuration(
-        EplbSchedule(step_interval=500, window_size=500, num_redundant_experts=32), _plugin
+        EplbSchedule(step_interval=500, window_size=500, num_redundant_experts=32),
+        _plugin,
+        in_engine=True,
     ),
 }
+# The study's draft as vLLM 0.33 serves it: DSpark, whose V4.1 draft vLLM does not balance.
+DRAFT_BALANCED_IN_ENGINE = draft_balanced_in_engine(SPECULATIVE_METHOD, DRAFT, TARGET)
 
 
 def _simulate(
@@ -202,8 +219,10 @@ def _balance_rows(
         ]
         result: dict[str, Any] = {"uniform": float(np.mean(uniform))}
         series[name] = {}
-        for label, configuration in CONFIGURATIONS.items():
+        for label, chosen in CONFIGURATIONS.items():
             started = time.perf_counter()
+            balanced = not (model is DRAFT and chosen.in_engine and not DRAFT_BALANCED_IN_ENGINE)
+            configuration = chosen if balanced else CONFIGURATIONS["no_eplb"]
             runs = [
                 _simulate(model, skew, steps=steps, seed=s, configuration=configuration)
                 for s in seeds
@@ -211,6 +230,7 @@ def _balance_rows(
             moved = [moves(old, new) for r in runs for old, new in r.switches]
             copied = [c for r in runs for c in _copy_seconds(r)]
             result[label] = {
+                "balanced": balanced,
                 "balance": float(np.mean([r.balance for r in runs])),
                 "rebalances_per_run": float(np.mean([len(r.switches) for r in runs])),
                 "skipped_per_run": float(np.mean([r.skipped for r in runs])),
@@ -424,6 +444,8 @@ def _print(result: dict[str, Any]) -> None:
             if "gap_recovered" in target
             else ("", "")
         )
+        if not draft["balanced"]:
+            recovered = (recovered[0], f"{'off*':>8}")
         copy_ms = target["copy_ms_per_rebalance"] + draft["copy_ms_per_rebalance"]
         print(
             f"{label:<32}{target['balance']:>8.4f}{recovered[0]:>8}{draft['balance']:>8.4f}"
@@ -433,6 +455,10 @@ def _print(result: dict[str, Any]) -> None:
         )
     uniform = rows["target"]["uniform"], rows["draft"]["uniform"]
     print(f"{'uniform routing':<32}{uniform[0]:>8.4f}{'':>8}{uniform[1]:>8.4f}")
+    print(
+        f"* vLLM 0.33 does not balance a {SPECULATIVE_METHOD} draft whose experts are not the "
+        "target's: it keeps its plain layout (Baton's service balances it through its agents)"
+    )
     moves_ = result["moves_and_time"]
     print(
         f"per switch (target): Baton moves {moves_['experts_moved_baton']:.0f} experts, vLLM's "

@@ -102,13 +102,18 @@ def _kv_transfer(spec: ModelDeploymentSpec) -> str:
 def _common_flags(spec: ModelDeploymentSpec) -> list[str]:
     # vLLM reports usage.prompt_tokens_details.cached_tokens only when asked: the gateway reads
     # the prefix-cache hit from the prefill answer, and clients read it from usage.
-    return [
+    flags = [
         "--port",
         str(API_PORT),
         "--served-model-name",
         spec.served_model_name or spec.model,
         "--enable-prompt-tokens-details",
     ]
+    speculative = spec.speculative
+    if speculative is not None:  # on both sides of the handoff: one KV layout, draft included
+        config = speculative.model_dump(exclude_none=True)
+        flags += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
+    return flags
 
 
 def _owner(deployment: str, uid: str) -> Manifest:

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser,
         "--speculative-config",
         default=None,
-        help='JSON, e.g. {"method":"mtp","num_speculative_tokens":3}',
+        help='JSON, e.g. {"method":"dspark","num_speculative_tokens":5} (the study\'s)',
     )
     sim = parser.add_argument_group("simulator-only flags")
     _flag(

@@ -30,7 +30,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from baton.core.files import load_yaml_model
-from baton.core.model import MODEL, SERVED_MODEL_NAME
+from baton.core.model import MODEL, SERVED_MODEL_NAME, SPECULATIVE_METHOD, SPECULATIVE_TOKENS
 from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
 from sim.moe import policy_plugins
 from sim.profile import load_profile
@@ -68,7 +68,9 @@ class DecodeGroupSpec(_Spec):
     enable_eplb: bool = True
     eplb: EplbConfig = Field(default_factory=EplbConfig)
     speculative: SpeculativeConfig = Field(
-        default_factory=lambda: SpeculativeConfig(method="mtp", num_speculative_tokens=3)
+        default_factory=lambda: SpeculativeConfig(
+            method=SPECULATIVE_METHOD, num_speculative_tokens=SPECULATIVE_TOKENS
+        )
     )
 
     @model_validator(mode="after")

@@ -35,7 +35,7 @@ from importlib.metadata import entry_points
 import numpy as np
 
 from baton.core.experts import Placement, rank_load
-from baton.core.model import DRAFT, TARGET, MoEModel
+from baton.core.model import DRAFT, TARGET, MoEModel, draft_balanced_in_engine
 from baton.core.vllm_eplb import vllm_rebalance
 from sim.config import EngineConfig
 from sim.experts import (
@@ -175,6 +175,9 @@ class ModelState:
     window: np.ndarray | None = None  # logical load summed since the window opened
     staged: StagedSwitch | None = None
     last_balance: float = 1.0
+    balanced_in_engine: bool = (
+        True  # vLLM's in-engine EPLB rebalances it (draft_balanced_in_engine)
+    )
     # every routed step's balance added up, and the steps: a mean over any interval, as a metric
     balance_sum: float = 0.0
     balance_steps: int = 0
@@ -204,15 +207,24 @@ class MoERuntime:
             if config.speculative.num_speculative_tokens:
                 models += ((DRAFT, DRAFT_SKEW),)
         streams = np.random.default_rng(config.seed).spawn(2 * len(models))
+        self.internal_eplb = config.enable_eplb and config.eplb_agent_port is None
         self.models: dict[str, ModelState] = {}
         for index, (model, skew) in enumerate(models):
+            # In-engine, vLLM registers a draft with EPLB only as draft_balanced_in_engine says;
+            # one it leaves out keeps its plain layout (no redundant slots) for the whole run.
+            # Baton's agent (agent mode) balances any model it is sent.
+            balanced = (
+                not self.internal_eplb
+                or model.name != DRAFT.name
+                or (draft_balanced_in_engine(config.speculative.method, model))
+            )
             self.models[model.name] = ModelState(
                 model=model,
                 popularity=ExpertPopularity(model, skew, streams[2 * index]),
-                placement=initial_placement(model, self.num_ranks, redundant),
+                placement=initial_placement(model, self.num_ranks, redundant if balanced else 0),
                 rng=streams[2 * index + 1],
+                balanced_in_engine=balanced,
             )
-        self.internal_eplb = config.enable_eplb and config.eplb_agent_port is None
         self.policy: EplbPolicy = (
             load_policy(config.eplb_policy_plugin, config.group_name)
             if config.eplb_policy_plugin is not None
@@ -239,7 +251,7 @@ class MoERuntime:
                 physical = physical_load(logical, state.placement)
                 for listener in self.listeners:
                     listener(name, self.step, physical, state.version)
-            if self.internal_eplb:
+            if self.internal_eplb and state.balanced_in_engine:
                 window = self._record_window(state, logical)
                 if window is not None:
                     windows[name] = window

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from baton.core.labels import CLIQUE_LABEL, GPU_RESOURCE
-from baton.core.model import DRAFT, TARGET
+from baton.core.model import DRAFT, SPECULATIVE_METHOD, SPECULATIVE_TOKENS, TARGET
 from baton.core.vllm_eplb import VLLM_STEP_INTERVAL, VLLM_WINDOW_SIZE
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "PrefillSpec",
     "Reason",
     "ResourcesSpec",
+    "SpeculativeSpec",
     "Toleration",
     "TopologySpec",
     "Volume",
@@ -496,6 +497,28 @@ class EngineSpec(_Resource):
         return self
 
 
+class SpeculativeSpec(_Resource):
+    """Speculative decoding (vLLM's --speculative-config), on every engine of the deployment."""
+
+    method: str = Field(
+        default=SPECULATIVE_METHOD,
+        pattern=r"^[a-z][a-z0-9_]*$",
+        max_length=64,
+        description="vLLM's speculative method (dspark: DeepSeek-V4.1-Flash's draft, as the "
+        "study serves it; mtp, eagle3, ...)",
+    )
+    num_speculative_tokens: int = Field(
+        default=SPECULATIVE_TOKENS, ge=1, le=16, description="draft tokens proposed a step"
+    )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="the draft model, where vLLM does not find it with the target (a Hub id or "
+        "a path under /models)",
+    )
+
+
 class KVTransferSpec(_Resource):
     """The KV-cache handoff between prefill and decode (vLLM's --kv-transfer-config)."""
 
@@ -744,6 +767,11 @@ class ModelDeploymentSpec(_Resource):
     cell: CellSpec = Field(default_factory=CellSpec)
     topology: TopologySpec = Field(default_factory=TopologySpec)
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    speculative: SpeculativeSpec | None = Field(
+        default=None,
+        description="speculative decoding; unset: none. The study's: {method: dspark, "
+        "numSpeculativeTokens: 5}",
+    )
     eplb: EplbSpec = Field(default_factory=EplbSpec)
 
     @property

@@ -14,8 +14,11 @@ __all__ = [
     "EXPERT_BYTES",
     "MODEL",
     "SERVED_MODEL_NAME",
+    "SPECULATIVE_METHOD",
+    "SPECULATIVE_TOKENS",
     "TARGET",
     "MoEModel",
+    "draft_balanced_in_engine",
 ]
 
 MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
@@ -45,6 +48,23 @@ TARGET = MoEModel("target", layers=43, experts=384, top_k=6)
 # DSpark is an MTP-style draft: like DeepSeek's MTP module it is a single transformer block, so
 # one MoE layer (128 routed experts, top-3) whose balance is that layer's balance.
 DRAFT = MoEModel("draft", layers=1, experts=128, top_k=3)
+# How the study serves the draft: vLLM's speculative method "dspark", 5 draft tokens a step
+# (1 + 5 tokens a request a step).
+SPECULATIVE_METHOD = "dspark"
+SPECULATIVE_TOKENS = 5
+
+
+def draft_balanced_in_engine(
+    method: str | None, draft: MoEModel = DRAFT, target: MoEModel = TARGET
+) -> bool:
+    """Whether vLLM 0.33's in-engine EPLB balances the draft's experts too. It registers every
+    MoE draft except a DSpark draft that does not reuse the target's expert layout
+    (``draft_model_supports_eplb`` in vllm/v1/worker/gpu/eplb_utils.py; by
+    ``dspark_draft_supports_eplb``, only DeepSeek-V4 DSpark drafts share it, V4.1's have fewer
+    routed experts and log "EPLB is disabled for the DSpark draft model"). So DeepSeek-V4.1-Flash's
+    DSpark draft (128 experts against 384) keeps vLLM's plain layout; an MTP draft is balanced."""
+    return method != "dspark" or draft.experts == target.experts
+
 
 # Weight bytes of one routed expert of one layer, what an EPLB switch copies per expert moved.
 # DeepSeek-V4-Flash's published shape (hidden size 4096, expert intermediate size 2048, SwiGLU:

@@ -234,7 +234,7 @@ def test_a_model_the_service_does_not_know_is_refused_with_the_fix(
     assert "target (384 experts)" in error["message"]
 
 
-def test_simulated_engines_with_the_plugin_rebalance_in_engine_and_report_every_window(
+def test_simulated_engines_with_the_plugin_rebalance_the_target_in_engine_and_report_it(
     service: EplbReportsService, tmp_path: Path
 ) -> None:
     # baton sim loads the plugin by its entry point, as vLLM does, and reports as a pod would.
@@ -285,7 +285,9 @@ def test_simulated_engines_with_the_plugin_rebalance_in_engine_and_report_every_
                 policy="baton",
             )
 
-        assert eventually(lambda: windows("target") >= 2 and windows("draft") >= 2, timeout=60)
+        assert eventually(lambda: windows("target") >= 2, timeout=60)
+        # the cluster's draft is the study's DSpark draft, which vLLM 0.33's EPLB leaves out
+        assert windows("draft") == 0
         labels = {"group": "cell-sim", "model": "target"}
         assert 0 < scrape(service.metrics, "baton_eplb_balance", **labels, stage="achieved") <= 1
         assert scrape(service.metrics, "baton_eplb_experts_moved_total", **labels) > 0

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from baton.core.experts import Placement, moves_per_rank
-from baton.core.model import EXPERT_BYTES, TARGET
+from baton.core.model import DRAFT, EXPERT_BYTES, TARGET
 from baton.core.vllm_eplb import vllm_rebalance
 from eplb.algorithm import rebalance
-from sim.config import EngineConfig, EplbConfig
+from sim.config import EngineConfig, EplbConfig, SpeculativeConfig
 from sim.experts import DEP32_DECODE_TOKENS_PER_STEP, TARGET_SKEW
 from sim.moe import MoERuntime, policy_plugins
 from sim.perf import RankBatch, expert_copy_seconds, step_seconds
@@ -43,6 +43,35 @@ def runtime(
 def decode(moe: MoERuntime, steps: int) -> list[float]:
     """Run ``steps`` DEP32 decode steps; each step's EPLB copy seconds."""
     return [moe.step_balances(DEP32_DECODE_TOKENS_PER_STEP, 0).copy_s for _ in range(steps)]
+
+
+@pytest.mark.parametrize(("method", "balanced"), [("dspark", False), ("mtp", True)])
+def test_in_engine_eplb_balances_the_draft_as_vllm_does_for_its_method(
+    method: str, balanced: bool
+) -> None:
+    # vLLM 0.33 leaves a DSpark draft whose expert layout is not the target's (V4.1's: 128
+    # experts against 384) out of its EPLB: its plain layout stays, with no redundant slots.
+    config = EngineConfig(
+        model="m",
+        served_model_names=("m",),
+        profile=PROFILE,
+        data_parallel_size=32,
+        data_parallel_size_local=32,
+        enable_expert_parallel=True,
+        enable_eplb=True,
+        eplb=EplbConfig(window_size=10, step_interval=20, num_redundant_experts=32),
+        speculative=SpeculativeConfig(method=method, num_speculative_tokens=5),
+        group_name="cell-0",
+    )
+    moe = MoERuntime(config)
+    draft = moe.models[DRAFT.name]
+    start = draft.placement.phy2log.copy()
+    assert start.shape[1] == (DRAFT.experts + 32 if balanced else DRAFT.experts)
+    for _ in range(20 + TARGET.layers + 2):
+        moe.step_balances(DEP32_DECODE_TOKENS_PER_STEP, 5 * DEP32_DECODE_TOKENS_PER_STEP)
+    assert moe.models[TARGET.name].version == 1  # the target switched either way
+    assert (draft.version == 1) is balanced
+    assert bool((draft.placement.phy2log != start).any()) is balanced
 
 
 def test_in_engine_eplb_copies_one_layer_per_decode_step_then_switches_it() -> None:

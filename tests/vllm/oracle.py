@@ -18,6 +18,8 @@ Requests (``op``):
 - ``request``: ``route`` and ``body``: validated with vLLM's request model, then turned into
   sampling parameters as vLLM's serving layer does (the max tokens it would allow, then
   ``to_sampling_params``).
+- ``draft_eplb``: ``method`` and the draft's ``model_type``: whether vLLM registers an MoE draft
+  with its in-engine EPLB (``draft_model_supports_eplb``, with vLLM's own DSpark rule).
 - ``metrics``: every ``vllm:*`` metric vLLM defines (its stat logger and the NIXL connector's),
   with type and label names, read from vLLM's installed source; the CacheConfig info gauge's
   labels from ``CacheConfig.metrics_info``.
@@ -207,6 +209,19 @@ def metrics() -> dict[str, Any]:
     return {"ok": True, "metrics": found}
 
 
+def draft_eplb(method: str, model_type: str) -> dict[str, Any]:
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.eplb_utils import draft_model_supports_eplb
+
+    speculative = SimpleNamespace(
+        method=method,
+        draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type)),
+    )
+    moe_draft = object()  # any MoE draft: vLLM asks only whether there is one
+    return {"ok": True, "balanced": draft_model_supports_eplb(speculative, moe_draft)}
+
+
 def answer(query: dict[str, Any]) -> dict[str, Any]:
     op = query.get("op")
     if op == "serve":
@@ -217,6 +232,8 @@ def answer(query: dict[str, Any]) -> dict[str, Any]:
         return request(query["route"], query["body"])
     if op == "metrics":
         return metrics()
+    if op == "draft_eplb":
+        return draft_eplb(query["method"], query["model_type"])
     return {"ok": False, "error": f"unknown op {op!r}"}
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from baton.core.api import ModelDeployment
 from baton.core.labels import ROLE_LABEL
+from baton.core.model import DRAFT, TARGET, MoEModel, draft_balanced_in_engine
 from controller.placement import DeploymentShape, plan_placement
 from controller.podspec import render_cell
 from controller.topology import synthetic_topology
@@ -134,6 +135,33 @@ def test_the_speculative_config_users_pass_has_vllms_fields_and_method(vllm: Vll
     assert vllm.ask("config", kind="speculative", value=json.loads(MTP[1]))["ok"]
     typo = vllm.ask("config", kind="speculative", value={"method": "mtp", "num_spec_tokens": 3})
     assert not typo["ok"] and "num_spec_tokens" in typo["error"]
+
+
+def test_the_study_s_dspark_draft_is_rendered_on_both_sides_of_the_handoff(vllm: Vllm) -> None:
+    for role in ("decode", "prefill"):
+        for command in commands(role, speculative={}):
+            config = serve(vllm, command)["speculative_config"]
+            assert config == {"method": "dspark", "num_speculative_tokens": 5}
+            assert vllm.ask("config", kind="speculative", value=config)["ok"]
+
+
+@pytest.mark.parametrize(
+    ("method", "model_type", "same_layout"),
+    [
+        ("dspark", "deepseek_v4", True),  # a DeepSeek-V4 DSpark draft shares the target's experts
+        ("dspark", "deepseek_v41_dspark", False),  # V4.1's has 128 routed experts against 384
+        ("mtp", "deepseek_v4", True),
+        ("mtp", "deepseek_mtp", False),  # any other MoE draft is balanced whatever its layout
+        ("eagle3", "llama", False),
+    ],
+)
+def test_the_simulator_balances_a_draft_in_engine_exactly_when_vllm_does(
+    vllm: Vllm, method: str, model_type: str, same_layout: bool
+) -> None:
+    draft = DRAFT if not same_layout else MoEModel("draft", 1, TARGET.experts, DRAFT.top_k)
+    answer = vllm.ask("draft_eplb", method=method, model_type=model_type)
+    assert answer["ok"]
+    assert draft_balanced_in_engine(method, draft, TARGET) is answer["balanced"]
 
 
 def test_a_misspelt_engine_flag_is_refused_by_vllms_parser(vllm: Vllm) -> None:
