@@ -289,18 +289,28 @@ def _warm(engines: Sequence[Engine], lengths: Sequence[int]) -> float:
         response.raise_for_status()
 
     async def handoff(http: httpx.AsyncClient, prefill: Engine, decode: Engine, seed: int) -> None:
-        request = body(lengths[0], seed)
-        raw = orjson.dumps(request)
-        legs = {**headers, "X-Request-Id": f"warm{seed}"}  # one id for both legs, as proxies do
-        first = await http.post(
-            f"{prefill.url}/v1/completions", content=prefill_body(raw, request), headers=legs
-        )
-        first.raise_for_status()
-        params = first.json().get("kv_transfer_params")
-        second = await http.post(
-            f"{decode.url}/v1/completions", content=decode_body(raw, params), headers=legs
-        )
-        second.raise_for_status()
+        # The pair's first pull makes its NIXL handshake, which a busy host can time out: the
+        # decode leg then answers 500 and a new handoff makes the handshake again.
+        for attempt in range(1, 4):
+            request = body(lengths[0], seed * 10 - attempt)
+            raw = orjson.dumps(request)
+            legs = {**headers, "X-Request-Id": f"warm{seed}-{attempt}"}  # one id, both legs
+            first = await http.post(
+                f"{prefill.url}/v1/completions", content=prefill_body(raw, request), headers=legs
+            )
+            first.raise_for_status()
+            params = first.json().get("kv_transfer_params")
+            second = await http.post(
+                f"{decode.url}/v1/completions", content=decode_body(raw, params), headers=legs
+            )
+            if second.status_code < 500 or attempt == 3:
+                second.raise_for_status()
+                return
+            print(
+                f"warm-up handoff {prefill.name} -> {decode.name}: {second.status_code} "
+                f"{second.text[:200]}; again",
+                file=sys.stderr,
+            )
 
     async def everything() -> None:
         async with httpx.AsyncClient(timeout=600) as http:

@@ -47,7 +47,9 @@ def _step(state: Path, out: Path, *arguments: str) -> dict[str, Any]:
         text=True,
         timeout=1200,
     )
-    assert result.returncode == 0, result.stderr[-4000:]
+    engines = sorted((state / "engines").glob("*.log"))
+    logs = "".join(f"\n--- {log.name}\n{log.read_text()[-3000:]}" for log in engines)
+    assert result.returncode == 0, result.stderr[-4000:] + logs
     name = {"start": "gpu-start", "points": "gpu", "overhead": "gpu-overhead", "stop": "gpu-stop"}[
         arguments[1]
     ]
