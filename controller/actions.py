@@ -39,6 +39,7 @@ class Actions:
     delete_compute_domains: tuple[str, ...] = ()
     delete_resource_claims: tuple[str, ...] = ()
     ungate: tuple[str, ...] = ()
+    relabel: tuple[tuple[str, str], ...] = ()  # (pod, revision): its revision label set
     trays: tuple[TrayMark, ...] = ()
     status: dict[str, dict[str, Any]] = field(default_factory=dict)  # deployment -> new status
     events: tuple[Event, ...] = ()

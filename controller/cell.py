@@ -12,10 +12,14 @@ instances and its scheduling gates, each decided by a function that returns what
   the window.
 - A prefill instance restarts alone; changing the prefill count creates or deletes prefill pods
   and never touches the decode group.
-- Every pod carries a hash of the spec it was rendered from. When the ModelDeployment's spec
-  changes what a pod would be (image, flags, env), the decode group is restarted as a whole on
-  the new spec (a planned restart: no backoff, no budget) and prefill instances are replaced one
-  at a time while the others serve.
+- Every pod carries a hash of the spec it was rendered from and the deployment revision. When
+  the spec changes what a pod would be (image, flags, env, model), a cell updates only on its
+  turn (``CellRollout``; the deployment's rollout gives turns cell by cell): it leaves the
+  gateway's rotation first (its endpoints go, ``drainSeconds`` for in-flight requests to finish),
+  then its decode group restarts as a whole and its outdated prefill instances are replaced, all
+  on the new spec (a planned restart: no backoff, no budget). A cell waiting for its turn keeps
+  its pods; one that fails meanwhile comes back on the new revision, and the gateway's endpoints
+  pair only pods of the decode group's revision.
 - Where the cluster serves NVIDIA's ComputeDomain API, each cell gets its ComputeDomain; its
   decode pods claim the domain's IMEX channel from its template, and once the domain has a UID
   each tray holding the cell's prefill gets the claim its prefill pods share
@@ -32,7 +36,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from baton.core.api import Reason
-from baton.core.labels import ROLE_LABEL
+from baton.core.labels import REVISION_LABEL, ROLE_LABEL
 from controller.actions import Event
 from controller.names import (
     compute_domain_name,
@@ -53,6 +57,7 @@ from controller.observe import (
     parse_time,
     planned_tray,
     ready,
+    revision_of,
     rfc3339,
     terminating,
     tray_keeps_pods,
@@ -62,7 +67,7 @@ from controller.podspec import compute_domain, prefill_channel_claim, render_cel
 from controller.restarts import RestartPolicy, TrayFailure
 from controller.topology import Topology
 
-__all__ = ["CellActions", "DecodeGroupActions", "PrefillActions", "plan_cell"]
+__all__ = ["CellActions", "CellRollout", "DecodeGroupActions", "PrefillActions", "plan_cell"]
 
 Pods = Mapping[str, Mapping[str, Any]]
 
@@ -98,6 +103,15 @@ class PrefillActions:
 
 
 @dataclass(frozen=True, slots=True)
+class CellRollout:
+    """Where a cell stands in the rollout of the deployment's revision."""
+
+    turn: bool = False  # the cell may leave the rotation and update now
+    draining_since: datetime | None = None  # when it left the rotation (its status says)
+    drain: timedelta = timedelta(0)  # how long in-flight requests may finish
+
+
+@dataclass(frozen=True, slots=True)
 class CellActions:
     """Everything one cell needs, and what its status reports."""
 
@@ -106,6 +120,13 @@ class CellActions:
     create: tuple[Manifest, ...]  # the cell's objects and pods, in creation order
     ungate: tuple[str, ...]
     pending: bool  # pods not yet created, or still gated
+    stale: bool = False  # pods of an older revision run in the cell
+    draining_since: datetime | None = None  # out of the rotation for its update since
+    in_rotation: bool = True  # the gateway may send it new requests
+    drain_events: tuple[Event, ...] = ()
+    wake_in: float | None = None  # seconds until its drain ends
+    # current pods whose revision label is missing (made before pods carried one) or stale
+    relabel: tuple[tuple[str, str], ...] = ()
 
     @property
     def delete_pods(self) -> tuple[str, ...]:
@@ -113,7 +134,7 @@ class CellActions:
 
     @property
     def events(self) -> tuple[Event, ...]:
-        return self.decode.events + self.prefill.events
+        return self.drain_events + self.decode.events + self.prefill.events
 
     @property
     def failures(self) -> tuple[TrayFailure, ...]:
@@ -128,8 +149,11 @@ def plan_cell(
     trays: Topology,
     observed: Observed,
     policy: RestartPolicy,
+    rollout: CellRollout | None = None,
 ) -> CellActions:
-    """The actions of one placed cell of ``view`` (``restarted``: placement moved a rank)."""
+    """The actions of one placed cell of ``view`` (``restarted``: placement moved a rank;
+    ``rollout``: its turn in the rollout of a changed spec)."""
+    rollout = rollout or CellRollout()
     imex = observed.compute_domains is not None
     manifests = render_cell(
         view.model.spec,
@@ -169,6 +193,8 @@ def plan_cell(
     pods = view.cell_pods(cell.name)
     live = {n: p for n, p in pods.items() if not terminating(p)}
     record = next((c for c in view.status.cells if c.name == cell.name), None)
+    stale = any(n in wanted and outdated(p, wanted[n]) for n, p in live.items())
+    drain = _drain(view.name, cell.name, stale, rollout, observed.now)
     decode = decode_group_actions(
         view.name,
         cell,
@@ -180,6 +206,7 @@ def plan_cell(
         restarts=record.restarts if record else (),
         now=observed.now,
         policy=policy,
+        update=drain.update,
     )
     prefill = prefill_actions(
         view.name,
@@ -190,15 +217,63 @@ def plan_cell(
         deleting=decode.delete,
         trays=trays,
         instances=view.model.spec.cell.prefill.instances,
+        update=drain.update,
     )
     ungate, pending = gate_actions(wanted, live, deleting={*decode.delete, *prefill.delete})
+    ready = decode.ready and prefill.ready == len(cell.prefill) and not pending
     return CellActions(
         decode=decode,
         prefill=prefill,
         create=(*objects, *decode.create, *prefill.create),
         ungate=ungate,
         pending=pending,
+        stale=stale,
+        # out of the rotation from its drain until it serves the current revision again
+        draining_since=None if not stale and ready else drain.since,
+        in_rotation=not (stale and drain.since is not None),
+        drain_events=drain.events,
+        wake_in=drain.wake_in,
+        relabel=tuple(
+            (n, label)
+            for n, p in sorted(live.items())
+            if n in wanted
+            and not outdated(p, wanted[n])
+            and revision_of(p) != (label := labels(wanted[n])[REVISION_LABEL])
+        ),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Drain:
+    since: datetime | None = None
+    update: bool = False  # drained: its outdated pods go now
+    events: tuple[Event, ...] = ()
+    wake_in: float | None = None
+
+
+def _drain(deployment: str, cell: str, stale: bool, rollout: CellRollout, now: datetime) -> _Drain:
+    """A stale cell on its turn leaves the rotation, waits out its drain, then updates; a cell
+    whose drain began stays out until it serves the current revision (``plan_cell``)."""
+    since = rollout.draining_since
+    if not stale:
+        return _Drain(since)
+    if since is None:
+        if not rollout.turn:
+            return _Drain()  # waits for its turn, serving on its revision
+        since = now
+        event = Event(
+            deployment,
+            "Normal",
+            Reason.CELL_DRAINING,
+            f"{cell} leaves the gateway's rotation for its update; its in-flight requests have "
+            f"{rollout.drain.total_seconds():.0f} s to finish",
+        )
+        left = rollout.drain.total_seconds()
+        return _Drain(since, update=left <= 0, events=(event,), wake_in=left or None)
+    left = (since + rollout.drain - now).total_seconds()
+    if left > 0:
+        return _Drain(since, wake_in=left)
+    return _Drain(since, update=True)
 
 
 def decode_group_actions(
@@ -213,8 +288,10 @@ def decode_group_actions(
     restarts: Sequence[str],
     now: datetime,
     policy: RestartPolicy,
+    update: bool = True,
 ) -> DecodeGroupActions:
-    """The decode group: whole or nothing (see the module docstring)."""
+    """The decode group: whole or nothing (see the module docstring); ``update``: an outdated
+    group restarts on the current spec now (its cell is drained)."""
     recent = tuple(t for t in restarts if now - parse_time(t) < policy.window)
     names = [decode_pod_name(cell.name, i) for i in range(len(cell.decode_trays))]
     live_decode = {n: live[n] for n in names if n in live}
@@ -263,7 +340,8 @@ def decode_group_actions(
             restarts=(*recent, rfc3339(now)),
             restarting=True,
         )
-    if live_decode and not broken and any(outdated(p, wanted[n]) for n, p in live_decode.items()):
+    stale = any(outdated(p, wanted[n]) for n, p in live_decode.items())
+    if live_decode and not broken and stale and update:
         # The spec changed (image, flags, shape): a planned restart of the whole group on the
         # new pods, outside the failure backoff and budget.
         event = Event(
@@ -322,8 +400,10 @@ def prefill_actions(
     deleting: Sequence[str],
     trays: Topology,
     instances: int | None,
+    update: bool = True,
 ) -> PrefillActions:
-    """Each prefill instance alone; on an updated spec one at a time while the others serve.
+    """Each prefill instance alone; on an updated spec, with ``update`` (the cell is drained),
+    every outdated instance at once.
 
     ``instances`` is the spec's count per cell (None: as many as fit)."""
     names = [prefill_pod_name(cell.name, i.index) for i in cell.prefill]
@@ -381,12 +461,9 @@ def prefill_actions(
                 f"prefill {', '.join(scaled_in)} removed ({per_cell})",
             )
         )
-    # An outdated instance that is not ready serves nothing and goes at once.
     gone = {*deleting, *delete}
     stale = [n for n in names if n in live and n not in gone and outdated(live[n], wanted[n])]
-    serving = all(n in live and ready(live[n]) for n in names)
-    replace = [n for n in stale if not ready(live[n])] or (stale[:1] if serving else [])
-    for pod_name in replace:
+    for pod_name in stale if update else ():
         delete.append(pod_name)
         events.append(
             Event(

@@ -18,13 +18,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
 
 from baton.core.api import Endpoints, ModelDeploymentStatus, Reason
 from baton.core.labels import DEPLOYMENT_LABEL
 from controller.actions import Actions, Event
-from controller.cell import CellActions, plan_cell
+from controller.cell import CellActions, CellRollout, plan_cell
 from controller.names import cell_name, prefill_channel_claim_name
 from controller.observe import (
     DeploymentView,
@@ -37,6 +38,7 @@ from controller.observe import (
     deployments,
     labels,
     left_behind,
+    parse_time,
     recorded_status,
     rfc3339,
     terminating,
@@ -44,6 +46,7 @@ from controller.observe import (
     unbound_pods,
 )
 from controller.placement import CellPlacement, DeploymentShape, Plan, plan_placement
+from controller.podspec import revision
 from controller.restarts import RestartPolicy, TrayFailure, tray_marks
 from controller.status import (
     ConditionStamp,
@@ -70,6 +73,7 @@ class _DeploymentActions:
     delete_compute_domains: tuple[str, ...]
     delete_resource_claims: tuple[str, ...]
     ungate: tuple[str, ...]
+    relabel: tuple[tuple[str, str], ...]
     events: tuple[Event, ...]
     failures: tuple[TrayFailure, ...]
     status: ModelDeploymentStatus | None  # None: unchanged
@@ -113,6 +117,7 @@ def decide(observed: Observed, policy: RestartPolicy | None = None) -> Actions:
         delete_compute_domains=tuple(n for share in shares for n in share.delete_compute_domains),
         delete_resource_claims=tuple(n for share in shares for n in share.delete_resource_claims),
         ungate=tuple(n for share in shares for n in share.ungate),
+        relabel=tuple(r for share in shares for r in share.relabel),
         trays=tuple(marks),
         status=status,
         events=(*invalid_events, *(e for share in shares for e in share.events), *quarantines),
@@ -157,8 +162,20 @@ def _deployment_actions(
             trays=trays,
             observed=observed,
             policy=policy,
+            rollout=_rollout(view, cell.name),
         )
-        events.extend(cells[cell.name].events)
+    for turn in _turns(view, placed, cells):
+        cell = next(c for c in placed if c.name == turn)
+        cells[turn] = plan_cell(
+            view,
+            cell,
+            restarted=cell.name in plan.restarted,
+            trays=trays,
+            observed=observed,
+            policy=policy,
+            rollout=replace(_rollout(view, turn), turn=True),
+        )
+    events.extend(e for cell in placed for e in cells[cell.name].events)
     events += [
         Event(name, "Warning", Reason.INSUFFICIENT_CAPACITY, unplaced.message)
         for unplaced in plan.unplaced
@@ -189,14 +206,63 @@ def _deployment_actions(
         ),
         delete_resource_claims=_claims_left_behind(name, plan, view, observed),
         ungate=tuple(n for actions in cells.values() for n in actions.ungate),
+        relabel=tuple(r for actions in cells.values() for r in actions.relabel),
         events=tuple(events),
         failures=tuple(f for actions in cells.values() for f in actions.failures),
         status=_status(view, plan, trays, cells, prefill_wanted, rfc3339(observed.now)),
         wake_in=min(
-            (a.decode.wake_in for a in cells.values() if a.decode.wake_in is not None),
+            (
+                wake
+                for a in cells.values()
+                for wake in (a.decode.wake_in, a.wake_in)
+                if wake is not None
+            ),
             default=None,
         ),
     )
+
+
+def _rollout(view: DeploymentView, cell: str) -> CellRollout:
+    """The cell's rollout state as its status recorded it: no turn yet."""
+    record = next((c for c in view.status.cells if c.name == cell), None)
+    since = record.draining_since if record is not None else None
+    return CellRollout(
+        draining_since=parse_time(since) if since else None,
+        drain=timedelta(seconds=view.model.spec.rollout.drain_seconds),
+    )
+
+
+def _serves(actions: CellActions) -> bool:
+    return (
+        actions.in_rotation
+        and actions.decode.ready
+        and actions.prefill.ready > 0
+        and not actions.pending
+    )
+
+
+def _turns(
+    view: DeploymentView, placed: Sequence[CellPlacement], cells: Mapping[str, CellActions]
+) -> list[str]:
+    """The stale cells that may leave the rotation for their update now, in name order: while
+    fewer than ``maxUnavailable`` cells are out (draining, updating, or not serving for any
+    reason) and never the last serving cell of several (a one-cell deployment has no other)."""
+    out = [c.name for c in placed if cells[c.name].draining_since or not _serves(cells[c.name])]
+    budget = view.model.spec.rollout.max_unavailable - len(out)
+    serving = [c.name for c in placed if c.name not in out]
+    turns: list[str] = []
+    for cell in sorted(placed, key=lambda c: c.name):
+        actions = cells[cell.name]
+        if budget <= 0:
+            break
+        if not actions.stale or actions.draining_since is not None or cell.name in out:
+            continue
+        if len(placed) > 1 and len(serving) <= 1:
+            break
+        turns.append(cell.name)
+        serving.remove(cell.name)
+        budget -= 1
+    return turns
 
 
 def _claims_left_behind(
@@ -283,6 +349,7 @@ def _status(
             status.cells.append(record)
             status.endpoints.cells.append(endpoints)
     status.decode_ranks = sum(c.decode.ready_ranks for c in status.cells)
+    status.revision = revision(view.model.spec)
     stamp = ConditionStamp(view.generation, now)
     deployment_conditions(status, plan, view, cells, prefill_wanted, trays, stamp)
     status.observed_generation = view.generation

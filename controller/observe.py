@@ -26,6 +26,7 @@ from baton.core.labels import (
     CELL_LABEL,
     DEPLOYMENT_LABEL,
     HOSTNAME_LABEL,
+    REVISION_LABEL,
     TEMPLATE_HASH_ANNOTATION,
 )
 from controller.names import decode_pod_name, prefill_pod_name
@@ -50,6 +51,7 @@ __all__ = [
     "planned_tray",
     "ready",
     "recorded_status",
+    "revision_of",
     "rfc3339",
     "terminating",
     "topology",
@@ -98,6 +100,11 @@ def left_behind(obj: Mapping[str, Any], deployment: str, kept: set[str | None]) 
     """A per-cell object (Service, ComputeDomain) of ``deployment`` whose cell is in none of
     ``kept`` (neither planned nor still running pods)."""
     return labels(obj).get(DEPLOYMENT_LABEL) == deployment and cell_of(obj) not in kept
+
+
+def revision_of(pod: Mapping[str, Any]) -> str | None:
+    """The deployment revision a pod runs (None: made before pods carried one)."""
+    return labels(pod).get(REVISION_LABEL)
 
 
 def claims_of(pod: Mapping[str, Any]) -> set[str]:

@@ -40,6 +40,7 @@ from baton.core.labels import (
     GPU_TAINT_KEY,
     HOSTNAME_LABEL,
     RANK_LABEL,
+    REVISION_LABEL,
     ROLE_LABEL,
     TEMPLATE_HASH_ANNOTATION,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "prefill_channel_claim",
     "prefill_command",
     "render_cell",
+    "revision",
 ]
 
 API_PORT = 8000
@@ -86,6 +88,14 @@ _EPLB_TOKEN_VOLUME = "baton-eplb-token"
 EPLB_TOKEN_DIR = "/etc/baton/eplb-token"  # where a decode pod mounts spec.eplb.tokenSecret
 # What the init container may use of the node: it copies a few hundred kB of Python.
 _PLUGIN_RESOURCES = {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}}
+
+
+def revision(spec: ModelDeploymentSpec) -> str:
+    """The deployment revision: a hash of the spec that makes its pods, which the number of
+    cells and the rollout's own settings do not change."""
+    making = spec.model_dump(mode="json", exclude={"cells", "rollout"})
+    rendered = json.dumps(making, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(rendered.encode()).hexdigest()[:10]
 
 
 def _kv_transfer(spec: ModelDeploymentSpec) -> str:
@@ -358,6 +368,7 @@ def _pod(
                 CELL_LABEL: cell,
                 ROLE_LABEL: role,
                 RANK_LABEL: str(rank),
+                REVISION_LABEL: revision(spec),
             },
             "ownerReferences": [_owner(deployment, uid)],
         },
@@ -458,9 +469,10 @@ def _health_probe(*, period_s: int, failures: int) -> Manifest:
 def _stamp(pod: Manifest) -> Manifest:
     """Annotate ``pod`` with the hash of what was rendered for it (the gate aside)."""
     spec = {key: value for key, value in pod["spec"].items() if key != "schedulingGates"}
-    rendered = json.dumps(
-        {"labels": pod["metadata"]["labels"], "spec": spec}, sort_keys=True, separators=(",", ":")
-    )
+    # the revision label names the spec the hash covers; left out, pods made before it existed
+    # keep their hash and run on
+    labels = {k: v for k, v in pod["metadata"]["labels"].items() if k != REVISION_LABEL}
+    rendered = json.dumps({"labels": labels, "spec": spec}, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(rendered.encode()).hexdigest()[:16]
     pod["metadata"].setdefault("annotations", {})[TEMPLATE_HASH_ANNOTATION] = digest
     return pod

@@ -38,6 +38,7 @@ from baton.core.labels import (
     DEPLOYMENT_LABEL,
     GPUS_USED_BY_OTHERS_ANNOTATION,
     QUARANTINED_ANNOTATION,
+    REVISION_LABEL,
     TRAY_FAILURES_ANNOTATION,
 )
 from controller.actions import Actions, Event
@@ -456,6 +457,10 @@ class Controller:
         for name in actions.delete_pods:
             self._count("delete", "pods")
             _ignore(404, self.core.delete_namespaced_pod, name, namespace)
+        for name, revision in actions.relabel:
+            self._count("patch", "pods")
+            body = {"metadata": {"labels": {REVISION_LABEL: revision}}}
+            _ignore(404, self.core.patch_namespaced_pod, name, namespace, body)
         for name in actions.delete_services:
             self._count("delete", "services")
             _ignore(404, self.core.delete_namespaced_service, name, namespace)

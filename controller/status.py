@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from baton.core.api import (
@@ -31,9 +32,17 @@ from baton.core.api import (
 )
 from controller.cell import CellActions
 from controller.names import decode_pod_name, leader_host, prefill_pod_name
-from controller.observe import DeploymentView, gated, planned_tray, ready
+from controller.observe import (
+    DeploymentView,
+    gated,
+    parse_time,
+    planned_tray,
+    ready,
+    revision_of,
+    rfc3339,
+)
 from controller.placement import CellPlacement, Plan
-from controller.podspec import API_PORT, EPLB_AGENT_PORT
+from controller.podspec import API_PORT, EPLB_AGENT_PORT, revision
 from controller.topology import Topology
 
 __all__ = [
@@ -127,12 +136,22 @@ def cell_status(
     agents = eplb.enabled and eplb.mode == "agent"  # plugin mode: the engines report instead
     pods = view.pods
     decode_names = [decode_pod_name(cell.name, i) for i in range(len(cell.decode_trays))]
+    group = pods.get(decode_names[0]) if decode_names else None
+    serving = revision_of(group) if group is not None else None
     endpoints = CellEndpoints(name=cell.name)
     for instance in cell.prefill:
         pod = pods.get(prefill_pod_name(cell.name, instance.index))
-        if pod is not None and ready(pod) and pod.get("status", {}).get("podIP"):
+        # only beside a decode group of its own revision: P/D pairs never cross revisions
+        if (
+            pod is not None
+            and ready(pod)
+            and pod.get("status", {}).get("podIP")
+            and revision_of(pod) == serving
+        ):
             endpoints.prefill.append(f"http://{pod['status']['podIP']}:{API_PORT}")
-    if actions.decode.ready:
+    if not actions.in_rotation:  # drained for its update: the gateway sends it nothing new
+        endpoints = CellEndpoints(name=cell.name)
+    elif actions.decode.ready:
         for pod_name in decode_names:
             ip = pods[pod_name].get("status", {}).get("podIP")
             if ip:
@@ -150,6 +169,8 @@ def cell_status(
         prefill=[prefill_record(i.index, i.tray, i.gpus) for i in cell.prefill],
         spare_trays=list(cell.spare_trays),
         restarts=list(actions.decode.restarts),
+        revision=serving,
+        draining_since=rfc3339(actions.draining_since) if actions.draining_since else None,
     )
     return status, endpoints
 
@@ -249,6 +270,7 @@ class _Cells:
 
     wanted: int
     ready: int  # cells whose decode group and every wanted prefill instance serve
+    updated: int  # of those, the cells on the current revision
     prefill_wanted: int
     prefill_ready: int
     causes: tuple[_Cause, ...]  # most telling first
@@ -263,12 +285,47 @@ class _Cells:
         return self.ready == self.wanted and not self.causes
 
 
+def _rolling(
+    placed: Sequence[CellPlacement],
+    actions: Sequence[CellActions],
+    current: str,
+    max_unavailable: int,
+) -> str:
+    """What the rollout of revision ``current`` is doing, or "" when every cell runs it."""
+    draining = [
+        c.name for c, a in zip(placed, actions, strict=True) if a.stale and a.draining_since
+    ]
+    restarting = [
+        c.name for c, a in zip(placed, actions, strict=True) if not a.stale and a.draining_since
+    ]
+    waiting = [
+        c.name for c, a in zip(placed, actions, strict=True) if a.stale and not a.draining_since
+    ]
+    if not (draining or restarting or waiting):
+        return ""
+    parts = [
+        f"{label}: {', '.join(names)}"
+        for label, names in (
+            ("draining", draining),
+            ("starting on it", restarting),
+            ("waiting", waiting),
+        )
+        if names
+    ]
+    done = len(placed) - len(draining) - len(restarting) - len(waiting)
+    return (
+        f"rolling out revision {current}, {max_unavailable} cell(s) at a time: {done} of "
+        f"{len(placed)} cells on it; " + "; ".join(parts)
+    )
+
+
 def _summarize(
     plan: Plan,
     view: DeploymentView,
     cells: Mapping[str, CellActions],
     prefill_wanted: int,
     trays: Topology,
+    now: datetime,
 ) -> _Cells:
     name = view.name
     placed = [c for c in plan.cells if c.deployment == name]
@@ -288,10 +345,12 @@ def _summarize(
     restarting = tuple(c.name for c, a in zip(placed, actions, strict=True) if a.decode.restarting)
     backoff = tuple(c.name for c, a in zip(placed, actions, strict=True) if a.decode.backoff)
     exhausted = tuple(c.name for c, a in zip(placed, actions, strict=True) if a.decode.exhausted)
-    updating = [
-        c.name
+    rollout = view.model.spec.rollout
+    deadline = timedelta(seconds=rollout.drain_seconds + rollout.progress_deadline_seconds)
+    stuck = [
+        f"{c.name} (out of the rotation since {rfc3339(a.draining_since)})"
         for c, a in zip(placed, actions, strict=True)
-        if a.decode.updating or a.prefill.updating
+        if a.draining_since is not None and now - a.draining_since > deadline
     ]
     # The cells' own causes, told before their pods': the first cause is what Ready says.
     for reason, names, template, moving in (
@@ -303,15 +362,25 @@ def _summarize(
         ),
         (Reason.RESTART_BACKOFF, backoff, "{names}: restart backing off", True),
         (Reason.GROUP_RESTARTING, restarting, "{names}: decode group restarting", True),
-        (Reason.UPDATING, updating, "pods replaced on the updated spec: {names}", True),
+        (
+            Reason.ROLLOUT_STUCK,
+            stuck,
+            "the rollout stopped: {names} not serving the updated spec within "
+            f"{rollout.progress_deadline_seconds} s of its drain; fix the spec (the pods' "
+            "events say why) and the rollout goes on",
+            False,
+        ),
     ):
         _tell(causes, reason, names, template, moving=moving)
+    rolling = _rolling(placed, actions, revision(view.model.spec), rollout.max_unavailable)
+    if rolling and not stuck:
+        causes.append(_Cause(Reason.ROLLING_UPDATE, rolling, moving=True))
     states: dict[str, list[str]] = {}
     unschedulable: list[str] = []
     short: list[str] = []
     down: list[str] = []
     gpus_per_pod = view.model.spec.cell.decode.gpus_per_pod
-    ready_cells = 0
+    ready_cells = updated_cells = 0
     for cell, cell_actions in zip(placed, actions, strict=True):
         pods = {decode_pod_name(cell.name, i): t for i, t in enumerate(cell.decode_trays)}
         pods |= {prefill_pod_name(cell.name, i.index): i.tray for i in cell.prefill}
@@ -346,9 +415,10 @@ def _summarize(
             cell_actions.decode.ready
             and cell_actions.prefill.ready == wanted_here
             and not cell_actions.pending
-            and cell.name not in updating
+            and cell_actions.in_rotation
         ):
             ready_cells += 1
+            updated_cells += not cell_actions.stale
     _tell(
         causes,
         Reason.PODS_UNSCHEDULABLE,
@@ -372,6 +442,7 @@ def _summarize(
     return _Cells(
         wanted=view.model.spec.cells,
         ready=ready_cells,
+        updated=updated_cells,
         prefill_wanted=prefill_wanted,
         prefill_ready=sum(a.prefill.ready for a in actions),
         causes=tuple(causes),
@@ -397,7 +468,7 @@ def deployment_conditions(
     name = view.name
     for condition in placement_conditions(plan, name, stamp):
         set_condition(status.conditions, condition)
-    summary = _summarize(plan, view, cells, prefill_wanted, trays)
+    summary = _summarize(plan, view, cells, prefill_wanted, trays, parse_time(stamp.now))
     # Quarantined trays in this deployment's domains: the ones that cost it a spare.
     domains = {c.domain for c in plan.cells if c.deployment == name}
     quarantined = sorted(t.name for t in trays.trays if t.quarantined and t.domain in domains)
@@ -407,6 +478,7 @@ def deployment_conditions(
         set_condition(status.conditions, _progressing(summary, stamp))
     set_condition(status.conditions, degraded)
     status.ready = f"{summary.ready}/{summary.wanted}"
+    status.updated = f"{summary.updated}/{summary.wanted}"
     status.placed_cells = sum(1 for c in plan.cells if c.deployment == name)
     status.prefill_ready = f"{summary.prefill_ready}/{prefill_wanted}"
 
@@ -435,10 +507,12 @@ def _progressing(summary: _Cells, stamp: ConditionStamp) -> Condition:
         return stamp.condition(
             ConditionType.PROGRESSING, False, Reason.ALL_READY, "every pod is ready"
         )
+    # a stopped rollout outranks pods on their way: those pods are the ones not getting there
+    stopped = next((c for c in summary.causes if c.reason == Reason.ROLLOUT_STUCK), None)
     moving = next((c for c in summary.causes if c.moving), None)
-    if moving is not None:
+    if moving is not None and stopped is None:
         return stamp.condition(ConditionType.PROGRESSING, True, moving.reason, moving.message)
-    stuck = summary.causes[0]
+    stuck = stopped or summary.causes[0]
     return stamp.condition(
         ConditionType.PROGRESSING, False, stuck.reason, f"stuck: {stuck.message}"
     )
@@ -452,6 +526,7 @@ _DEGRADING = (
     Reason.GROUP_RESTARTING,
     Reason.PODS_UNSCHEDULABLE,
     Reason.PREFILL_SHORT,
+    Reason.ROLLOUT_STUCK,
 )
 
 

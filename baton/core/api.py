@@ -47,6 +47,7 @@ __all__ = [
     "PrefillSpec",
     "Reason",
     "ResourcesSpec",
+    "RolloutSpec",
     "SpeculativeSpec",
     "Toleration",
     "TopologySpec",
@@ -107,7 +108,9 @@ class Reason(StrEnum):
     CELL_REMOVED = "CellRemoved"
     GROUP_UPDATING = "GroupUpdating"
     PREFILL_UPDATING = "PrefillUpdating"
-    UPDATING = "Updating"
+    CELL_DRAINING = "CellDraining"
+    ROLLING_UPDATE = "RollingUpdate"
+    ROLLOUT_STUCK = "RolloutStuck"
     RESTART_BACKOFF = "RestartBackoff"
     RESTART_BUDGET_EXHAUSTED = "RestartBudgetExhausted"
     PREFILL_SHORT = "PrefillShort"
@@ -519,6 +522,32 @@ class SpeculativeSpec(_Resource):
     )
 
 
+class RolloutSpec(_Resource):
+    """How a changed spec reaches running cells: cell by cell, each out of the gateway's
+    rotation while it restarts."""
+
+    max_unavailable: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="cells updating at once (never the last serving cell of several)",
+    )
+    drain_seconds: int = Field(
+        default=30,
+        ge=0,
+        le=3600,
+        description="how long a cell's in-flight requests may finish after it leaves the "
+        "gateway's rotation, before its pods restart",
+    )
+    progress_deadline_seconds: int = Field(
+        default=1800,
+        ge=60,
+        le=86_400,
+        description="a cell whose updated pods are not all ready this long after its drain "
+        "stops the rollout (Progressing=False, RolloutStuck)",
+    )
+
+
 class KVTransferSpec(_Resource):
     """The KV-cache handoff between prefill and decode (vLLM's --kv-transfer-config)."""
 
@@ -773,6 +802,7 @@ class ModelDeploymentSpec(_Resource):
         "numSpeculativeTokens: 5}",
     )
     eplb: EplbSpec = Field(default_factory=EplbSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
 
     @property
     def model_path(self) -> str:
@@ -864,6 +894,14 @@ class CellStatus(_Resource):
     restarts: list[str] = Field(
         default_factory=list, description="RFC 3339 times of recent decode group restarts"
     )
+    revision: str | None = Field(
+        default=None, description="the revision the cell's decode group runs (its pods' label)"
+    )
+    draining_since: str | None = Field(
+        default=None,
+        description="RFC 3339: when the cell left the gateway's rotation for its update; unset "
+        "once it runs the current revision and is ready",
+    )
 
 
 class CellEndpoints(_Resource):
@@ -906,6 +944,10 @@ class ModelDeploymentStatus(_Resource):
     prefill_ready: str = Field(default="0/0", description="ready / desired prefill instances")
     decode_ranks: int = Field(default=0, ge=0, description="ready decode ranks")
     balance: str = Field(default="", description="EPLB balance of the target model")
+    revision: str = Field(default="", description="the revision the spec makes")
+    updated: str = Field(
+        default="0/0", description="cells ready on the current revision / wanted cells"
+    )
 
 
 class Metadata(BaseModel):

@@ -107,6 +107,12 @@ def generate_crd() -> dict[str, Any]:
             "why the deployment is or is not Ready (the Ready condition's reason)",
         ),
         ("Cells", "string", ".status.ready", "ready cells / wanted cells"),
+        (
+            "Updated",
+            "string",
+            ".status.updated",
+            "cells ready on the current revision / wanted cells",
+        ),
         ("Prefill", "string", ".status.prefillReady", "ready / desired prefill instances"),
         ("Decode Ranks", "integer", ".status.decodeRanks", "ready decode ranks"),
         ("Balance", "string", ".status.balance", "EPLB balance of the target model"),

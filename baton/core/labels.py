@@ -23,6 +23,7 @@ __all__ = [
     "NODE_OS_LABEL",
     "QUARANTINED_ANNOTATION",
     "RANK_LABEL",
+    "REVISION_LABEL",
     "ROLE_LABEL",
     "TEMPLATE_HASH_ANNOTATION",
     "TRAY_FAILURES_ANNOTATION",
@@ -62,6 +63,9 @@ DEPLOYMENT_LABEL = "baton.dev/deployment"
 CELL_LABEL = "baton.dev/cell"
 ROLE_LABEL = "baton.dev/role"  # "decode" or "prefill"
 RANK_LABEL = "baton.dev/rank"  # decode: the pod's index in its group; prefill: the instance
+# The deployment revision a pod was rendered from (a hash of the spec that makes its pods): the
+# gateway's endpoints pair a cell's prefill and decode pods of one revision only.
+REVISION_LABEL = "baton.dev/revision"
 
 # Pod annotation: a hash of what the controller rendered for the pod (its spec without the
 # scheduling gate, and its labels); a pod whose hash differs from the current one is replaced.

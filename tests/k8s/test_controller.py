@@ -250,15 +250,34 @@ def test_prefill_scales_up_and_down_without_touching_decode(
         assert now == decode
 
 
-def test_a_changed_engine_spec_rolls_out_to_every_pod(
+def test_a_changed_engine_spec_rolls_out_to_every_pod_after_its_cell_drains(
     api: client.ApiClient, namespace: str, rack: list[dict[str, Any]]
 ) -> None:
-    apply(api, namespace, "dsv4", {"cell": {"prefill": {"instances": 2}}})
-    wait_ready(api, namespace, "dsv4")
+    apply(
+        api,
+        namespace,
+        "dsv4",
+        {"cell": {"prefill": {"instances": 2}}, "rollout": {"drainSeconds": 2}},
+    )
+    ready = wait_ready(api, namespace, "dsv4")["status"]
+    old = ready["revision"]
+    assert {p.metadata.labels["baton.dev/revision"] for p in pods(api, namespace).values()} == {old}
     before = {name: p.metadata.uid for name, p in pods(api, namespace).items()}
     patch_model_deployment_spec(
         api, namespace, "dsv4", {"engine": {"args": ["--max-num-seqs", "512"]}}
     )
+
+    def draining() -> bool:
+        status = read(api, namespace, "dsv4")["status"]
+        cell = status["cells"][0]
+        return bool(cell.get("drainingSince")) and status["endpoints"]["cells"][0] == {
+            "name": "dsv4-cell-0",
+            "prefill": [],
+            "decode": [],
+            "eplbAgents": [],
+        }
+
+    eventually(draining, timeout=30, interval=0.25)
 
     def rolled_out() -> bool:
         now = pods(api, namespace)
@@ -271,9 +290,15 @@ def test_a_changed_engine_spec_rolls_out_to_every_pod(
 
     eventually(rolled_out, timeout=90, interval=0.5)
     obj = wait_ready(api, namespace, "dsv4")
-    assert obj["status"]["cells"][0]["restarts"] == []  # a planned restart, not a failure
+    status = obj["status"]
+    assert status["revision"] != old and status["updated"] == "1/1"
+    assert status["cells"][0]["revision"] == status["revision"]
+    assert status["cells"][0]["restarts"] == []  # a planned restart, not a failure
+    assert not status["cells"][0].get("drainingSince")
+    revisions = {p.metadata.labels["baton.dev/revision"] for p in pods(api, namespace).values()}
+    assert revisions == {status["revision"]}
     reasons = [e.reason for e in client.CoreV1Api(api).list_namespaced_event(namespace).items]
-    assert "GroupUpdating" in reasons and "PrefillUpdating" in reasons
+    assert {"CellDraining", "GroupUpdating", "PrefillUpdating"} <= set(reasons)
 
 
 def test_a_tray_whose_pods_keep_failing_is_quarantined_and_its_group_moves(

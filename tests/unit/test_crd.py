@@ -53,6 +53,7 @@ def test_crd_has_status_subresource_short_name_and_printer_columns() -> None:
         "Ready",
         "Reason",
         "Cells",
+        "Updated",
         "Prefill",
         "Decode Ranks",
         "Balance",

@@ -13,7 +13,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from baton.core.api import parse_prefill_record
-from baton.core.labels import CELL_GATE, QUARANTINED_ANNOTATION, TRAY_FAILURES_ANNOTATION
+from baton.core.labels import (
+    CELL_GATE,
+    QUARANTINED_ANNOTATION,
+    REVISION_LABEL,
+    TRAY_FAILURES_ANNOTATION,
+)
 from controller.actions import Actions
 from controller.decide import decide
 from controller.observe import Observed
@@ -349,29 +354,121 @@ def hashes(w: World, role: str) -> set[str]:
     }
 
 
-def test_a_new_engine_spec_restarts_decode_once_and_replaces_prefill_one_at_a_time() -> None:
-    w = world(cell={"prefill": {"instances": 4}})
+def serving(w: World) -> dict[str, set[str | None]]:
+    """Per cell in the gateway's endpoints, the revisions of the pods it lists."""
+    by_ip = {p["status"]["podIP"]: p for p in w.pods.values() if p.get("status", {}).get("podIP")}
+    out: dict[str, set[str | None]] = {}
+    for cell in w.deployment["status"]["endpoints"]["cells"]:
+        urls = cell["prefill"] + cell["decode"]
+        if cell["decode"] and cell["prefill"]:
+            pods = [by_ip[url.split("//")[1].split(":")[0]] for url in urls]
+            out[cell["name"]] = {p["metadata"]["labels"].get(REVISION_LABEL) for p in pods}
+    return out
+
+
+def change_engine(w: World, args: list[str]) -> None:
+    w.deployment["spec"]["engine"] = {"args": args}
+    w.deployment["metadata"]["generation"] += 1
+
+
+def test_a_changed_spec_rolls_out_cell_by_cell_each_drained_before_it_restarts() -> None:
+    w = world(racks=2, cells=2, cell={"prefill": {"instances": 2}})
     w.settle()
-    old_decode, old_prefill = hashes(w, "decode"), hashes(w, "prefill")
-    w.deployment["spec"]["engine"] = {"args": ["--max-num-seqs", "512"]}
-    w.deployment["metadata"]["generation"] = 2
+    assert set(serving(w)) == {"dsv4-cell-0", "dsv4-cell-1"}
+    old = w.deployment["status"]["revision"]
+    change_engine(w, ["--max-num-seqs", "512"])
     first = w.step()
-    assert set(first.delete_pods) >= names("decode", 8)
-    assert [e.reason for e in first.events].count("GroupUpdating") == 1
-    assert w.condition("Progressing")["reason"] == "Updating"
-    prefill_deleted = [[n for n in first.delete_pods if "prefill" in n]]  # per step
-    for _ in range(20):
-        decision = w.step()
-        prefill_deleted.append([n for n in decision.delete_pods if "prefill" in n])
-        assert len(prefill_deleted[-1]) <= 1  # one prefill instance at a time
-        assert not [n for n in decision.delete_pods if "decode" in n]  # decode restarted once
-        if not (decision.create or decision.delete_pods or decision.ungate):
+    # cell-0 leaves the rotation first; nothing restarts until its drain is over
+    assert w.reasons(first, "CellDraining") and not first.delete_pods
+    assert set(serving(w)) == {"dsv4-cell-1"}
+    assert w.condition("Progressing")["reason"] == "RollingUpdate"
+    assert first.requeue_after == 30
+    w.now += timedelta(seconds=10)
+    assert not w.step().delete_pods
+    w.now += timedelta(seconds=25)
+    restart = w.step()
+    assert {n for n in restart.delete_pods} == {
+        *(f"dsv4-cell-0-decode-{i}" for i in range(8)),
+        "dsv4-cell-0-prefill-0",
+        "dsv4-cell-0-prefill-1",
+    }
+    assert w.reasons(restart, "GroupUpdating")
+    new = None
+    for _ in range(30):
+        w.step()
+        cells = serving(w)
+        # never without a serving cell, and never a cell pairing two revisions
+        assert cells and all(len(revisions) == 1 for revisions in cells.values())
+        new = w.deployment["status"]["revision"]
+        if all(r == {new} for r in cells.values()) and len(cells) == 2:
             break
-    assert hashes(w, "decode").isdisjoint(old_decode) and len(hashes(w, "decode")) == 8
-    assert hashes(w, "prefill").isdisjoint(old_prefill) and len(w.pods) == 12
+        w.now += timedelta(seconds=31)  # each drain waits out its 30 s
+    assert new != old
     assert w.condition("Ready")["status"] == "True"
-    assert w.deployment["status"]["cells"][0]["restarts"] == []  # not a failure
-    assert "--max-num-seqs" in w.pods["dsv4-cell-0-prefill-0"]["spec"]["containers"][0]["command"]
+    assert w.deployment["status"]["updated"] == "2/2"
+    assert [c["restarts"] for c in w.deployment["status"]["cells"]] == [[], []]  # not failures
+    assert not any(c.get("drainingSince") for c in w.deployment["status"]["cells"])
+    assert all("--max-num-seqs" in p["spec"]["containers"][0]["command"] for p in w.pods.values())
+
+
+def test_a_one_cell_deployment_updates_its_only_cell_after_the_drain() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    change_engine(w, ["--max-num-seqs", "512"])
+    assert not w.step().delete_pods
+    assert serving(w) == {}
+    w.now += timedelta(seconds=31)
+    assert set(w.step().delete_pods) >= names("decode", 8)
+    w.settle()
+    assert w.condition("Ready")["status"] == "True"
+    assert w.deployment["status"]["updated"] == "1/1"
+
+
+def test_a_rollout_whose_new_pods_never_serve_stops_and_says_why() -> None:
+    w = world(racks=2, cells=2, cell={"prefill": {"instances": 2}}, rollout={"drainSeconds": 0})
+    w.settle()
+    change_engine(w, ["--a-flag-the-engine-refuses"])
+    w.step()  # cell-0 drained (no drain time) and restarted
+    for _ in range(5):
+        decision = w.step()
+        for name in decision.ungate:  # its engines never get ready
+            w.pods[name]["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    w.now += timedelta(seconds=1801)
+    w.step()
+    progressing = w.condition("Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("False", "RolloutStuck")
+    assert "dsv4-cell-0" in progressing["message"]
+    # the rollout stops there: cell-1 keeps serving its old revision
+    assert set(serving(w)) == {"dsv4-cell-1"}
+    assert all(
+        "--a-flag" not in p["spec"]["containers"][0]["command"]
+        for n, p in w.pods.items()
+        if "cell-1" in n
+    )
+
+
+def test_a_failed_prefill_in_a_cell_awaiting_its_turn_is_kept_out_of_its_pairs() -> None:
+    w = world(racks=2, cells=2, cell={"prefill": {"instances": 2}})
+    w.settle()
+    change_engine(w, ["--max-num-seqs", "512"])
+    w.step()  # cell-0 drains; cell-1 waits, serving
+    w.fail("dsv4-cell-1-prefill-0")
+    w.step()
+    w.step()  # recreated on the new revision and started
+    [cell] = [c for c in w.deployment["status"]["endpoints"]["cells"] if c["name"] == "dsv4-cell-1"]
+    assert len(cell["prefill"]) == 1  # the old-revision instance; the new one waits for its turn
+    assert serving(w)["dsv4-cell-1"] == {w.deployment["status"]["cells"][1]["revision"]}
+
+
+def test_pods_made_before_revision_labels_get_one_without_a_restart() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    for pod in w.pods.values():
+        del pod["metadata"]["labels"][REVISION_LABEL]
+    decision = w.step()
+    assert not decision.delete_pods and not decision.create
+    assert {name for name, _ in decision.relabel} == set(w.pods)
+    assert {rev for _, rev in decision.relabel} == {w.deployment["status"]["revision"]}
 
 
 def test_a_spec_the_api_server_accepts_but_baton_cannot_run_is_reported_not_placed() -> None:
