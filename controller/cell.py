@@ -57,6 +57,7 @@ from controller.observe import (
     parse_time,
     planned_tray,
     ready,
+    ready_since,
     revision_of,
     rfc3339,
     terminating,
@@ -109,6 +110,7 @@ class CellRollout:
     turn: bool = False  # the cell may leave the rotation and update now
     draining_since: datetime | None = None  # when it left the rotation (its status says)
     drain: timedelta = timedelta(0)  # how long in-flight requests may finish
+    min_ready: timedelta = timedelta(0)  # how long its pods must be ready to count as serving
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +125,7 @@ class CellActions:
     stale: bool = False  # pods of an older revision run in the cell
     draining_since: datetime | None = None  # out of the rotation for its update since
     in_rotation: bool = True  # the gateway may send it new requests
+    settled: bool = False  # every planned pod ready for at least the rollout's minReadySeconds
     drain_events: tuple[Event, ...] = ()
     wake_in: float | None = None  # seconds until its drain ends
     # current pods whose revision label is missing (made before pods carried one) or stale
@@ -221,6 +224,12 @@ def plan_cell(
     )
     ungate, pending = gate_actions(wanted, live, deleting={*decode.delete, *prefill.delete})
     ready = decode.ready and prefill.ready == len(cell.prefill) and not pending
+    # ready long enough: the gateway has had time to admit its engines (a Ready condition
+    # without a time counts as long ago)
+    since = [ready_since(live[n]) for n in wanted if n in live] if ready else []
+    latest = max((t for t in since if t is not None), default=None)
+    settle = (latest + rollout.min_ready - observed.now).total_seconds() if latest else 0.0
+    settled = ready and settle <= 0
     return CellActions(
         decode=decode,
         prefill=prefill,
@@ -229,10 +238,13 @@ def plan_cell(
         pending=pending,
         stale=stale,
         # out of the rotation from its drain until it serves the current revision again
-        draining_since=None if not stale and ready else drain.since,
+        draining_since=None if not stale and settled else drain.since,
         in_rotation=not (stale and drain.since is not None),
+        settled=settled,
         drain_events=drain.events,
-        wake_in=drain.wake_in,
+        wake_in=drain.wake_in
+        if drain.wake_in is not None
+        else (settle if ready and settle > 0 else None),
         relabel=tuple(
             (n, label)
             for n, p in sorted(live.items())

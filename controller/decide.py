@@ -226,19 +226,16 @@ def _rollout(view: DeploymentView, cell: str) -> CellRollout:
     """The cell's rollout state as its status recorded it: no turn yet."""
     record = next((c for c in view.status.cells if c.name == cell), None)
     since = record.draining_since if record is not None else None
+    rollout = view.model.spec.rollout
     return CellRollout(
         draining_since=parse_time(since) if since else None,
-        drain=timedelta(seconds=view.model.spec.rollout.drain_seconds),
+        drain=timedelta(seconds=rollout.drain_seconds),
+        min_ready=timedelta(seconds=rollout.min_ready_seconds),
     )
 
 
 def _serves(actions: CellActions) -> bool:
-    return (
-        actions.in_rotation
-        and actions.decode.ready
-        and actions.prefill.ready > 0
-        and not actions.pending
-    )
+    return actions.in_rotation and actions.settled
 
 
 def _turns(

@@ -187,6 +187,16 @@ def ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
+def ready_since(pod: Mapping[str, Any]) -> datetime | None:
+    """When a ready pod's Ready condition last turned True (None: not ready, or not said)."""
+    if not ready(pod):
+        return None
+    for condition in pod.get("status", {}).get("conditions") or []:
+        if condition.get("type") == "Ready" and condition.get("lastTransitionTime"):
+            return parse_time(condition["lastTransitionTime"])
+    return None
+
+
 def outdated(pod: Mapping[str, Any], wanted: Manifest) -> bool:
     """The pod was rendered from another spec than the current one."""
     have = (pod.get("metadata", {}).get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION)

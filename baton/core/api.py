@@ -532,6 +532,13 @@ class RolloutSpec(_Resource):
         le=1024,
         description="cells updating at once (never the last serving cell of several)",
     )
+    min_ready_seconds: int = Field(
+        default=10,
+        ge=0,
+        le=3600,
+        description="how long an updated cell's pods must all have been ready before it counts "
+        "as serving and the next cell drains (time for the gateway to admit its engines)",
+    )
     drain_seconds: int = Field(
         default=30,
         ge=0,

@@ -81,7 +81,13 @@ class World:
             pod["status"] = {
                 "phase": "Running",
                 "podIP": f"127.64.0.{self.next_ip}",
-                "conditions": [{"type": "Ready", "status": "True"}],
+                "conditions": [
+                    {
+                        "type": "Ready",
+                        "status": "True",
+                        "lastTransitionTime": self.now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    }
+                ],
             }
             self.next_ip += 1
         for mark in decision.trays:
@@ -367,6 +373,8 @@ def serving(w: World) -> dict[str, set[str | None]]:
 
 
 def change_engine(w: World, args: list[str]) -> None:
+    """A new engine spec, a minute after the cells got ready (past minReadySeconds)."""
+    w.now += timedelta(seconds=60)
     w.deployment["spec"]["engine"] = {"args": args}
     w.deployment["metadata"]["generation"] += 1
 
@@ -393,6 +401,13 @@ def test_a_changed_spec_rolls_out_cell_by_cell_each_drained_before_it_restarts()
         "dsv4-cell-0-prefill-1",
     }
     assert w.reasons(restart, "GroupUpdating")
+    w.settle()  # cell-0 back, on the new revision
+    assert set(serving(w)) == {"dsv4-cell-0", "dsv4-cell-1"}
+    # cell-1 drains only once cell-0's pods have been ready for minReadySeconds (10 s): the
+    # gateway's time to admit its engines
+    assert not w.reasons(w.step(), "CellDraining")
+    w.now += timedelta(seconds=10)
+    assert w.reasons(w.step(), "CellDraining")
     new = None
     for _ in range(30):
         w.step()
@@ -420,6 +435,9 @@ def test_a_one_cell_deployment_updates_its_only_cell_after_the_drain() -> None:
     w.now += timedelta(seconds=31)
     assert set(w.step().delete_pods) >= names("decode", 8)
     w.settle()
+    assert w.condition("Progressing")["reason"] == "RollingUpdate"  # ready, not yet 10 s
+    w.now += timedelta(seconds=10)
+    w.step()
     assert w.condition("Ready")["status"] == "True"
     assert w.deployment["status"]["updated"] == "1/1"
 

@@ -1,0 +1,238 @@
+"""A changed spec rolls out while the deployment serves: two cells on kwok trays, each pod's own
+command line (``baton sim``) run at its pod IP as a kubelet would run it, the real ``openai``
+client streaming through ``baton gateway --model-deployment`` the whole time. No request fails,
+at every look at the status some cell serves, and no cell's endpoints mix two revisions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from kubernetes import client
+
+from baton.core.kube import raw_json
+from baton.core.labels import DEPLOYMENT_LABEL, REVISION_LABEL
+from rigs.devcluster import ControlPlane, add_trays, patch_model_deployment_spec, remove_nodes
+from rigs.processes import baton_command, eventually, free_port, stop_process, wait_healthy
+from tests.k8s.helpers import apply, read, wait_ready
+
+pytestmark = pytest.mark.usefixtures("controller")
+
+
+class Kubelet:
+    """Runs each Running pod's command at its pod IP (one process per pod UID) and stops it when
+    the pod goes, polling the API server from a thread."""
+
+    def __init__(self, api: client.ApiClient, namespace: str, logs: Path) -> None:
+        self.core = client.CoreV1Api(api)
+        self.namespace, self.logs = namespace, logs
+        self.running: dict[str, subprocess.Popen[bytes]] = {}
+        self.revision_at: dict[str, str] = {}  # pod IP -> its revision label, while it runs
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Kubelet:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        for process in self.running.values():
+            stop_process(process)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            self.sync()
+
+    def sync(self) -> None:
+        listed = self.core.list_namespaced_pod(
+            self.namespace, label_selector=DEPLOYMENT_LABEL, _preload_content=False
+        )
+        live = {
+            pod["metadata"]["uid"]: pod
+            for pod in raw_json(listed)["items"]
+            if pod.get("status", {}).get("phase") == "Running"
+            and pod["status"].get("podIP")
+            and not pod["metadata"].get("deletionTimestamp")
+        }
+        for uid in list(self.running):
+            if uid not in live:  # stopped first: its IP may come back on a new pod
+                stop_process(self.running.pop(uid))
+        for uid, pod in live.items():
+            if uid in self.running:
+                continue
+            ip: str = pod["status"]["podIP"]
+            container = pod["spec"]["containers"][0]
+            env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = ip  # what the fieldRef gives a real pod
+            log = self.logs / f"{pod['metadata']['name']}-{uid[:8]}.log"
+            self.running[uid] = subprocess.Popen(
+                [*container["command"], "--host", ip],
+                env={**os.environ, **env},
+                stdout=log.open("wb"),
+                stderr=subprocess.STDOUT,
+            )
+            self.revision_at[ip] = pod["metadata"]["labels"][REVISION_LABEL]
+
+
+@pytest.fixture
+def two_racks(api: client.ApiClient, namespace: str) -> Iterator[list[dict[str, Any]]]:
+    nodes = add_trays(api, 2, trays_per_rack=2, name_prefix=f"{namespace}-")
+    yield nodes
+    custom = client.CustomObjectsApi(api)
+    custom.delete_collection_namespaced_custom_object(
+        "baton.dev", "v1alpha1", namespace, "modeldeployments"
+    )
+    core = client.CoreV1Api(api)
+    core.delete_collection_namespaced_pod(namespace, label_selector=DEPLOYMENT_LABEL)
+    eventually(
+        lambda: not core.list_namespaced_pod(namespace, label_selector=DEPLOYMENT_LABEL).items,
+        timeout=60,
+    )
+    remove_nodes(api, nodes)
+
+
+def test_a_rollout_under_load_fails_no_request_and_never_leaves_no_cell_serving(
+    api: client.ApiClient,
+    namespace: str,
+    two_racks: list[dict[str, Any]],
+    control_plane: ControlPlane,
+    tmp_path: Path,
+) -> None:
+    apply(
+        api,
+        namespace,
+        "dsv4",
+        {
+            "servedModelName": "dsv4",
+            "cells": 2,
+            "engine": {"command": baton_command("sim"), "args": ["--profile", "instant"]},
+            "cell": {"decode": {"dep": 4, "spareTrays": 0}, "prefill": {"instances": 1}},
+            "eplb": {"enabled": False},
+            "rollout": {"drainSeconds": 3},
+        },
+    )
+    wait_ready(api, namespace, "dsv4")
+    with Kubelet(api, namespace, tmp_path) as kubelet:
+        port = free_port()
+        gateway_log = tmp_path / "gateway.log"
+        gateway = subprocess.Popen(
+            baton_command(
+                "gateway",
+                "--model-deployment",
+                f"{namespace}/dsv4",
+                f"--kubeconfig={control_plane.kubeconfig}",
+                f"--port={port}",
+                "--health-interval=0.5",
+                "--pd-threshold-tokens=0",
+            ),
+            stdout=gateway_log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, gateway, gateway_log)
+
+            def both_cells_served() -> bool:
+                return (
+                    httpx.get(f"{url}/ready", timeout=1).status_code == 200
+                    and len(_serving(read(api, namespace, "dsv4")["status"], kubelet.revision_at))
+                    == 2
+                )
+
+            eventually(both_cells_served, timeout=60, interval=0.5)
+            outcome = _serve_while(url, lambda: _roll_out(api, namespace, kubelet))
+        finally:
+            stop_process(gateway)
+    answered, failures = outcome
+    assert failures == [], failures[:5]
+    assert answered >= 20  # load ran through the whole rollout
+
+
+def _serving(status: dict[str, Any], revision_at: dict[str, str]) -> dict[str, set[str]]:
+    """The cells with both roles in the endpoints, and the revisions of the pods they list."""
+    cells: dict[str, set[str]] = {}
+    for cell in status.get("endpoints", {}).get("cells", []):
+        if cell["prefill"] and cell["decode"]:
+            hosts = [u.split("//")[1].split(":")[0] for u in cell["prefill"] + cell["decode"]]
+            cells[cell["name"]] = {revision_at.get(host, "?") for host in hosts}
+    return cells
+
+
+def _roll_out(api: client.ApiClient, namespace: str, kubelet: Kubelet) -> None:
+    """Change the engine's flags, then watch the status until both cells run the new revision:
+    at every look some cell serves, on one revision."""
+    before = read(api, namespace, "dsv4")["status"]["revision"]
+    patch_model_deployment_spec(
+        api,
+        namespace,
+        "dsv4",
+        {"engine": {"args": ["--profile", "instant", "--max-num-seqs", "128"]}},
+    )
+    looks: list[dict[str, set[str]]] = []
+
+    def rolled_out() -> bool:
+        status = read(api, namespace, "dsv4")["status"]
+        serving = _serving(status, kubelet.revision_at)
+        looks.append(serving)
+        assert serving, f"no cell serving: {status.get('conditions')}"
+        assert all(len(revisions) == 1 for revisions in serving.values()), serving
+        ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+        return (
+            status["revision"] != before
+            and status.get("updated") == "2/2"
+            and ready["status"] == "True"
+            and len(serving) == 2
+        )
+
+    eventually(rolled_out, timeout=180, interval=0.25)
+    # the rollout went through a look with only one cell serving: it drained cell by cell
+    assert any(len(look) == 1 for look in looks)
+
+
+def _serve_while(url: str, action: Any) -> tuple[int, list[str]]:
+    """Stream chat completions through the gateway from three clients while ``action`` runs;
+    how many were answered and every failure."""
+    stop = threading.Event()
+    answered = [0]
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def client_loop() -> None:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
+        while not stop.is_set():
+            try:
+                stream = api.chat.completions.create(
+                    model="dsv4",
+                    messages=[{"role": "user", "content": "Roll the cells one at a time."}],
+                    max_tokens=8,
+                    stream=True,
+                )
+                text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                with lock:
+                    if text:
+                        answered[0] += 1
+                    else:
+                        failures.append("an empty answer")
+            except openai.OpenAIError as exc:
+                with lock:
+                    failures.append(repr(exc))
+
+    clients = [threading.Thread(target=client_loop, daemon=True) for _ in range(3)]
+    for thread in clients:
+        thread.start()
+    try:
+        action()
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=60)
+    return answered[0], failures
