@@ -369,13 +369,18 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
         Engine(name, e.role, e.url, e.process.pid, str(e.log_path)) for name, e in cells.items()
     ]
     (state / "engines.json").write_text(json.dumps([asdict(e) for e in engines], indent=1))
+    try:
+        warm_s = _warm(engines, WARM_PROMPT_TOKENS[args.engines])
+    except BaseException:
+        stop(state)  # nor does a failed warm-up: no step after it would stop them
+        raise
     return {
         "benchmark": "gpu-start",
         "reused": False,
         "card": card,
         "engines": [asdict(e) for e in engines],
         "ready_s": ready,
-        "warm_s": _warm(engines, WARM_PROMPT_TOKENS[args.engines]),
+        "warm_s": warm_s,
         "argv": {name: e.argv for name, e in cells.items()},
         "env": {name: e.env for name, e in cells.items()},
     }
