@@ -140,6 +140,18 @@ def _deployment_actions(
     placed = [cell for cell in plan.cells if cell.deployment == name]
     events: list[Event] = []
     cells: dict[str, CellActions] = {}
+
+    def act(cell: CellPlacement, rollout: CellRollout) -> CellActions:
+        return plan_cell(
+            view,
+            cell,
+            restarted=cell.name in plan.restarted,
+            trays=trays,
+            observed=observed,
+            policy=policy,
+            rollout=rollout,
+        )
+
     for cell in placed:
         before = current.cell(cell.name)
         if before is not None and before.spare_trays != cell.spare_trays:
@@ -155,26 +167,10 @@ def _deployment_actions(
                     f"spare {', '.join(cell.spare_trays) or 'none'}",
                 )
             )
-        cells[cell.name] = plan_cell(
-            view,
-            cell,
-            restarted=cell.name in plan.restarted,
-            trays=trays,
-            observed=observed,
-            policy=policy,
-            rollout=_rollout(view, cell.name),
-        )
+        cells[cell.name] = act(cell, _rollout(view, cell.name))
     for turn in _turns(view, placed, cells):
         cell = next(c for c in placed if c.name == turn)
-        cells[turn] = plan_cell(
-            view,
-            cell,
-            restarted=cell.name in plan.restarted,
-            trays=trays,
-            observed=observed,
-            policy=policy,
-            rollout=replace(_rollout(view, turn), turn=True),
-        )
+        cells[turn] = act(cell, replace(_rollout(view, turn), turn=True))
     events.extend(e for cell in placed for e in cells[cell.name].events)
     events += [
         Event(name, "Warning", Reason.INSUFFICIENT_CAPACITY, unplaced.message)

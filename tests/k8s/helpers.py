@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,7 +17,7 @@ from rigs.devcluster import (
     create_model_deployment,
     read_model_deployment,
 )
-from rigs.processes import eventually
+from rigs.processes import baton_command, eventually, free_port, stop_process, wait_healthy
 
 
 def controller_log(plane: ControlPlane, identity: str) -> str:
@@ -113,3 +114,31 @@ def compute_domains_served(api: client.ApiClient) -> Iterator[None]:
             return False
 
         eventually(gone, timeout=60)  # later controllers must find the API absent
+
+
+def start_gateway_following(
+    plane: ControlPlane, namespace: str, name: str, log: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``baton gateway --model-deployment NAMESPACE/NAME`` on a free port, every request a P/D
+    handoff and health checked every 0.5 s; the process and its URL, once it answers."""
+    port = free_port()
+    gateway = subprocess.Popen(
+        baton_command(
+            "gateway",
+            "--model-deployment",
+            f"{namespace}/{name}",
+            f"--kubeconfig={plane.kubeconfig}",
+            f"--port={port}",
+            "--health-interval=0.5",
+            "--pd-threshold-tokens=0",
+        ),
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, gateway, log)
+    except BaseException:
+        stop_process(gateway)
+        raise
+    return gateway, url

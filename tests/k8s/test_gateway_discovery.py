@@ -19,8 +19,8 @@ from kubernetes import client
 
 from controller.podspec import EPLB_TOKEN_DIR
 from rigs.devcluster import ControlPlane, patch_model_deployment_spec, pods
-from rigs.processes import baton_command, eventually, free_port, stop_process, wait_healthy
-from tests.k8s.helpers import apply, read, wait_ready
+from rigs.processes import baton_command, eventually, stop_process, wait_healthy
+from tests.k8s.helpers import apply, read, start_gateway_following, wait_ready
 
 pytestmark = pytest.mark.usefixtures("controller")
 
@@ -82,24 +82,9 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
         processes.append(engine)
         wait_healthy(f"http://{ip}:8000", engine, log)
 
-    port = free_port()
     gateway_log = tmp_path / "gateway.log"
-    gateway = subprocess.Popen(
-        baton_command(
-            "gateway",
-            "--model-deployment",
-            f"{namespace}/dsv4",
-            f"--kubeconfig={control_plane.kubeconfig}",
-            f"--port={port}",
-            "--health-interval=0.5",
-            "--pd-threshold-tokens=0",
-        ),
-        stdout=gateway_log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    gateway, url = start_gateway_following(control_plane, namespace, "dsv4", gateway_log)
     processes.append(gateway)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, gateway, gateway_log)
     eventually(lambda: httpx.get(f"{url}/ready", timeout=1).status_code == 200, timeout=30)
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)

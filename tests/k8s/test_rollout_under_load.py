@@ -15,20 +15,20 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from kubernetes import client
+from kubernetes import client, watch
 
 from baton.core.kube import raw_json
 from baton.core.labels import DEPLOYMENT_LABEL, REVISION_LABEL
 from rigs.devcluster import ControlPlane, add_trays, patch_model_deployment_spec, remove_nodes
-from rigs.processes import baton_command, eventually, free_port, stop_process, wait_healthy
-from tests.k8s.helpers import apply, read, wait_ready
+from rigs.processes import baton_command, eventually, stop_process
+from tests.k8s.helpers import apply, read, start_gateway_following, wait_ready
 
 pytestmark = pytest.mark.usefixtures("controller")
 
 
 class Kubelet:
     """Runs each Running pod's command at its pod IP (one process per pod UID) and stops it when
-    the pod goes, polling the API server from a thread."""
+    the pod goes, watching the API server from a thread."""
 
     def __init__(self, api: client.ApiClient, namespace: str, logs: Path) -> None:
         self.core = client.CoreV1Api(api)
@@ -49,7 +49,19 @@ class Kubelet:
             stop_process(process)
 
     def _loop(self) -> None:
-        while not self._stop.wait(0.2):
+        # on every pod event: a deleted pod's process must be gone before the gateway can probe
+        # its IP, which kwok gives the next pod at once
+        pods = watch.Watch()
+        while not self._stop.is_set():
+            for _ in pods.stream(
+                self.core.list_namespaced_pod,
+                self.namespace,
+                label_selector=DEPLOYMENT_LABEL,
+                timeout_seconds=1,
+            ):
+                self.sync()
+                if self._stop.is_set():
+                    pods.stop()
             self.sync()
 
     def sync(self) -> None:
@@ -122,24 +134,10 @@ def test_a_rollout_under_load_fails_no_request_and_never_leaves_no_cell_serving(
     )
     wait_ready(api, namespace, "dsv4")
     with Kubelet(api, namespace, tmp_path) as kubelet:
-        port = free_port()
-        gateway_log = tmp_path / "gateway.log"
-        gateway = subprocess.Popen(
-            baton_command(
-                "gateway",
-                "--model-deployment",
-                f"{namespace}/dsv4",
-                f"--kubeconfig={control_plane.kubeconfig}",
-                f"--port={port}",
-                "--health-interval=0.5",
-                "--pd-threshold-tokens=0",
-            ),
-            stdout=gateway_log.open("wb"),
-            stderr=subprocess.STDOUT,
+        gateway, url = start_gateway_following(
+            control_plane, namespace, "dsv4", tmp_path / "gateway.log"
         )
         try:
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, gateway, gateway_log)
 
             def both_cells_served() -> bool:
                 return (

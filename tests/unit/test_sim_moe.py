@@ -20,10 +20,15 @@ from sim.profile import load_profile
 PROFILE = load_profile()
 
 
-def runtime(
-    step_interval: int = 20, window_size: int = 10, policy_plugin: str | None = None
-) -> MoERuntime:
-    config = EngineConfig(
+def engine_config(
+    step_interval: int = 20,
+    window_size: int = 10,
+    policy_plugin: str | None = None,
+    speculative: SpeculativeConfig | None = None,
+) -> EngineConfig:
+    """One DEP32 API server with in-engine EPLB (32 redundant experts) every ``step_interval``
+    steps from the last ``window_size``."""
+    return EngineConfig(
         model="m",
         served_model_names=("m",),
         profile=PROFILE,
@@ -35,8 +40,15 @@ def runtime(
             window_size=window_size, step_interval=step_interval, num_redundant_experts=32
         ),
         eplb_policy_plugin=policy_plugin,
+        speculative=speculative or SpeculativeConfig(),
         group_name="cell-0",
     )
+
+
+def runtime(
+    step_interval: int = 20, window_size: int = 10, policy_plugin: str | None = None
+) -> MoERuntime:
+    config = engine_config(step_interval, window_size, policy_plugin)
     return MoERuntime(config, models=((TARGET, TARGET_SKEW),))
 
 
@@ -51,18 +63,7 @@ def test_in_engine_eplb_balances_the_draft_as_vllm_does_for_its_method(
 ) -> None:
     # vLLM 0.33 leaves a DSpark draft whose expert layout is not the target's (V4.1's: 128
     # experts against 384) out of its EPLB: its plain layout stays, with no redundant slots.
-    config = EngineConfig(
-        model="m",
-        served_model_names=("m",),
-        profile=PROFILE,
-        data_parallel_size=32,
-        data_parallel_size_local=32,
-        enable_expert_parallel=True,
-        enable_eplb=True,
-        eplb=EplbConfig(window_size=10, step_interval=20, num_redundant_experts=32),
-        speculative=SpeculativeConfig(method=method, num_speculative_tokens=5),
-        group_name="cell-0",
-    )
+    config = engine_config(speculative=SpeculativeConfig(method=method, num_speculative_tokens=5))
     moe = MoERuntime(config)
     draft = moe.models[DRAFT.name]
     start = draft.placement.phy2log.copy()
