@@ -63,7 +63,7 @@ from controller.observe import (
     terminating,
     tray_keeps_pods,
 )
-from controller.placement import CellPlacement
+from controller.placement import CellPlacement, DeploymentShape, TraySelector
 from controller.podspec import compute_domain, prefill_channel_claim, render_cell
 from controller.restarts import RestartPolicy, TrayFailure
 from controller.topology import Topology
@@ -82,7 +82,6 @@ class DecodeGroupActions:
     failures: tuple[TrayFailure, ...] = ()
     restarts: tuple[str, ...] = ()  # RFC 3339 times of the restarts within the window
     restarting: bool = False
-    updating: bool = False
     backoff: bool = False
     exhausted: bool = False
     wake_in: float | None = None  # seconds until a backoff ends
@@ -99,7 +98,6 @@ class PrefillActions:
     delete: tuple[str, ...] = ()
     events: tuple[Event, ...] = ()
     failures: tuple[TrayFailure, ...] = ()
-    updating: bool = False
     ready: int = 0
 
 
@@ -210,6 +208,7 @@ def plan_cell(
         now=observed.now,
         policy=policy,
         update=drain.update,
+        selector=DeploymentShape.of(view.model).trays,
     )
     prefill = prefill_actions(
         view.name,
@@ -301,6 +300,7 @@ def decode_group_actions(
     now: datetime,
     policy: RestartPolicy,
     update: bool = True,
+    selector: TraySelector | None = None,
 ) -> DecodeGroupActions:
     """The decode group: whole or nothing (see the module docstring); ``update``: an outdated
     group restarts on the current spec now (its cell is drained)."""
@@ -308,7 +308,8 @@ def decode_group_actions(
     names = [decode_pod_name(cell.name, i) for i in range(len(cell.decode_trays))]
     live_decode = {n: live[n] for n in names if n in live}
     failed = [n for n, p in live_decode.items() if is_terminal(p)]
-    lost = [n for n, p in live_decode.items() if not tray_keeps_pods(trays, p)]
+    selector = selector or TraySelector()
+    lost = [n for n, p in live_decode.items() if not tray_keeps_pods(trays, p, selector)]
     launched = any(not gated(p) for p in live_decode.values())
     missing = len(live_decode) < len(names)
     broken = bool(failed or lost or restarted or (launched and missing))
@@ -367,7 +368,6 @@ def decode_group_actions(
             delete=tuple(sorted(live_decode)),
             events=(event,),
             restarts=recent,
-            updating=True,
         )
     create: tuple[Manifest, ...] = ()
     if (not live_decode or not launched) and not any(
@@ -490,7 +490,6 @@ def prefill_actions(
         delete=tuple(delete),
         events=tuple(events),
         failures=tuple(failures),
-        updating=bool(stale),
         ready=sum(1 for n in names if n in live and ready(live[n])),
     )
 

@@ -30,7 +30,7 @@ from baton.core.labels import (
     TEMPLATE_HASH_ANNOTATION,
 )
 from controller.names import decode_pod_name, prefill_pod_name
-from controller.placement import CellPlacement, PrefillInstance
+from controller.placement import CellPlacement, PrefillInstance, TraySelector
 from controller.topology import Topology, parse_topology
 
 __all__ = [
@@ -356,7 +356,8 @@ def unbound_pods(view: DeploymentView, cells: Sequence[CellPlacement]) -> set[st
     return unbound
 
 
-def tray_keeps_pods(trays: Topology, pod: Mapping[str, Any]) -> bool:
+def tray_keeps_pods(trays: Topology, pod: Mapping[str, Any], selector: TraySelector) -> bool:
+    """The pod's tray still runs it, for a deployment of ``selector`` (its tolerations)."""
     name = planned_tray(pod)
     tray = trays.tray(name) if name is not None else None
-    return tray is not None and tray.keeps_pods
+    return tray is not None and selector.keeps(tray)

@@ -272,6 +272,7 @@ def _pod(
     command: list[str],
     spec: ModelDeploymentSpec,
     gpu_resource: str,
+    made_by: str,
 ) -> Manifest:
     env = [
         {
@@ -368,7 +369,7 @@ def _pod(
                 CELL_LABEL: cell,
                 ROLE_LABEL: role,
                 RANK_LABEL: str(rank),
-                REVISION_LABEL: revision(spec),
+                REVISION_LABEL: made_by,
             },
             "ownerReferences": [_owner(deployment, uid)],
         },
@@ -491,6 +492,7 @@ def render_cell(
     ``compute_domain`` (the cluster serves the API), every pod claims the cell's IMEX channel
     (decode pods from the domain's template, prefill pods their tray's shared claim)."""
     gpu_resource = spec.topology.gpu_resource
+    made_by = revision(spec)  # one hash for all of the cell's pods
     decode = spec.cell.decode
     service: Manifest = {
         "apiVersion": "v1",
@@ -523,6 +525,7 @@ def render_cell(
             command=decode_command(spec, cell.name, index, namespace),
             spec=spec,
             gpu_resource=gpu_resource,
+            made_by=made_by,
         )
         # hostname + subdomain give rank 0's pod the DNS name the others dial
         pod["spec"]["hostname"] = decode_pod_name(cell.name, index)
@@ -545,6 +548,7 @@ def render_cell(
             command=prefill_command(spec),
             spec=spec,
             gpu_resource=gpu_resource,
+            made_by=made_by,
         )
         if compute_domain:
             claim = prefill_channel_claim_name(cell.name, instance.tray)

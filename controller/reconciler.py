@@ -464,45 +464,30 @@ class Controller:
         for name in actions.delete_services:
             self._count("delete", "services")
             _ignore(404, self.core.delete_namespaced_service, name, namespace)
-        group, version, plural = COMPUTE_DOMAIN_API
-        for name in actions.delete_compute_domains:
-            self._count("delete", plural)
-            _ignore(
-                404,
-                self.custom.delete_namespaced_custom_object,
-                group,
-                version,
-                namespace,
-                plural,
-                name,
-            )
-        claim_group, claim_version, claims = RESOURCE_CLAIM_API
-        for name in actions.delete_resource_claims:
-            self._count("delete", claims)
-            _ignore(
-                404,
-                self.custom.delete_namespaced_custom_object,
-                claim_group,
-                claim_version,
-                namespace,
-                claims,
-                name,
-            )
+        # objects of other APIs, by kind: (group, version, plural)
+        by_kind = {"ComputeDomain": COMPUTE_DOMAIN_API, "ResourceClaim": RESOURCE_CLAIM_API}
+        for api, names in (
+            (COMPUTE_DOMAIN_API, actions.delete_compute_domains),
+            (RESOURCE_CLAIM_API, actions.delete_resource_claims),
+        ):
+            group, version, plural = api
+            for name in names:
+                self._count("delete", plural)
+                _ignore(
+                    404,
+                    self.custom.delete_namespaced_custom_object,
+                    group,
+                    version,
+                    namespace,
+                    plural,
+                    name,
+                )
         for manifest in actions.create:
             kind = manifest["kind"]
             self._count("create", kind.lower() + "s")
             # already there: the cache lagged (409)
-            if kind == "ResourceClaim":
-                _ignore(
-                    409,
-                    self.custom.create_namespaced_custom_object,
-                    claim_group,
-                    claim_version,
-                    namespace,
-                    claims,
-                    manifest,
-                )
-            elif kind == "ComputeDomain":
+            if kind in by_kind:
+                group, version, plural = by_kind[kind]
                 _ignore(
                     409,
                     self.custom.create_namespaced_custom_object,

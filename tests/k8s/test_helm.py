@@ -166,20 +166,28 @@ def test_the_values_schema_refuses_a_wrong_value_naming_it(value: str, message: 
     assert message in rendered.stderr, rendered.stderr
 
 
-def test_the_helm_test_pods_check_passes_against_a_running_gateway_and_fails_without_one(
-    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
-) -> None:
+def helm_test_pod(*values: str) -> dict[str, Any]:
+    """The chart's ``helm test`` pod for release ``b``, with ``values`` set."""
+    sets = [arg for value in values for arg in ("--set", value)]
     rendered = helm(
         "template",
         "b",
         str(CHART),
         "--set",
         "gateway.modelDeployment=serving/dsv4",
+        *sets,
         "--show-only",
         "templates/tests/gateway.yaml",
     )
     assert rendered.returncode == 0, rendered.stderr
-    pod = yaml.safe_load(rendered.stdout)
+    pod: dict[str, Any] = yaml.safe_load(rendered.stdout)
+    return pod
+
+
+def test_the_helm_test_pods_check_passes_against_a_running_gateway_and_fails_without_one(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
+) -> None:
+    pod = helm_test_pod()
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     [container] = pod["spec"]["containers"]
     assert container["command"][:2] == ["python", "-c"]
@@ -206,19 +214,7 @@ def test_the_helm_test_pods_check_passes_against_a_running_gateway_and_fails_wit
 def test_the_helm_test_pod_sends_one_of_the_gateways_api_keys_from_its_secret(
     start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:
-    rendered = helm(
-        "template",
-        "b",
-        str(CHART),
-        "--set",
-        "gateway.modelDeployment=serving/dsv4",
-        "--set",
-        "gateway.apiKeySecret.name=gateway-keys",
-        "--show-only",
-        "templates/tests/gateway.yaml",
-    )
-    assert rendered.returncode == 0, rendered.stderr
-    [container] = yaml.safe_load(rendered.stdout)["spec"]["containers"]
+    [container] = helm_test_pod("gateway.apiKeySecret.name=gateway-keys")["spec"]["containers"]
     [keys] = container["env"]
     assert keys == {
         "name": "BATON_API_KEYS",

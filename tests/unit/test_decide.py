@@ -186,6 +186,19 @@ def test_gates_of_the_cell_are_lifted_together_once_every_pod_exists() -> None:
     assert len(status["endpoints"]["cells"][0]["decode"]) == 8
 
 
+def test_a_noexecute_taint_restarts_the_group_only_where_it_is_not_tolerated() -> None:
+    maintenance = {"key": "example.com/maintenance", "effect": "NoExecute"}
+    tolerant = [{"key": "example.com/maintenance", "operator": "Exists"}]
+    for engine, restarts in (({}, True), ({"tolerations": tolerant}, False)):
+        w = world(cell={"prefill": {"instances": 2}}, engine=engine)
+        w.settle()
+        tray = w.tray_of("dsv4-cell-0-decode-3")
+        node = next(n for n in w.nodes if n["metadata"]["name"] == tray)
+        node["spec"]["taints"] = [*node["spec"].get("taints", []), maintenance]
+        decision = w.step()
+        assert (set(decision.delete_pods) >= names("decode", 8)) is restarts, engine
+
+
 def test_a_failed_decode_pod_restarts_the_whole_group_and_counts_against_its_tray() -> None:
     w = world(cell={"prefill": {"instances": 2}})
     w.settle()
