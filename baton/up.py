@@ -477,8 +477,7 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
             print(f"baton up: error: {exc}", file=sys.stderr)
             return 1
         finally:
-            for process in reversed(processes):
-                stop_process(process)
+            stop_process(*reversed(processes))
 
 
 def _live_problem(args: argparse.Namespace) -> str | None:
@@ -558,8 +557,7 @@ def _run_live(args: argparse.Namespace) -> int:
         print(f"baton up: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        for process in processes:
-            stop_process(process)
+        stop_process(*processes)
 
 
 def _watch(processes: Sequence[subprocess.Popen[bytes]], stop: threading.Event) -> int:

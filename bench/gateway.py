@@ -296,8 +296,7 @@ def direct_and_routed(profile: str) -> Iterator[list[Target]]:
             (name, url, process) for name, (process, url) in routers.items()
         ]
     finally:
-        for process in processes:
-            stop_process(process)
+        stop_process(*processes)
 
 
 def _scenario(directory: Path, scenario: Scenario, rounds: int) -> list[_Row]:

@@ -107,8 +107,7 @@ def run(quick: bool = False) -> dict[str, object]:
                 for target, url, pid in targets:
                     rows.append(_measure(target, url, pid, scenario))
     finally:
-        for process in processes:
-            stop_process(process)
+        stop_process(*processes)
     median = {
         target: {
             key: statistics.median(float(r[key]) for r in rows if r["target"] == target)

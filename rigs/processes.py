@@ -125,11 +125,16 @@ def wait_healthy(
     eventually(healthy, timeout=timeout)
 
 
-def stop_process(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
+def stop_process(*processes: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to every one of ``processes`` at once, then SIGKILL to any still running 10 s
+    later: stopping several costs one wait, not one each."""
+    running = [process for process in processes if process.poll() is None]
+    for process in running:
         process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for process in running:
         try:
-            process.wait(timeout=10)
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
@@ -173,5 +178,4 @@ def busy_host(per_core: int) -> Iterator[None]:
     try:
         yield
     finally:
-        for process in processes:
-            stop_process(process)
+        stop_process(*processes)

@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(parser, "--enable-prompt-tokens-details", action="store_true")
     _flag(
         parser,
+        "--shutdown-timeout",
+        type=int,
+        default=0,
+        help="on SIGTERM: 0 aborts the requests in flight, N > 0 lets them finish for N seconds",
+    )
+    _flag(
+        parser,
         "--speculative-config",
         default=None,
         help='JSON, e.g. {"method":"dspark","num_speculative_tokens":5} (the study\'s)',
@@ -227,6 +234,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         eplb_agent_tls_key=args.eplb_agent_tls_key,
         # vLLM's precedence: --api-key, else VLLM_API_KEY.
         api_keys=tuple(k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k),
+        shutdown_timeout=args.shutdown_timeout,
         time_scale=args.time_scale,
         seed=args.seed,
         fault_injection_token_file=args.fault_injection_token_file

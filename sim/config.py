@@ -84,6 +84,9 @@ class EngineConfig:
     side_channel_port: int = 5600
     # vLLM's --api-key (or VLLM_API_KEY): bearer tokens every /v1 route requires; () = open.
     api_keys: tuple[str, ...] = ()
+    # vLLM's --shutdown-timeout: on SIGTERM, 0 aborts the requests in flight, N > 0 lets them
+    # finish for up to N seconds
+    shutdown_timeout: int = 0
     eplb_agent_port: int | None = None
     # --eplb-policy-plugin: the in-engine policy from an installed plugin (None: vLLM's default)
     eplb_policy_plugin: str | None = None

@@ -126,7 +126,13 @@ class ApiServer:
         return app
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(
+            self.app,
+            access_log=None,
+            handler_cancellation=True,
+            # aiohttp reads 0 as "wait without bound"; vLLM's 0 aborts: a hundredth of a second
+            shutdown_timeout=self.config.shutdown_timeout or 0.01,
+        )
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port, backlog=1024).start()
         if self.config.kv_transfer.nixl:

@@ -81,8 +81,7 @@ class _Launcher:
         return handle
 
     def stop(self) -> None:
-        for handle in self.handles:
-            stop_process(handle.process)
+        stop_process(*(handle.process for handle in self.handles))
 
 
 @pytest.fixture(scope="session")

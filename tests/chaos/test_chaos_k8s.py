@@ -177,6 +177,4 @@ def test_controller_faults_overlapping_leave_no_partial_cell_and_the_deployment_
         assert read(api, namespace, "dsv4")["status"]["observedGeneration"] == 1
     finally:
         stop.set()
-        for process in replicas.values():
-            if isinstance(process, subprocess.Popen):
-                stop_process(process)
+        stop_process(*(p for p in replicas.values() if isinstance(p, subprocess.Popen)))

@@ -34,8 +34,7 @@ RANKS, REDUNDANT = 4, 32
 def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
     yield started
-    for process in started:
-        stop_process(process)
+    stop_process(*started)
 
 
 def _secret_value(api: client.ApiClient, namespace: str, ref: client.V1SecretKeySelector) -> str:

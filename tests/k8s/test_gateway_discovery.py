@@ -29,8 +29,7 @@ pytestmark = pytest.mark.usefixtures("controller")
 def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
     yield started
-    for process in started:
-        stop_process(process)
+    stop_process(*started)
 
 
 def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(

@@ -45,8 +45,7 @@ class Kubelet:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
-        for process in self.running.values():
-            stop_process(process)
+        stop_process(*self.running.values())
 
     def _loop(self) -> None:
         # on every pod event: a deleted pod's process must be gone before the gateway can probe
