@@ -1,4 +1,5 @@
-"""Shared fixtures: real simulator processes on loopback, started and stopped per test."""
+"""Shared fixtures: real simulator and gateway processes on loopback, started and stopped per
+test, or per module for tests that only read what the processes answer."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def busy_machine(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 class _Launcher:
-    """Starts ``baton <command>`` processes on free ports for one test, and stops them all."""
+    """Starts ``baton <command>`` processes on free ports, and stops them all."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
@@ -90,15 +91,36 @@ def faults() -> FaultInjection:
     return fault_injection()
 
 
+def _sim_starter(launcher: _Launcher) -> Callable[..., SimHandle]:
+    def start(*flags: str, env: dict[str, str] | None = None, port: int | None = None) -> SimHandle:
+        return launcher.start("sim", flags, env, port)
+
+    return start
+
+
+def _gateway_starter(launcher: _Launcher) -> Callable[..., SimHandle]:
+    def start(*flags: str, env: dict[str, str] | None = None) -> SimHandle:
+        return launcher.start("gateway", ("--health-interval", "0.5", *flags), env)
+
+    return start
+
+
 @pytest.fixture
 def start_sim(tmp_path: Path) -> Iterator[Callable[..., SimHandle]]:
     """Start ``baton sim`` with extra flags on a free port; every process is stopped after."""
     launcher = _Launcher(tmp_path)
+    yield _sim_starter(launcher)
+    launcher.stop()
 
-    def start(*flags: str, env: dict[str, str] | None = None, port: int | None = None) -> SimHandle:
-        return launcher.start("sim", flags, env, port)
 
-    yield start
+@pytest.fixture(scope="module")
+def module_launchers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Callable[..., SimHandle], Callable[..., SimHandle]]]:
+    """``start_sim`` and ``start_gateway`` whose processes serve every test of a module: for
+    tests that only read what they answer, so need no fresh ones."""
+    launcher = _Launcher(tmp_path_factory.mktemp("module"))
+    yield _sim_starter(launcher), _gateway_starter(launcher)
     launcher.stop()
 
 
@@ -134,9 +156,5 @@ def start_pd(
 def start_gateway(tmp_path: Path) -> Iterator[Callable[..., SimHandle]]:
     """Start ``baton gateway`` with flags on a free port; stopped after the test."""
     launcher = _Launcher(tmp_path)
-
-    def start(*flags: str, env: dict[str, str] | None = None) -> SimHandle:
-        return launcher.start("gateway", ("--health-interval", "0.5", *flags), env)
-
-    yield start
+    yield _gateway_starter(launcher)
     launcher.stop()

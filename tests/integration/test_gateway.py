@@ -84,8 +84,10 @@ def decode_only(
     return started, Stack(gateway, [], started[-1])
 
 
-@pytest.fixture
-def stack(start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]) -> Stack:
+def start_stack(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
+) -> Stack:
+    """Two prefill instances and a DP4 decode engine behind a gateway with API key ``k``."""
     prefill = [start_engine(start_sim) for _ in range(2)]
     decode = start_engine(start_sim, "--data-parallel-size", "4")
     gateway = start_gateway(
@@ -99,6 +101,19 @@ def stack(start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimH
         "5",
     )
     return Stack(gateway, prefill, decode)
+
+
+@pytest.fixture
+def stack(start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]) -> Stack:
+    return start_stack(start_sim, start_gateway)
+
+
+@pytest.fixture(scope="module")
+def read_only_stack(
+    module_launchers: tuple[Callable[..., SimHandle], Callable[..., SimHandle]],
+) -> Stack:
+    """One stack for the module's tests that send what no engine serves: nothing changes it."""
+    return start_stack(*module_launchers)
 
 
 def cached_prefix(prompt_tokens: int) -> int:
@@ -177,8 +192,8 @@ def test_unknown_fields_pass_through_to_the_engines(stack: Stack) -> None:
     assert response.usage.completion_tokens == 50
 
 
-def test_models_come_from_the_engines(stack: Stack) -> None:
-    assert [m.id for m in stack.client().models.list()] == [MODEL]
+def test_models_come_from_the_engines(read_only_stack: Stack) -> None:
+    assert [m.id for m in read_only_stack.client().models.list()] == [MODEL]
 
 
 def test_ready_needs_a_healthy_decode_target_and_says_when_decode_serves_alone(
@@ -793,10 +808,10 @@ def test_client_disconnect_aborts_both_legs(stack: Stack) -> None:
     ],
 )
 def test_bad_request_gets_openai_error(
-    stack: Stack, body: bytes, headers: dict[str, str], status: int, needle: str
+    read_only_stack: Stack, body: bytes, headers: dict[str, str], status: int, needle: str
 ) -> None:
     response = httpx.post(
-        f"{stack.gateway.url}/v1/chat/completions",
+        f"{read_only_stack.gateway.url}/v1/chat/completions",
         content=body,
         headers={"Authorization": "Bearer k", **headers},
     )
@@ -856,7 +871,7 @@ def test_engines_behind_an_api_key_are_served_with_the_engine_key_file(
     assert "answers /v1/models with 401" in keyless.log()
 
 
-def test_unknown_route_is_an_openai_404(stack: Stack) -> None:
-    response = httpx.get(f"{stack.gateway.url}/v1/nothing")
+def test_unknown_route_is_an_openai_404(read_only_stack: Stack) -> None:
+    response = httpx.get(f"{read_only_stack.gateway.url}/v1/nothing")
     assert response.status_code == 404
     assert response.json()["error"]["type"] == "invalid_request_error"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -13,8 +12,10 @@ import yaml
 from tests.helpers import ROOT, baton_command, eventually, free_port_block, scrape, stop_process
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[dict[str, int]]:
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
+    """One rack's engines for the module: each test uses ranks no other test touches."""
+    tmp_path = tmp_path_factory.mktemp("cluster")
     ports = {
         "decode": free_port_block(8),
         "prefill": free_port_block(3),

@@ -13,8 +13,13 @@ from tests.helpers import SimHandle, cached_tokens_of, usage_of
 MODEL = "dsv4-flash"
 
 
-@pytest.fixture
-def client(start_sim: Callable[..., SimHandle]) -> openai.OpenAI:
+@pytest.fixture(scope="module")
+def client(
+    module_launchers: tuple[Callable[..., SimHandle], Callable[..., SimHandle]],
+) -> openai.OpenAI:
+    """One engine for the module: each test's prompts are its own, so none finds another's
+    cached."""
+    start_sim, _ = module_launchers
     sim = start_sim("--served-model-name", MODEL, "--seed", "7")
     return openai.OpenAI(base_url=f"{sim.url}/v1", api_key="unused", max_retries=0)
 
