@@ -58,6 +58,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from baton.core.eplb_report import REPORT_URL_ENV, WHERE_ENV
+from baton.core.labels import MODELDEPLOYMENT_SERIES_LABEL
 from baton.core.model import MODEL, SERVED_MODEL_NAME
 from controller.placement import DeploymentShape, Plan, plan_placement
 from controller.topology import synthetic_topology
@@ -89,6 +90,9 @@ __all__ = [
 EplbMode = Literal["agent", "plugin", "vllm", "off"]
 LIVE_MODEL = MODELS[0]  # tiny-qwen3-moe: prefix caching works with it on CPU
 LIVE_SERVED_NAME = "tiny-qwen3-moe"
+# The ModelDeployment `baton up` stands for (its default one, unless --deployment names one),
+# in the namespace a cluster would hold it in: what its metrics and the plugin's reports say.
+UP_NAMESPACE, UP_DEPLOYMENT = "default", "dsv4"
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,20 +203,23 @@ def layout_stack(
 
 
 def prometheus_targets(
-    pool: PoolSpec, gateway_url: str, eplb_metrics_url: str | None
+    pool: PoolSpec, gateway_url: str, eplb_metrics_url: str | None, deployment: str
 ) -> list[dict[str, Any]]:
     """Every ``/metrics`` endpoint of the stack as Prometheus' file-based discovery lists
     targets: the gateway, the EPLB service (when one runs) and each engine API server, with its
-    cell and role."""
+    cell and role; each labelled with its ModelDeployment as the chart's monitors label it."""
 
     def hostport(url: str) -> str:
         return url.removeprefix("http://").removesuffix("/metrics")
 
+    served = {MODELDEPLOYMENT_SERIES_LABEL: f"{UP_NAMESPACE}/{deployment}"}
     groups: list[dict[str, Any]] = [
-        {"targets": [hostport(gateway_url)], "labels": {"job": "baton-gateway"}}
+        {"targets": [hostport(gateway_url)], "labels": {"job": "baton-gateway", **served}}
     ]
     if eplb_metrics_url is not None:
-        groups.append({"targets": [hostport(eplb_metrics_url)], "labels": {"job": "baton-eplb"}})
+        groups.append(
+            {"targets": [hostport(eplb_metrics_url)], "labels": {"job": "baton-eplb", **served}}
+        )
     for cell in pool.cells:
         for role, urls in (
             ("prefill", cell.prefill),
@@ -222,7 +229,12 @@ def prometheus_targets(
                 groups.append(
                     {
                         "targets": [hostport(url) for url in urls],
-                        "labels": {"job": "baton-engines", "cell": cell.name, "role": role},
+                        "labels": {
+                            "job": "baton-engines",
+                            "cell": cell.name,
+                            "role": role,
+                            **served,
+                        },
                     }
                 )
     return groups
@@ -277,7 +289,7 @@ def _yaml(model: BaseModel) -> str:
 
 def _deployment(path: Path | None, racks: int) -> DeploymentShape:
     if path is None:
-        return DeploymentShape(name="dsv4", cells=racks)
+        return DeploymentShape(name=UP_DEPLOYMENT, cells=racks)
     from baton.place import load_deployment
 
     return load_deployment(path)
@@ -469,7 +481,7 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
             if stop.is_set():
                 return 0
             if args.prometheus_targets is not None:
-                targets = prometheus_targets(layout.pool, gateway_url, eplb_metrics_url)
+                targets = prometheus_targets(layout.pool, gateway_url, eplb_metrics_url, deployment)
                 _write_targets(args.prometheus_targets, targets)
             _print_urls(layout, gateway_url, eplb_metrics_url)
             return _watch(processes, stop)
@@ -545,7 +557,8 @@ def _run_live(args: argparse.Namespace) -> int:
             wait_healthy(gateway_url, gateway, timeout=60)
             eventually(lambda: httpx.get(f"{gateway_url}/ready").status_code == 200, timeout=60)
             if args.prometheus_targets is not None:
-                _write_targets(args.prometheus_targets, prometheus_targets(pool, gateway_url, None))
+                targets = prometheus_targets(pool, gateway_url, None, UP_DEPLOYMENT)
+                _write_targets(args.prometheus_targets, targets)
             print(f"\nBaton is up: OpenAI API at {gateway_url}/v1 (model {LIVE_SERVED_NAME})")
             print(f"  gateway metrics   {gateway_url}/metrics")
             for role, engine in cell.items():
@@ -585,7 +598,7 @@ def _report_env(deployment: str, port: int) -> dict[str, str]:
     names its own cell)."""
     return {
         REPORT_URL_ENV: f"http://127.0.0.1:{port}",
-        WHERE_ENV["namespace"]: "default",
+        WHERE_ENV["namespace"]: UP_NAMESPACE,
         WHERE_ENV["deployment"]: deployment,
     }
 

@@ -5,7 +5,8 @@ answers: a ``baton up`` (plugin mode) and a controller on the test cluster (``ma
 go through the failure drills of ``rigs/observability.py`` while Prometheus scrapes them every
 second; then every panel's queries, read from the dashboards' JSON as Grafana would import
 it (``deploy/grafana/dashboards/``), are asked over the run (``query_range``, Grafana's
-``$__rate_interval`` as 30 s, each text variable at its default) and drawn, one PNG per dashboard
+``$__rate_interval`` as 30 s, each text variable at its default, each deployment variable at
+"All") and drawn, one PNG per dashboard
 (``docs/figures/observability-<uid>.png``), from the data saved beside them
 (``docs/figures/observability.json``). docs/observability.md shows them.
 """
@@ -38,11 +39,14 @@ STEP_S = 2.0
 
 
 def _expr(expr: str, dashboard: dict[str, Any]) -> str:
-    """``expr`` as Grafana sends it: its rate window and text variables filled in."""
+    """``expr`` as Grafana sends it: its rate window filled in, each text variable at its
+    default and each deployment variable at "All"."""
     expr = expr.replace("$__rate_interval", RATE_INTERVAL)
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "textbox":
             expr = expr.replace(f"${variable['name']}", variable["query"])
+        elif variable["type"] == "query":
+            expr = expr.replace(f"${variable['name']}", variable["allValue"])
     return expr
 
 

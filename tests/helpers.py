@@ -181,10 +181,25 @@ __all__ = [
 RATE_WINDOW = "5m"
 
 
-def grafana_expr(expr: str) -> str:
-    """A dashboard's query as Grafana sends it, its variables given their values."""
-    from deploy.grafana.dashboards import GPU_HOUR_PRICE, GPU_HOUR_PRICE_DEFAULT
+def grafana_expr(expr: str, **chosen: str) -> str:
+    """A panel's query (as its spec writes it) as Grafana sends it: narrowed to the deployments
+    chosen (``namespace=``, ``deployment=``, ``model=``; each "All" unless given) and every
+    variable given its value."""
+    from deploy.grafana.dashboards import (
+        DEPLOYMENT,
+        GPU_HOUR_PRICE,
+        GPU_HOUR_PRICE_DEFAULT,
+        MODEL,
+        NAMESPACE,
+        scoped,
+    )
 
+    expr = scoped(expr)
+    for variable in (NAMESPACE, DEPLOYMENT, MODEL):
+        value = chosen.pop(variable, None)
+        # Kubernetes names hold no character a regex reads otherwise, but for "." (any one)
+        expr = expr.replace(f"${variable}", ".*" if value is None else value)
+    assert not chosen, f"no such variable: {chosen}"
     return expr.replace("$__rate_interval", RATE_WINDOW).replace(
         f"${GPU_HOUR_PRICE}", GPU_HOUR_PRICE_DEFAULT
     )

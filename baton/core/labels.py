@@ -19,6 +19,7 @@ __all__ = [
     "GPU_RESOURCE",
     "GPU_TAINT_KEY",
     "HOSTNAME_LABEL",
+    "MODELDEPLOYMENT_SERIES_LABEL",
     "NODE_ARCH_LABEL",
     "NODE_OS_LABEL",
     "QUARANTINED_ANNOTATION",
@@ -66,6 +67,10 @@ RANK_LABEL = "baton.dev/rank"  # decode: the pod's index in its group; prefill: 
 # The deployment revision a pod was rendered from (a hash of the spec that makes its pods): the
 # gateway's endpoints pair a cell's prefill and decode pods of one revision only.
 REVISION_LABEL = "baton.dev/revision"
+
+# Prometheus label on every series of a ModelDeployment's engines, gateway and EPLB service:
+# "NAMESPACE/NAME" (the chart's monitors and `baton up` set it; the dashboards select by it).
+MODELDEPLOYMENT_SERIES_LABEL = "modeldeployment"
 
 # Pod annotation: a hash of what the controller rendered for the pod (its spec without the
 # scheduling gate, and its labels); a pod whose hash differs from the current one is replaced.

@@ -9,11 +9,18 @@ Every panel queries the ``datasource`` variable's Prometheus. Quantiles come fro
 buckets summed over every series (``histogram_quantile(q, sum by (le) (rate(...)))``), and
 every rate is over Grafana's ``$__rate_interval``: nothing is a lifetime average. A GPU is a DP
 rank (one engine rank per GPU), counted from the engines' ``vllm:num_requests_running``.
+
+Each dashboard shows the ModelDeployments its ``namespace``, ``deployment`` and ``model``
+variables choose (all, by default): every selector of an engine's, a gateway's or an EPLB
+service's series is narrowed by its ``modeldeployment`` label (``NAMESPACE/NAME``, which the
+chart's monitors and ``baton up`` set) in one place, :func:`scoped`; the controller's series of
+a deployment by their own ``namespace`` and ``name``. The controller's own work is not narrowed.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -28,6 +35,8 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as model
 
+from baton.core.labels import MODELDEPLOYMENT_SERIES_LABEL
+
 __all__ = [
     "DASHBOARDS",
     "DATASOURCE",
@@ -36,6 +45,7 @@ __all__ = [
     "dashboard_json",
     "generated_files",
     "main",
+    "scoped",
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +63,33 @@ GPU_HOUR_PRICE_DEFAULT = "6"
 
 RATE = "[$__rate_interval]"
 GPUS = "count(vllm:num_requests_running)"
+
+# The deployments shown: variables read off the engines' series, every one "All" by default.
+NAMESPACE, DEPLOYMENT, MODEL = "namespace", "deployment", "model"
+_DEPLOYMENT_SELECTED = f'{MODELDEPLOYMENT_SERIES_LABEL}=~"${NAMESPACE}/${DEPLOYMENT}"'
+_SELECTED = {
+    "engine": f'{_DEPLOYMENT_SELECTED}, model_name=~"${MODEL}"',
+    "served": _DEPLOYMENT_SELECTED,  # the gateway's and the EPLB service's
+    "controller": f'namespace=~"${NAMESPACE}", name=~"${DEPLOYMENT}"',
+}
+_SERIES = re.compile(
+    r"\b(?P<name>vllm:\w+|baton_(?P<kind>gateway|eplb|modeldeployment)_\w+)(?:\{(?P<matchers>[^}]*)\})?"
+)
+
+
+def scoped(expr: str) -> str:
+    """``expr`` with every selector of a deployment's series narrowed to the deployments the
+    dashboard's variables choose."""
+
+    def narrow(series: re.Match[str]) -> str:
+        kind = series["kind"]
+        selected = _SELECTED[
+            "engine" if kind is None else "controller" if kind == "modeldeployment" else "served"
+        ]
+        matchers = ", ".join(m for m in (series["matchers"], selected) if m)
+        return f"{series['name']}{{{matchers}}}"
+
+    return _SERIES.sub(narrow, expr)
 
 
 @dataclass(frozen=True, slots=True)
@@ -482,7 +519,7 @@ DASHBOARDS = (
 def _targets(panel: PanelSpec) -> list[prometheus.Dataquery]:
     return [
         prometheus.Dataquery()
-        .expr(query.expr)
+        .expr(scoped(query.expr))
         .legend_format(query.legend)
         .ref_id(chr(ord("A") + index))
         .datasource(PROMETHEUS)
@@ -511,9 +548,27 @@ def _panel(panel: PanelSpec) -> Builder[model.Panel]:
 
 
 def _variables(spec: DashboardSpec) -> list[Builder[model.VariableModel]]:
+    engines = "vllm:num_requests_running"
     variables: list[Builder[model.VariableModel]] = [
-        db.DatasourceVariable(DATASOURCE).label("Prometheus").type("prometheus")
+        db.DatasourceVariable(DATASOURCE).label("Prometheus").type("prometheus"),
+        _chosen(NAMESPACE, "Namespace", f"label_values({engines}, {MODELDEPLOYMENT_SERIES_LABEL})")
+        .regex(r"/^([^/]+)\//")
+        .description("The namespaces of the ModelDeployments shown"),
+        _chosen(
+            DEPLOYMENT,
+            "ModelDeployment",
+            f'label_values({engines}{{{MODELDEPLOYMENT_SERIES_LABEL}=~"${NAMESPACE}/.*"}}, '
+            f"{MODELDEPLOYMENT_SERIES_LABEL})",
+        )
+        .regex(r"/^[^/]+\/(.+)$/")
+        .description("The ModelDeployments shown"),
     ]
+    if any("vllm:" in query.expr for panel in spec.panels for query in panel.queries):
+        variables.append(
+            _chosen(
+                MODEL, "Model", f"label_values({engines}{{{_DEPLOYMENT_SELECTED}}}, model_name)"
+            ).description("The served models shown (the engines' model_name)")
+        )
     if spec.priced:
         variables.append(
             db.TextBoxVariable(GPU_HOUR_PRICE)
@@ -522,6 +577,21 @@ def _variables(spec: DashboardSpec) -> list[Builder[model.VariableModel]]:
             .default_value(GPU_HOUR_PRICE_DEFAULT)
         )
     return variables
+
+
+def _chosen(name: str, label: str, query: str) -> db.QueryVariable:
+    """A variable of values read off the series, several or all of them chosen at once."""
+    return (
+        db.QueryVariable(name)
+        .label(label)
+        .datasource(PROMETHEUS)
+        .query(query)
+        .refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .sort(model.VariableSort.ALPHABETICAL_ASC)
+    )
 
 
 def build(spec: DashboardSpec) -> model.Dashboard:

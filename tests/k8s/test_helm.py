@@ -1065,6 +1065,19 @@ def test_the_monitors_rules_and_dashboards_are_accepted_and_select_what_they_mon
         f"{release}-controller-metrics",
     }
     assert all(names & ports for names in selected.values())
+    # The gateway's and the EPLB service's series name the ModelDeployment they serve, as the
+    # engines' do; the controller's keep the namespace each of its series names.
+    for endpoint in monitor["spec"]["endpoints"]:
+        [served] = endpoint["relabelings"]
+        assert served["targetLabel"] == "modeldeployment"
+        assert served["replacement"] == f"{namespace}/dsv4"
+        components = {
+            service["metadata"]["labels"]["app.kubernetes.io/component"]
+            for service in by_kind["Service"]
+            if _selects(monitor["spec"]["selector"], service["metadata"]["labels"])
+        }
+        assert {c for c in components if re.fullmatch(served["regex"], c)} == {"gateway", "eplb"}
+    assert [e.get("honorLabels", False) for e in monitor["spec"]["endpoints"]] == [False, True]
 
     # The PodMonitor selects the deployment's engine pods, on their http port, in their
     # namespace, and labels each series with its pod's cell and role.
@@ -1091,6 +1104,11 @@ def test_the_monitors_rules_and_dashboards_are_accepted_and_select_what_they_mon
     for target, label in (("cell", CELL_LABEL), ("role", ROLE_LABEL)):
         meta = "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", label)
         assert relabelled[target] == [meta] and label in pod_labels
+    # and with NAMESPACE/NAME of its ModelDeployment, as the gateway's series
+    meta = "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", DEPLOYMENT_LABEL)
+    assert relabelled["modeldeployment"] == ["__meta_kubernetes_namespace", meta]
+    [joined] = [r for r in endpoint["relabelings"] if r["targetLabel"] == "modeldeployment"]
+    assert joined["separator"] == "/" and pod_labels[DEPLOYMENT_LABEL] == "dsv4"
 
     # The rules are the file promtool tests; the dashboards the JSON make dashboards writes.
     [rule] = by_kind["PrometheusRule"]

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from deploy.grafana.dashboards import DASHBOARDS
+from deploy.grafana.dashboards import DASHBOARDS, scoped
 from rigs.devcluster import (
     ControlPlane,
     add_trays,
@@ -80,6 +80,7 @@ class Observed:
     stack: BatonUp
     statuses: dict[int, int]  # how many requests of the drill got each HTTP status
     controller: str  # its /metrics URL
+    namespace: str  # where the controller's drill placed its ModelDeployment (MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,9 @@ def observed(
             controller_drill(api, namespace, MODEL)
             statuses = drill(stack)
             prometheus.wait_caught_up(stack.gateway)
-            yield Observed(prometheus, stack, statuses, f"http://127.0.0.1:{metrics}/metrics")
+            yield Observed(
+                prometheus, stack, statuses, f"http://127.0.0.1:{metrics}/metrics", namespace
+            )
     finally:
         stop_process(controller)
         assert "Traceback" not in controller_log(control_plane, "obs-controller")
@@ -175,6 +178,24 @@ def test_every_panel_query_of_the_dashboard_returns_data(observed: Observed, uid
             if not prometheus.query(expr):
                 empty.append(f"{panel.title}: {expr}")
     assert not empty, "queries without data:\n" + "\n".join(empty)
+
+
+@pytest.mark.parametrize("uid", [spec.uid for spec in DASHBOARDS])
+def test_the_dashboard_shows_the_deployment_chosen_and_nothing_of_another(
+    observed: Observed, uid: str
+) -> None:
+    # `baton up` labels its series default/dsv4; the drill's controller places a dsv4 in a
+    # namespace of its own
+    prometheus = observed.prometheus
+    [spec] = [spec for spec in DASHBOARDS if spec.uid == uid]
+    narrowed = [q.expr for panel in spec.panels for q in panel.queries if scoped(q.expr) != q.expr]
+    assert narrowed
+    for expr in narrowed:
+        namespace = observed.namespace if "baton_modeldeployment_" in expr else "default"
+        chosen = grafana_expr(expr, namespace=namespace, deployment="dsv4")
+        assert prometheus.query(chosen), f"no data for the deployment chosen: {chosen}"
+        other = grafana_expr(expr, namespace=namespace, deployment="another")
+        assert not prometheus.query(other), f"data of another deployment: {other}"
 
 
 # Documented, and not served by the drill's processes: the EPLB service exports it only with

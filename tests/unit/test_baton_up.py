@@ -46,9 +46,8 @@ def test_off_mode_runs_no_eplb_at_all() -> None:
     [group] = layout.cluster.decode_groups
     assert not group.enable_eplb and group.eplb_agent_port is None
     assert layout.eplb is None
-    jobs = {
-        g["labels"]["job"] for g in prometheus_targets(layout.pool, "http://127.0.0.1:8000", None)
-    }
+    groups = prometheus_targets(layout.pool, "http://127.0.0.1:8000", None, "dsv4")
+    jobs = {g["labels"]["job"] for g in groups}
     assert jobs == {"baton-gateway", "baton-engines"}
 
 
@@ -56,14 +55,19 @@ def test_prometheus_targets_list_every_metrics_endpoint_with_the_engines_cell_an
     layout = layout_stack(plan(), time_scale=1.0, fault_injection_token_file="/run/token")
     assert layout.cluster.fault_injection_token_file == "/run/token"
     groups = prometheus_targets(
-        layout.pool, "http://127.0.0.1:8000", "http://127.0.0.1:9090/metrics"
+        layout.pool, "http://127.0.0.1:8000", "http://127.0.0.1:9090/metrics", "dsv4"
     )
     by_job: dict[str, list[dict[str, Any]]] = {}
     for group in groups:
         by_job.setdefault(group["labels"]["job"], []).append(group)
     assert by_job["baton-gateway"] == [
-        {"targets": ["127.0.0.1:8000"], "labels": {"job": "baton-gateway"}}
+        {
+            "targets": ["127.0.0.1:8000"],
+            "labels": {"job": "baton-gateway", "modeldeployment": "default/dsv4"},
+        }
     ]
+    # every series says which ModelDeployment it serves, as the chart's monitors label them
+    assert {g["labels"]["modeldeployment"] for g in groups} == {"default/dsv4"}
     assert by_job["baton-eplb"][0]["targets"] == ["127.0.0.1:9090"]
     [cell] = layout.pool.cells
     engines = {

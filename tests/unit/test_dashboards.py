@@ -104,3 +104,33 @@ def test_quantiles_come_from_buckets_summed_by_le() -> None:
 def test_the_dashboards_json_files_are_the_dashboards_listed() -> None:
     assert set(committed()) == {spec.uid for spec in DASHBOARDS}
     assert all(Path(OUT, f"{spec.uid}.json").exists() for spec in DASHBOARDS)
+
+
+# Every selector of a series: a metric name, then its matchers if it has any.
+SELECTOR = re.compile(r"(vllm:\w+|baton_\w+)(?:\{([^}]*)\})?")
+
+
+@pytest.mark.parametrize("uid", [spec.uid for spec in DASHBOARDS])
+def test_every_series_of_a_deployment_is_narrowed_to_the_deployments_the_variables_choose(
+    uid: str,
+) -> None:
+    data = committed()[uid]
+    selectors = [
+        (name, matchers or "")
+        for panel in data["panels"]
+        for target in panel["targets"]
+        for name, matchers in SELECTOR.findall(target["expr"])
+    ]
+    assert selectors
+    for name, matchers in selectors:
+        if name.startswith(("vllm:", "baton_gateway_", "baton_eplb_")):
+            assert 'modeldeployment=~"$namespace/$deployment"' in matchers, name
+        if name.startswith("vllm:"):
+            assert 'model_name=~"$model"' in matchers, name
+        if name.startswith("baton_modeldeployment_"):
+            assert 'namespace=~"$namespace", name=~"$deployment"' in matchers, name
+    variables = {v["name"]: v for v in data["templating"]["list"]}
+    for name in ("namespace", "deployment"):
+        assert variables[name]["type"] == "query"
+        assert variables[name]["multi"] and variables[name]["includeAll"]
+        assert variables[name]["allValue"] == ".*"

@@ -40,3 +40,18 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "baton.gatewayServicePort" -}}
 {{ .Values.gateway.rayService.enabled | ternary .Values.gateway.port .Values.gateway.service.port }}
 {{- end -}}
+
+{{/*
+The gateway and the EPLB service serve gateway.modelDeployment: their series carry it as the
+engines' do (modeldeployment="NAMESPACE/NAME"), so that the dashboards select one deployment.
+*/}}
+{{- define "baton.servedDeploymentRelabeling" -}}
+{{- with .Values.gateway.modelDeployment -}}
+relabelings:
+  - action: replace
+    sourceLabels: [__meta_kubernetes_service_label_app_kubernetes_io_component]
+    regex: gateway|eplb
+    targetLabel: modeldeployment
+    replacement: {{ . | quote }}
+{{- end }}
+{{- end }}
