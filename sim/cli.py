@@ -114,6 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="wall seconds per simulated second (>1 stretches time for big clusters)",
     )
     _flag(sim, "--seed", type=int, default=0)
+    _flag(
+        sim,
+        "--dcgm-port",
+        type=int,
+        default=None,
+        help="serve dcgm-exporter's per-GPU series (SM clock, clock-event reasons, temperature, "
+        "power) for this server's DP ranks on this port, as dcgm-exporter does per node",
+    )
+    _flag(
+        sim,
+        "--dcgm-hostname",
+        default="tray",
+        help="the Hostname label of the DCGM series: the node (tray) the GPUs are on",
+    )
     _flag(sim, "--eplb-agent-port", type=int, default=None)
     _flag(
         sim,
@@ -237,6 +251,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         shutdown_timeout=args.shutdown_timeout,
         time_scale=args.time_scale,
         seed=args.seed,
+        dcgm_port=args.dcgm_port,
+        dcgm_hostname=args.dcgm_hostname,
         fault_injection_token_file=args.fault_injection_token_file
         if args.enable_fault_injection
         else None,

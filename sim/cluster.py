@@ -65,6 +65,13 @@ class DecodeGroupSpec(_Spec):
         default=None, description="the in-engine EPLB policy plugin (sim --eplb-policy-plugin)"
     )
     max_num_seqs: int = Field(default=256, ge=1)
+    dcgm_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="dcgm-exporter's series of each API server's tray, from this port up "
+        "(sim --dcgm-port); Hostname NAME-tray-I",
+    )
     enable_eplb: bool = True
     eplb: EplbConfig = Field(default_factory=EplbConfig)
     speculative: SpeculativeConfig = Field(
@@ -155,6 +162,8 @@ def engine_configs(spec: ClusterSpec) -> Iterator[tuple[EngineConfig, list[int],
             eplb_policy_plugin=group.eplb_policy_plugin,
             group_name=group.name,
             seed=spec.seed * 7919 + index,
+            dcgm_port=group.dcgm_port,
+            dcgm_hostname=f"{group.name}-tray",
         )
         yield config, [group.port + i for i in range(group.api_servers)], per_server
     for prefill in spec.prefill:

@@ -98,6 +98,10 @@ class EngineConfig:
     eplb_agent_tls_key: str | None = None
     time_scale: float = 1.0
     seed: int = 0
+    # dcgm-exporter's series for each API server's GPUs (its tray) on this port, the next
+    # server's on the next port (None: no exporter); their Hostname label is the tray's name
+    dcgm_port: int | None = None
+    dcgm_hostname: str = "tray"
     # POST /sim/faults, for the holders of the token in this file (None: no such route)
     fault_injection_token_file: str | None = None
     # One JSON line per finished request appended here (None: no log): where it ran, what its

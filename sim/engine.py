@@ -77,6 +77,10 @@ class DPRank:
         self.loading: list[SimRequest] = []  # pulling KV from a prefill engine
         self.rng = rng
         self.stalled_until = 0.0
+        # Fault: the rank's GPU runs at this share of its nominal SM clock until clock_until
+        # (simulated seconds); the DCGM exporter reports it
+        self.clock_share = 1.0
+        self.clock_until = 0.0
         # Counters with vLLM's meaning, read by the metrics collector.
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -148,7 +152,13 @@ class DPRank:
             self._batch.append((request, chunk))
             chunks.append(PrefillChunk(chunk, request.num_computed))
             budget -= chunk
-        return RankBatch(decode_requests, query_tokens, context_product, tuple(chunks))
+        return RankBatch(
+            decode_requests, query_tokens, context_product, tuple(chunks), self.clock_at(now)
+        )
+
+    def clock_at(self, now: float) -> float:
+        """The share of its nominal SM clock the rank's GPU runs at, at ``now``."""
+        return self.clock_share if now < self.clock_until else 1.0
 
     def apply(
         self, now: float, speculative_tokens: int, acceptance_rate: float

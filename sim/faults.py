@@ -19,6 +19,10 @@ them. The body is one of:
   ``--cluster`` mode every engine of the process freezes with it.
 - ``{"action": "slow", "factor": f, "seconds": s}``: for s simulated seconds every step of the
   group takes f times as long (a throttled or degraded GPU): requests progress, slowly.
+- ``{"action": "throttle", "rank": r, "share": c, "seconds": s}``: for s simulated seconds rank
+  r's GPU runs at share c of its nominal SM clock (heat or a power cap): its compute takes 1/c
+  as long and, in lockstep, so does every MoE layer of the group; the DCGM exporter
+  (``--dcgm-port``) shows the lower clock and a thermal clock-event reason.
 - ``{"action": "late_health", "delay": d, "seconds": s}``: for s wall seconds ``/health``
   answers d seconds late, while requests and ``/metrics`` are served as before (a loaded host
   whose probes time out while the engine keeps streaming).
@@ -43,10 +47,13 @@ __all__ = ["FaultInjector"]
 
 
 class _Fault(BaseModel):
-    action: Literal["kill", "stall", "fail_requests", "drop_kv", "freeze", "slow", "late_health"]
+    action: Literal[
+        "kill", "stall", "fail_requests", "drop_kv", "freeze", "slow", "throttle", "late_health"
+    ]
     rank: int | None = None
     seconds: Annotated[float, Field(gt=0)] = 1.0
     factor: Annotated[float, Field(ge=1)] = 10.0  # slow
+    share: Annotated[float, Field(gt=0, le=1)] = 0.7  # throttle
     delay: Annotated[float, Field(gt=0, le=60)] = 2.0  # late_health
     count: Annotated[int, Field(ge=0)] | None = None  # fail_requests: 1; drop_kv: 0
     status: Annotated[int, Field(ge=400, le=599)] = 500
@@ -112,6 +119,10 @@ class FaultInjector:
         elif fault.action == "slow":
             self.group.slow_factor = fault.factor
             self.group.slow_until = self.group.clock.now() + fault.seconds
+        elif fault.action == "throttle":
+            throttled = self.group.ranks[rank]
+            throttled.clock_share = fault.share
+            throttled.clock_until = self.group.clock.now() + fault.seconds
         elif fault.action == "late_health":
             self._late_health = (time.monotonic() + fault.seconds, fault.delay)
         elif fault.action == "fail_requests":

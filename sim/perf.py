@@ -62,6 +62,9 @@ class RankBatch:
     decode_query_tokens: int = 0
     decode_context_query_product: float = 0.0  # sum over requests of context x query tokens
     prefill_chunks: tuple[PrefillChunk, ...] = ()
+    # The share of its nominal SM clock the rank's GPU runs at (a throttled GPU: below 1): its
+    # compute takes 1/share as long
+    clock_share: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +98,7 @@ def _rank_seconds(profile: Profile, batch: RankBatch, decoding: bool) -> tuple[f
         prefill = profile.prefill.step_overhead_s + sum(
             prefill_chunk_seconds(profile, chunk) for chunk in batch.prefill_chunks
         )
-    return rest, prefill
+    return rest / batch.clock_share, prefill / batch.clock_share
 
 
 def step_seconds(
@@ -120,16 +123,27 @@ def step_seconds(
     if not decoding:
         return StepTime(slowest, 0.0, 0.0, 0.0, slowest_prefill)
     num_ranks = len(ranks)
+    # Every MoE layer's all-to-all waits for the slowest GPU's expert work: one throttled GPU
+    # slows the whole group's MoE (the study's lesson: one slow rank sets the group's step).
+    slowest_clock = min(batch.clock_share for batch in ranks)
     mean_tokens = sum(batch.decode_query_tokens for batch in ranks) / num_ranks
-    moe = d.moe_fixed_s + d.moe_per_token_s * mean_tokens * d.reference_balance / max(
-        target_balance, 1e-6
-    )
+    moe = (
+        d.moe_fixed_s
+        + d.moe_per_token_s * mean_tokens * d.reference_balance / max(target_balance, 1e-6)
+    ) / slowest_clock
     draft = 0.0
     if num_speculative_tokens:
         mean_requests = sum(batch.decode_requests for batch in ranks) / num_ranks
-        draft = num_speculative_tokens * (
-            d.draft_fixed_s
-            + d.draft_per_token_s * mean_requests * d.reference_balance / max(draft_balance, 1e-6)
+        draft = (
+            num_speculative_tokens
+            * (
+                d.draft_fixed_s
+                + d.draft_per_token_s
+                * mean_requests
+                * d.reference_balance
+                / max(draft_balance, 1e-6)
+            )
+            / slowest_clock
         )
     total = slowest + moe + draft + eplb_copy_s
     return StepTime(total, moe, slowest_rest, draft, slowest_prefill, eplb_copy_s)

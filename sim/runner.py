@@ -15,6 +15,7 @@ from baton.core.secrets import read_token
 from sim.agent import EplbAgentServer
 from sim.cluster import ClusterSpec, engine_configs
 from sim.config import EngineConfig
+from sim.dcgm import DcgmExporter
 from sim.engine import DPGroup, SimClock
 from sim.server import ApiServer
 
@@ -28,8 +29,11 @@ class SimProcess:
     groups: list[DPGroup] = field(default_factory=list)
     servers: list[ApiServer] = field(default_factory=list)
     agents: list[EplbAgentServer] = field(default_factory=list)
+    exporters: list[DcgmExporter] = field(default_factory=list)
 
     async def stop(self) -> None:
+        for exporter in self.exporters:
+            await exporter.stop()
         for agent in self.agents:
             await agent.stop()
         for server in self.servers:
@@ -62,6 +66,20 @@ async def start_group(
         )
         await server.start()
         process.servers.append(server)
+        if config.dcgm_port is not None:  # one exporter per tray, as dcgm-exporter per node
+            hostname = (
+                config.dcgm_hostname if len(ports) == 1 else f"{config.dcgm_hostname}-{index}"
+            )
+            exporter = DcgmExporter(
+                group,
+                range(first, first + ranks_per_server),
+                hostname,
+                host,
+                config.dcgm_port + index,
+                config.seed,
+            )
+            await exporter.start()
+            process.exporters.append(exporter)
     if config.eplb_agent_port is not None and group.moe is not None:
         agent = EplbAgentServer(
             group,

@@ -9,7 +9,15 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import ROOT, baton_command, eventually, free_port_block, scrape, stop_process
+from tests.helpers import (
+    ROOT,
+    baton_command,
+    eventually,
+    free_port_block,
+    scrape,
+    scrape_by,
+    stop_process,
+)
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +29,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]
         "prefill": free_port_block(3),
         "decode_nixl": free_port_block(32),
         "prefill_nixl": free_port_block(6),
+        "dcgm": free_port_block(8),
     }
     spec = {
         "served_model_name": "dsv4",
@@ -31,6 +40,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]
                 "api_servers": 8,
                 "port": ports["decode"],
                 "side_channel_port": ports["decode_nixl"],
+                "dcgm_port": ports["dcgm"],
             }
         ],
         "prefill": [
@@ -79,6 +89,16 @@ def test_every_hybrid_lb_server_exposes_its_four_global_ranks(cluster: dict[str,
         if line.startswith("vllm:num_requests_running")
     }
     assert engines == {"12", "13", "14", "15"}
+
+
+def test_each_tray_of_a_decode_group_has_its_dcgm_exporter_for_its_four_gpus(
+    cluster: dict[str, int],
+) -> None:
+    for tray in range(8):
+        url = f"http://127.0.0.1:{cluster['dcgm'] + tray}"
+        gpus = scrape_by(url, "DCGM_FI_DEV_SM_CLOCK", "gpu")
+        assert set(gpus) == {"0", "1", "2", "3"}
+        assert set(scrape_by(url, "DCGM_FI_DEV_SM_CLOCK", "Hostname")) == {f"cell-0-tray-{tray}"}
 
 
 def test_pd_handoff_between_cluster_engines_lands_on_the_named_rank(

@@ -1,0 +1,73 @@
+"""``baton sim --dcgm-port``: dcgm-exporter's per-GPU series for a tray, and a throttled GPU
+that every rank of its lockstep group pays for."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from rigs.faults import FaultInjection
+from sim.dcgm import HW_THERMAL_SLOWDOWN, NOMINAL_SM_CLOCK_MHZ
+from tests.helpers import SimHandle, eventually, free_port, keep_decoding, scrape
+
+
+def dcgm(port: int) -> dict[str, dict[str, float]]:
+    """Each DCGM field's value per ``gpu`` label, with every series' labels checked."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    fields: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            assert set(labels) == {"gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname"}
+            assert labels["Hostname"] == "gb300-tray-7" and labels["modelName"] == "NVIDIA GB300"
+            assert labels["device"] == f"nvidia{labels['gpu']}"
+            fields.setdefault(sample.name, {})[labels["gpu"]] = sample.value
+    return fields
+
+
+def mean_itl(url: str, engine: str, steps: int) -> float:
+    """Rank ``engine``'s mean inter-token latency (simulated seconds) over its next ``steps``
+    tokens, read from its histogram."""
+    total = scrape(url, "vllm:inter_token_latency_seconds_sum", engine=engine)
+    count = scrape(url, "vllm:inter_token_latency_seconds_count", engine=engine)
+    eventually(
+        lambda: (
+            scrape(url, "vllm:inter_token_latency_seconds_count", engine=engine) >= count + steps
+        ),
+        timeout=120,
+    )
+    done = scrape(url, "vllm:inter_token_latency_seconds_count", engine=engine) - count
+    return (scrape(url, "vllm:inter_token_latency_seconds_sum", engine=engine) - total) / done
+
+
+def test_a_throttled_gpu_shows_in_dcgm_and_slows_every_rank_of_its_group(
+    start_sim: Callable[..., SimHandle], faults: FaultInjection
+) -> None:
+    port = free_port()
+    sim = start_sim(
+        *("--data-parallel-size", "4", "--enable-expert-parallel"),
+        *("--dcgm-port", str(port), "--dcgm-hostname", "gb300-tray-7"),
+        *faults.flags,
+    )
+    keep_decoding(sim.url, requests=16, ranks=4)
+    eventually(lambda: scrape(sim.url, "vllm:num_requests_running") == 16, timeout=60)
+    healthy = dcgm(port)
+    assert set(healthy["DCGM_FI_DEV_SM_CLOCK"]) == {"0", "1", "2", "3"}
+    assert all(v > 0.97 * NOMINAL_SM_CLOCK_MHZ for v in healthy["DCGM_FI_DEV_SM_CLOCK"].values())
+    assert set(healthy["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"].values()) == {0}
+    before = mean_itl(sim.url, "0", 50)
+
+    faults.inject(sim.url, action="throttle", rank=2, share=0.7, seconds=3600)
+    throttled = dcgm(port)
+    clocks = throttled["DCGM_FI_DEV_SM_CLOCK"]
+    assert 0.66 * NOMINAL_SM_CLOCK_MHZ < clocks["2"] <= 0.7 * NOMINAL_SM_CLOCK_MHZ
+    assert all(clocks[gpu] > 0.97 * NOMINAL_SM_CLOCK_MHZ for gpu in ("0", "1", "3"))
+    reasons = throttled["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"]
+    assert int(reasons["2"]) & HW_THERMAL_SLOWDOWN
+    assert not any(int(reasons[gpu]) & HW_THERMAL_SLOWDOWN for gpu in ("0", "1", "3"))
+    temps = throttled["DCGM_FI_DEV_GPU_TEMP"]
+    assert temps["2"] > max(temps[gpu] for gpu in ("0", "1", "3")) + 10
+    # rank 0's GPU is healthy, yet each of its steps waits for rank 2's (simulated time)
+    assert mean_itl(sim.url, "0", 50) > 1.3 * before
