@@ -1,0 +1,174 @@
+"""Which GPU holds back its decode group, and when moving the group off its tray pays. Pure.
+
+Wide-EP decode steps every rank of a DEP32 group together, and every MoE layer waits for the
+slowest GPU: one GPU that throttles (heat, a power cap) costs all 32 (the study's unoptimised
+DEP32 ran 17.57 ms a step against DEP16's 13.84 ms although its GPU work was faster).
+
+Detection, per window: each GPU's SM clock is the window's median of dcgm-exporter's
+``DCGM_FI_DEV_SM_CLOCK`` samples, so that a noisy sample or a short dip does not count. A GPU is
+an outlier of its group when its clock is below the group's median both by ``min_drop`` (a
+share of the median: GPUs of one rack differ by a few percent in any case) and by ``z``
+robust standard deviations (1.4826 times the median absolute deviation). A tray is degraded
+once one of its GPUs has been an outlier for ``persist`` windows in a row; one clean window
+forgets the run. The verdict names the clock-event reasons DCGM gave (thermal, power).
+
+Action: moving the group to the spare tray restarts it (the weights reload: ``restart_s`` of
+the whole group's capacity), while staying costs ``1 - 1/slowdown`` of its capacity for as
+long as the fault lasts. A fault seen for ``T`` is taken to last about ``T`` more, so the move
+pays once ``(1 - 1/slowdown) * T`` passes ``restart_s``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "CLOCK_EVENT_REASONS",
+    "Degraded",
+    "GpuClock",
+    "StragglerWatch",
+    "clock_outliers",
+    "clock_queries",
+    "clocks_from",
+    "reason_names",
+    "worth_moving",
+]
+
+# NVML's clock-event reasons (``DCGM_FI_DEV_CLOCKS_EVENT_REASONS``) that lower a busy GPU's
+# clock; idle, application-clock settings and display clocks say nothing about health.
+CLOCK_EVENT_REASONS = {
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+}
+_MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution, in standard deviations
+
+
+@dataclass(frozen=True, slots=True)
+class GpuClock:
+    """One GPU over one window: its tray (the node's name), index and median SM clock."""
+
+    tray: str
+    gpu: str
+    sm_clock_mhz: float
+    reasons: int = 0  # every clock-event reason bit seen in the window
+
+
+@dataclass(frozen=True, slots=True)
+class Degraded:
+    """A tray one of whose GPUs has held its group back for ``persist`` windows or more."""
+
+    tray: str
+    gpu: str
+    clock_share: float  # the GPU's clock over its group's median, this window
+    reasons: tuple[str, ...]
+    since: float  # when its run of outlier windows began (the watch's clock)
+
+    @property
+    def message(self) -> str:
+        why = ", ".join(self.reasons) or "no clock-event reason reported"
+        return (
+            f"GPU {self.gpu} runs at {self.clock_share:.0%} of its decode group's median SM "
+            f"clock ({why})"
+        )
+
+
+def clock_queries(trays: Sequence[str], window_s: int) -> tuple[str, str]:
+    """The PromQL of one window of a group's GPUs, on dcgm-exporter's series of its ``trays``
+    (their ``Hostname``): each GPU's median SM clock over the window, and its clock-event
+    reasons now."""
+    hosts = "|".join(trays)
+    return (
+        f'quantile_over_time(0.5, DCGM_FI_DEV_SM_CLOCK{{Hostname=~"{hosts}"}}[{window_s}s])',
+        f'DCGM_FI_DEV_CLOCKS_EVENT_REASONS{{Hostname=~"{hosts}"}}',
+    )
+
+
+def clocks_from(
+    clocks: Sequence[Mapping[str, Any]], reasons: Sequence[Mapping[str, Any]]
+) -> list[GpuClock]:
+    """The two queries' instant vectors (Prometheus' JSON ``result``) as one GpuClock per GPU."""
+    events = {
+        (sample["metric"]["Hostname"], sample["metric"]["gpu"]): int(float(sample["value"][1]))
+        for sample in reasons
+    }
+    return [
+        GpuClock(
+            sample["metric"]["Hostname"],
+            sample["metric"]["gpu"],
+            float(sample["value"][1]),
+            events.get((sample["metric"]["Hostname"], sample["metric"]["gpu"]), 0),
+        )
+        for sample in clocks
+    ]
+
+
+def reason_names(reasons: int) -> tuple[str, ...]:
+    return tuple(name for bit, name in CLOCK_EVENT_REASONS.items() if reasons & bit)
+
+
+def clock_outliers(
+    clocks: Sequence[GpuClock], *, min_drop: float = 0.05, z: float = 6.0
+) -> list[GpuClock]:
+    """The GPUs of one group whose clock is below the group's median by ``min_drop`` of it and
+    by ``z`` robust standard deviations. Fewer than 4 GPUs have no median worth trusting."""
+    if len(clocks) < 4:
+        return []
+    values = [gpu.sm_clock_mhz for gpu in clocks]
+    median = statistics.median(values)
+    if median <= 0:
+        return []
+    sigma = _MAD_TO_SIGMA * statistics.median(abs(v - median) for v in values)
+    return [
+        gpu
+        for gpu in clocks
+        if median - gpu.sm_clock_mhz >= min_drop * median and median - gpu.sm_clock_mhz > z * sigma
+    ]
+
+
+@dataclass
+class StragglerWatch:
+    """Outlier runs per GPU of one decode group, window after window (the caller's clock)."""
+
+    persist: int = 3
+    min_drop: float = 0.05
+    z: float = 6.0
+    _runs: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
+
+    def observe(self, now: float, clocks: Sequence[GpuClock]) -> list[Degraded]:
+        """One window's clocks; the trays degraded as of it, worst GPU first."""
+        median = statistics.median(gpu.sm_clock_mhz for gpu in clocks) if clocks else 0.0
+        outliers = clock_outliers(clocks, min_drop=self.min_drop, z=self.z)
+        runs: dict[tuple[str, str], tuple[int, float]] = {}
+        for gpu in outliers:
+            key = (gpu.tray, gpu.gpu)
+            count, since = self._runs.get(key, (0, now))
+            runs[key] = (count + 1, since)
+        self._runs = runs  # a GPU absent or clean this window starts over
+        degraded = [
+            Degraded(
+                gpu.tray,
+                gpu.gpu,
+                gpu.sm_clock_mhz / median,
+                reason_names(gpu.reasons),
+                runs[(gpu.tray, gpu.gpu)][1],
+            )
+            for gpu in outliers
+            if runs[(gpu.tray, gpu.gpu)][0] >= self.persist
+        ]
+        return sorted(degraded, key=lambda d: d.clock_share)
+
+
+def worth_moving(slowdown: float, degraded_for_s: float, restart_s: float) -> bool:
+    """Whether moving a group whose steps take ``slowdown`` times as long as they should, for
+    ``degraded_for_s`` so far, costs less than staying: a restart costs the whole group's
+    capacity for ``restart_s``."""
+    if slowdown <= 1.0:
+        return False
+    return (1.0 - 1.0 / slowdown) * degraded_for_s > restart_s
