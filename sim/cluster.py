@@ -65,13 +65,9 @@ class DecodeGroupSpec(_Spec):
         default=None, description="the in-engine EPLB policy plugin (sim --eplb-policy-plugin)"
     )
     max_num_seqs: int = Field(default=256, ge=1)
-    dcgm_port: int | None = Field(
-        default=None,
-        ge=1,
-        le=65535,
-        description="dcgm-exporter's series of each API server's tray, from this port up "
-        "(sim --dcgm-port); Hostname NAME-tray-I",
-    )
+    # dcgm-exporter's series of each API server's tray, from this port up (sim --dcgm-port),
+    # each tray named NAME-tray-I
+    dcgm_port: int | None = Field(default=None, ge=1, le=65535)
     enable_eplb: bool = True
     eplb: EplbConfig = Field(default_factory=EplbConfig)
     speculative: SpeculativeConfig = Field(

@@ -18,15 +18,17 @@ from controller.stragglers import GpuClock, StragglerWatch, clock_queries, clock
 from rigs.devcluster import binaries_dir
 from rigs.faults import FaultInjection
 from rigs.observability import Prometheus, start_prometheus
-from rigs.processes import (
+from tests.helpers import (
+    ROOT,
     baton_command,
     eventually,
     free_port,
     free_port_block,
+    keep_decoding,
+    scrape,
     stop_process,
     wait_healthy,
 )
-from tests.helpers import ROOT, keep_decoding, scrape
 
 TRAYS = [f"cell-0-tray-{i}" for i in range(8)]
 WINDOW_S = 4  # a few 1 s scrapes in each window's median
