@@ -233,7 +233,8 @@ class CellPlacement:
 
 @dataclass(frozen=True, slots=True)
 class UnplacedCell:
-    """A wanted cell without a placement; ``domains`` says what each free domain lacked."""
+    """A wanted cell without a placement; ``domains`` says what each free domain lacked, and
+    what each domain hosting a cell has left."""
 
     name: str
     deployment: str
@@ -348,12 +349,17 @@ class _Pass:
             and self.ledger.is_empty(tray)
         )
 
-    def fit(self, domain: NVLinkDomain, position: int, shape: DeploymentShape) -> _Fit:
+    def free_in(self, domain: NVLinkDomain, shape: DeploymentShape) -> tuple[int, int]:
+        """The whole trays and prefill slots of ``domain`` no pod of this plan holds."""
         whole = slots = 0
         for tray in domain.trays:
             if shape.trays.eligible(tray):
                 slots += self.ledger.free(tray) // shape.prefill.dep
                 whole += self.is_whole(tray, shape)
+        return whole, slots
+
+    def fit(self, domain: NVLinkDomain, position: int, shape: DeploymentShape) -> _Fit:
+        whole, slots = self.free_in(domain, shape)
         needed = shape.decode.trays + shape.decode.spare_trays
         per_whole = shape.decode.gpus_per_pod // shape.prefill.dep
         excluded = sum(map(shape.trays.excludes, domain.trays))
@@ -610,9 +616,14 @@ def _shortfall(fit: _Fit, shape: DeploymentShape) -> str:
 
 
 def _explanation(
-    shape: DeploymentShape, free: Sequence[_Fit], domains: int
+    shape: DeploymentShape,
+    free: Sequence[_Fit],
+    domains: int,
+    hosting: Sequence[tuple[str, int, int]],
 ) -> tuple[str, tuple[str, ...]]:
-    """Why no cell of this shape fits: one sentence, then what each free domain lacked."""
+    """Why no cell of this shape fits: one sentence, then what each free domain lacked and
+    what each domain hosting a cell has left (``hosting``: its name, whole trays and prefill
+    slots no pod holds), which only its own cell's prefill can take."""
     needed = shape.decode.trays + shape.decode.spare_trays
     instances = shape.prefill.instances
     slot = f"DEP{shape.prefill.dep} prefill slot"
@@ -634,15 +645,21 @@ def _explanation(
             if len(free) == 1
             else f"none of the {len(free)} domains free of cells has that"
         )
-        hosting = domains - len(free)
-        if hosting:
-            hosts = "domain hosts a cell" if hosting == 1 else "domains host cells"
-            why += f"; {hosting} other {hosts}"
+        others = domains - len(free)
+        if others:
+            hosts = "domain hosts a cell" if others == 1 else "domains host cells"
+            why += f"; {others} other {hosts}"
     summary = (
         f"needs {needed} whole trays ({shape.decode.trays} decode + {shape.decode.spare_trays} "
         f"spare) and {prefill} in one NVLink domain; {why}"
     )
-    return summary, tuple(_shortfall(fit, shape) for fit in free)
+    left = tuple(
+        f"domain {name} hosts a cell (one cell per NVLink domain): {whole} whole trays and "
+        f"{slots} DEP{shape.prefill.dep} prefill slots free there, for that cell's prefill only"
+        for name, whole, slots in hosting
+        if slots
+    )
+    return summary, (*(_shortfall(fit, shape) for fit in free), *left)
 
 
 def _changes(
@@ -733,7 +750,12 @@ def plan_placement(
             continue
         if key not in explanations:
             free_now = [fit for fit in fits[key] if fit.domain.name not in hosted]
-            explanations[key] = _explanation(wanted[name], free_now, len(topology.domains))
+            hosting = [
+                (domain.name, *step.free_in(domain, wanted[name]))
+                for domain in topology.domains
+                if domain.name in hosted
+            ]
+            explanations[key] = _explanation(wanted[name], free_now, len(topology.domains), hosting)
         summary, lines = explanations[key]
         unplaced.append(
             UnplacedCell(

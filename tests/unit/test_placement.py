@@ -734,3 +734,17 @@ def test_placement_finds_a_fit_whenever_one_exists_on_every_small_topology() -> 
             assert len(plan.cells) == most_cells_that_fit(topology, shapes), (first, second, shapes)
             checked += 1
     assert checked == 78 * 18 * 18
+
+
+def test_a_cell_refused_because_every_domain_hosts_one_says_what_the_free_trays_can_take() -> None:
+    # two racks, three cells of 8 decode + 1 spare + 2 prefill trays: 7 trays of each rack free,
+    # which a second cell in the domain could not use anyway (one cell per NVLink domain)
+    plan = plan_placement([flash(cells=3, instances=4)], synthetic_topology(2))
+    [unplaced] = plan.unplaced
+    assert unplaced.message.endswith("all 2 NVLink domains host cells")
+    assert len(unplaced.domains) == 2
+    for line in unplaced.domains:
+        assert line.endswith(
+            "hosts a cell (one cell per NVLink domain): 7 whole trays and 14 DEP2 prefill slots "
+            "free there, for that cell's prefill only"
+        )
