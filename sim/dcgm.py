@@ -31,6 +31,7 @@ from sim.engine import DPGroup, DPRank
 __all__ = ["HW_THERMAL_SLOWDOWN", "NOMINAL_SM_CLOCK_MHZ", "DcgmExporter"]
 
 NOMINAL_SM_CLOCK_MHZ = 1900.0
+_IDLE_SM_CLOCK_MHZ = 345.0
 _MEM_CLOCK_MHZ = 3996.0
 _IDLE_TEMP_C, _BUSY_TEMP_C, _THROTTLED_TEMP_C = 38.0, 68.0, 88.0
 _IDLE_POWER_W, _BUSY_POWER_W = 180.0, 1050.0
@@ -83,7 +84,7 @@ class _TrayCollector(Collector):
             share = rank.clock_at(now)
             labels = self._labels(index)
             noise = 1.0 - abs(self.rng.gauss(0.0, _CLOCK_NOISE))
-            clock = NOMINAL_SM_CLOCK_MHZ * share * noise if busy else 345.0
+            clock = NOMINAL_SM_CLOCK_MHZ * share * noise if busy else _IDLE_SM_CLOCK_MHZ
             reasons = (HW_THERMAL_SLOWDOWN if share < 1.0 else 0) | (0 if busy else GPU_IDLE)
             temp = _THROTTLED_TEMP_C if share < 1.0 else _BUSY_TEMP_C if busy else _IDLE_TEMP_C
             power = _BUSY_POWER_W * share * noise if busy else _IDLE_POWER_W
