@@ -273,6 +273,7 @@ class DPGroup:
         }
         self.moe = MoERuntime(config) if config.enable_expert_parallel else None
         self.steps = 0
+        self.modelled_s = 0.0  # the steps' durations by the performance model, summed
         self.overruns = 0
         self.lag_s = 0.0
         self.dead = False
@@ -428,9 +429,11 @@ class DPGroup:
             # host's own work between steps does not stretch the modelled timeline; a host that
             # falls further behind than _MAX_LAG_S gives up the debt (and counts an overrun).
             start = max(start, self.clock.now() - _MAX_LAG_S)
-            end = start + self.begin_step(start)
+            duration = self.begin_step(start)
+            end = start + duration
             delay = self.sim_clock.wall_deadline(end) - loop.time()
             self.steps += 1
+            self.modelled_s += duration
             if delay < 0:
                 self.overruns += 1
                 self.lag_s -= delay

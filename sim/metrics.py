@@ -181,6 +181,11 @@ class EngineCollector(Collector):
         for metric, doc, value in (
             ("baton:sim_steps", "Engine steps the simulated DP group ran.", self.group.steps),
             (
+                "baton:sim_step_seconds",
+                "Simulated seconds the group's steps last by the performance model, summed.",
+                self.group.modelled_s,
+            ),
+            (
                 "baton:sim_late_steps",
                 "Steps that ended after their modelled end: the host fell behind.",
                 self.group.overruns,

@@ -130,16 +130,16 @@ def test_pd_handoff_between_cluster_engines_lands_on_the_named_rank(
 def test_decode_group_steps_in_lockstep_across_its_api_servers(cluster: dict[str, int]) -> None:
     """A busy rank behind one server slows a request on another server of the same group.
 
-    Judged in simulated time (rank 0's inter-token latency, which the engine records from the
-    modelled step ends), so a busy host cannot pass or fail it.
+    Judged by the group's steps while rank 0 serves its request, as the performance model times
+    them (simulated time), so a busy host cannot pass or fail it.
     """
     import concurrent.futures
 
     server = f"http://127.0.0.1:{cluster['decode']}"
 
-    def rank0_itl_of_one_request() -> float:
-        before = scrape(server, "vllm:inter_token_latency_seconds_sum", engine="0")
-        count = scrape(server, "vllm:inter_token_latency_seconds_count", engine="0")
+    def mean_step_of_one_request() -> float:
+        modelled = scrape(server, "baton:sim_step_seconds_total")
+        steps = scrape(server, "baton:sim_steps_total")
         response = httpx.post(
             f"{server}/v1/completions",
             timeout=120,
@@ -147,8 +147,8 @@ def test_decode_group_steps_in_lockstep_across_its_api_servers(cluster: dict[str
             json={"prompt": "x", "max_tokens": 64, "ignore_eos": True},
         )
         assert response.status_code == 200, response.text
-        steps = scrape(server, "vllm:inter_token_latency_seconds_count", engine="0") - count
-        return (scrape(server, "vllm:inter_token_latency_seconds_sum", engine="0") - before) / steps
+        taken = scrape(server, "baton:sim_steps_total") - steps
+        return (scrape(server, "baton:sim_step_seconds_total") - modelled) / taken
 
     def crowd_request() -> int:
         return httpx.post(
@@ -158,7 +158,7 @@ def test_decode_group_steps_in_lockstep_across_its_api_servers(cluster: dict[str
             json={"prompt": "x", "max_tokens": 4096, "ignore_eos": True},
         ).status_code
 
-    alone = rank0_itl_of_one_request()
+    alone = mean_step_of_one_request()
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
         crowd = [pool.submit(crowd_request) for _ in range(64)]
         # the eighth server's rank 3 (global rank 31) decodes all 64 while rank 0 serves one
@@ -166,7 +166,7 @@ def test_decode_group_steps_in_lockstep_across_its_api_servers(cluster: dict[str
         eventually(
             lambda: scrape(crowded, "vllm:num_requests_running", engine="31") == 64, timeout=120
         )
-        beside = rank0_itl_of_one_request()
+        beside = mean_step_of_one_request()
         assert scrape(crowded, "vllm:num_requests_running", engine="31") == 64
         assert [future.result() for future in crowd] == [200] * 64
     assert beside > alone * 1.3, (alone, beside)
