@@ -43,6 +43,10 @@ def write_pool(path: Path, prefill: SimHandle, decode: SimHandle) -> Path:
 def serve_port(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     """A local Ray with Serve's HTTP proxy on a free loopback port; both shut down after."""
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")  # no network here; Ray must not try
+    # Ray waits 30 s for its GCS server to write its port file, which a busy host can miss
+    # ("Timed out waiting for file .../gcs_server_port_...", seen in make test-busy); Ray reads
+    # this deadline from the environment.
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "300")
     # Ray gives its raylet a fixed 30 s to register, which a busy host can miss ("The current
     # node timed out during startup", seen in a fresh clone's make test): a second start
     # doubles the deadline.
