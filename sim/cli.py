@@ -257,6 +257,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         if args.enable_fault_injection
         else None,
         request_log=args.request_log,
+        dev_mode=bool(int(os.environ.get("VLLM_SERVER_DEV_MODE", "0") or "0")),
     )
 
 

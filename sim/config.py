@@ -104,6 +104,8 @@ class EngineConfig:
     dcgm_hostname: str = "tray"
     # POST /sim/faults, for the holders of the token in this file (None: no such route)
     fault_injection_token_file: str | None = None
+    # VLLM_SERVER_DEV_MODE=1: vLLM's development endpoints (POST /reset_prefix_cache)
+    dev_mode: bool = False
     # One JSON line per finished request appended here (None: no log): where it ran, what its
     # prefix cache held; benchmarks read it to say where prompt reuse was lost
     request_log: str | None = None

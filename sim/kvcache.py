@@ -151,6 +151,16 @@ class PrefixCache:
                 self._evictable[block_id] = None
         allocation.block_ids.clear()
 
+    def reset(self) -> bool:
+        """Forget every cached block, as vLLM's ``reset_prefix_cache`` does; False, changing
+        nothing, while a request holds blocks."""
+        if self._refs:
+            return False
+        self._by_hash.clear()
+        self._hash_of.clear()
+        self._evictable.clear()
+        return True
+
     def _evictable_among(self, hashes: list[bytes]) -> int:
         # Hits on unreferenced cached blocks move them back into use: they stop being free.
         return sum(1 for digest in hashes if self._by_hash[digest] in self._evictable)

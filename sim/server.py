@@ -123,6 +123,8 @@ class ApiServer:
         app.router.add_get("/version", self._version)
         if self.faults is not None:
             app.router.add_post("/sim/faults", self.faults.handle)
+        if self.config.dev_mode:
+            app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         return app
 
     async def start(self) -> None:
@@ -172,6 +174,16 @@ class ApiServer:
         if delay:
             await asyncio.sleep(delay)
         return web.Response(status=503 if self.group.dead else 200)
+
+    async def _reset_prefix_cache(self, _: web.Request) -> web.Response:
+        """vLLM's development endpoint: every local rank's prefix cache forgotten, or none
+        (``success`` false) while a request holds blocks."""
+        caches = [self.group.ranks[r].cache for r in self.local_ranks]
+        success = not any(cache.used_blocks for cache in caches)
+        if success:
+            for cache in caches:
+                cache.reset()
+        return web.json_response({"success": success})
 
     async def _load(self, _: web.Request) -> web.Response:
         load = sum(self.group.ranks[r].num_requests for r in self.local_ranks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
@@ -140,3 +141,21 @@ def test_min_tokens_holds_off_eos(client: openai.OpenAI) -> None:
         model=MODEL, prompt="short", max_tokens=500, seed=5, extra_body={"min_tokens": 300}
     )
     assert usage_of(response).completion_tokens >= 300
+
+
+def test_reset_prefix_cache_in_dev_mode_forgets_what_the_engine_cached(
+    start_sim: Callable[..., SimHandle],
+) -> None:
+    # vLLM serves POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1, answering
+    # {"success": bool}; benchmarks reset engines between points with it
+    plain = start_sim("--served-model-name", MODEL)
+    assert httpx.post(f"{plain.url}/reset_prefix_cache", timeout=10).status_code == 404
+    sim = start_sim("--served-model-name", MODEL, env={"VLLM_SERVER_DEV_MODE": "1"})
+    client = openai.OpenAI(base_url=f"{sim.url}/v1", api_key="unused", max_retries=0)
+    prompt = "shared system prompt " * 200
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert cached_tokens_of(client.completions.create(model=MODEL, prompt=prompt, max_tokens=1))
+    reset = httpx.post(f"{sim.url}/reset_prefix_cache", timeout=10)
+    assert reset.json() == {"success": True}
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert cached_tokens_of(again) == 0

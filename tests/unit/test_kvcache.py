@@ -75,3 +75,17 @@ def test_block_ids_are_never_reused() -> None:
     cache.free(first)
     second = allocate(cache, [], 32)
     assert not set(ids) & set(second.block_ids)
+
+
+def test_reset_forgets_every_cached_block_and_refuses_while_a_request_holds_one() -> None:
+    cache = PrefixCache(capacity_blocks=8, block_size=4)
+    hashes = block_hashes(tokens(16), 4)
+    held = cache.allocate(hashes, 16)
+    assert held is not None
+    cache.register(held, hashes, 16)
+    assert cache.reset() is False  # a request holds its blocks: nothing changes
+    assert cache.cached_prefix_blocks(hashes) == 4
+    cache.free(held)
+    assert cache.reset() is True
+    assert cache.cached_prefix_blocks(hashes) == 0
+    assert cache.free_blocks == 8
