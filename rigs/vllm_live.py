@@ -39,6 +39,7 @@ __all__ = [
     "LiveEngine",
     "LiveRig",
     "Platform",
+    "SimVllm",
     "cpu_vllm",
     "live_rig",
     "live_spec",
@@ -116,7 +117,26 @@ class GpuVllm:
         }
 
 
-Platform = CpuVllm | GpuVllm
+@dataclass(frozen=True, slots=True)
+class SimVllm:
+    """``baton sim`` in vLLM's place, timed by a performance ``profile``: the same pods'
+    command lines with ``vllm serve`` made ``baton sim`` (which takes vLLM's flags), so that the
+    simulator's clock can be set beside real engines' on the same workload."""
+
+    profile: str
+
+    def model(self, name: str) -> Path:
+        return Path(name)  # the simulator loads nothing: a model is its name
+
+    def command(self, rendered: Sequence[str], *, port: int, rpc_port: int) -> list[str]:
+        command = _on_loopback([*baton_command("sim"), *rendered[2:]], port=port, rpc_port=rpc_port)
+        return [*command, "--profile", self.profile]
+
+    def environment(self) -> dict[str, str]:
+        return {}
+
+
+Platform = CpuVllm | GpuVllm | SimVllm
 
 
 def cpu_vllm() -> CpuVllm:

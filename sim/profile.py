@@ -35,14 +35,14 @@ class _Strict(BaseModel):
 
 class PrefillProfile(_Strict):
     step_overhead_s: float = Field(ge=0)
-    per_token_s: PositiveFloat
+    per_token_s: float = Field(ge=0)
     per_token_context_s: float = Field(ge=0)
     max_num_batched_tokens: PositiveInt = 8192
 
 
 class DecodeProfile(_Strict):
     moe_fixed_s: float = Field(ge=0)
-    moe_per_token_s: PositiveFloat
+    moe_per_token_s: float = Field(ge=0)
     rest_fixed_s: float = Field(ge=0)
     rest_per_token_s: float = Field(ge=0)
     attention_per_context_token_s: float = Field(ge=0)

@@ -33,6 +33,42 @@ if TYPE_CHECKING:  # for annotations only: most tests never load openai
 ROOT = Path(__file__).resolve().parent.parent
 NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
 METRICS_DOC = ROOT / "docs" / "metrics.md"
+# A Mooncake-format trace (bench/trace.py): conversations of 2-4 blocks of 512 tokens, a follow-up
+# turn extending an earlier prompt.
+SMALL_TRACE = [
+    {"timestamp": 0, "input_length": 1100, "output_length": 8, "hash_ids": [1, 2, 3]},
+    {"timestamp": 300, "input_length": 700, "output_length": 8, "hash_ids": [1, 4]},
+    {"timestamp": 900, "input_length": 1600, "output_length": 8, "hash_ids": [1, 2, 3, 5]},
+    {"timestamp": 1400, "input_length": 1200, "output_length": 8, "hash_ids": [1, 4, 6]},
+    {"timestamp": 2000, "input_length": 2100, "output_length": 8, "hash_ids": [1, 2, 3, 5, 7]},
+    {"timestamp": 2600, "input_length": 900, "output_length": 8, "hash_ids": [1, 8]},
+    {"timestamp": 3100, "input_length": 1700, "output_length": 8, "hash_ids": [1, 4, 6, 9]},
+    {"timestamp": 3700, "input_length": 1400, "output_length": 8, "hash_ids": [1, 8, 10]},
+]
+
+
+def bench_gpu(
+    engines: str, state: Path, out: Path, *arguments: str
+) -> subprocess.CompletedProcess[str]:
+    """``baton bench gpu`` on ``engines`` (cpu, sim) with its engines' record in ``state`` and
+    its JSON in ``out``, run to its end."""
+    return subprocess.run(
+        baton_command(
+            "bench",
+            "gpu",
+            "--engines",
+            engines,
+            "--state",
+            str(state),
+            "--out",
+            str(out),
+            *arguments,
+        ),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
 
 
 @dataclass

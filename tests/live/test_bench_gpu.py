@@ -6,7 +6,6 @@ runs. The GPU's own figures come only from a GPU (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,45 +13,22 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import ROOT, baton_command
-
-# Conversations of 2-4 blocks of 512 tokens, a follow-up turn extending an earlier prompt.
-TRACE = [
-    {"timestamp": 0, "input_length": 1100, "output_length": 8, "hash_ids": [1, 2, 3]},
-    {"timestamp": 300, "input_length": 700, "output_length": 8, "hash_ids": [1, 4]},
-    {"timestamp": 900, "input_length": 1600, "output_length": 8, "hash_ids": [1, 2, 3, 5]},
-    {"timestamp": 1400, "input_length": 1200, "output_length": 8, "hash_ids": [1, 4, 6]},
-    {"timestamp": 2000, "input_length": 2100, "output_length": 8, "hash_ids": [1, 2, 3, 5, 7]},
-    {"timestamp": 2600, "input_length": 900, "output_length": 8, "hash_ids": [1, 8]},
-    {"timestamp": 3100, "input_length": 1700, "output_length": 8, "hash_ids": [1, 4, 6, 9]},
-    {"timestamp": 3700, "input_length": 1400, "output_length": 8, "hash_ids": [1, 8, 10]},
-]
+from sim.profile import load_profile
+from tests.helpers import SMALL_TRACE, bench_gpu
 
 
 def _step(state: Path, out: Path, *arguments: str) -> dict[str, Any]:
-    result = subprocess.run(
-        baton_command(
-            "bench",
-            "gpu",
-            "--engines",
-            "cpu",
-            "--state",
-            str(state),
-            "--out",
-            str(out),
-            *arguments,
-        ),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    result = bench_gpu("cpu", state, out, *arguments)
     engines = sorted((state / "engines").glob("*.log"))
     logs = "".join(f"\n--- {log.name}\n{log.read_text()[-3000:]}" for log in engines)
     assert result.returncode == 0, result.stderr[-4000:] + logs
-    name = {"start": "gpu-start", "points": "gpu", "overhead": "gpu-overhead", "stop": "gpu-stop"}[
-        arguments[1]
-    ]
+    name = {
+        "start": "gpu-start",
+        "points": "gpu",
+        "overhead": "gpu-overhead",
+        "profile": "gpu-profile",
+        "stop": "gpu-stop",
+    }[arguments[1]]
     record: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
     return record
 
@@ -87,7 +63,7 @@ def test_each_router_replays_the_trace_with_every_prompt_handed_off(
 ) -> None:
     state, _ = started
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
+    trace.write_text("".join(json.dumps(r) + "\n" for r in SMALL_TRACE))
     record = _step(
         state,
         tmp_path,
@@ -110,7 +86,7 @@ def test_each_router_replays_the_trace_with_every_prompt_handed_off(
     assert record["left_out"] == []
     for point in record["points"]:
         assert point["errors"] == 0, point["error_kinds"]
-        assert point["requests"] == len(TRACE)
+        assert point["requests"] == len(SMALL_TRACE)
         handoff = point["handoff"]
         # the decode engines pulled every prompt's KV and computed none of it
         assert handoff["decode_computed_tokens"] == 0
@@ -131,3 +107,27 @@ def test_the_gateways_overhead_is_measured_against_a_client_doing_the_handoff_it
         assert record["paths"][path]["ttft_ms_p50"] > 0
     # a figure, not a verdict: on a shared 2-core host the difference is noise
     assert set(record["added_ms"]) == {"ttft_ms_p50", "end_ms_p50"}
+
+
+def test_the_engines_step_times_are_measured_and_the_simulators_profile_fitted_to_them(
+    started: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    state, _ = started
+    record = _step(state, tmp_path, "--step", "profile")
+    samples = record["samples"]
+    grid = record["grid"]
+    assert len(samples["prefill"]) == len(grid["prefill"]) * grid["repeats"]
+    assert len(samples["decode"]) == len(grid["decode"]) * grid["repeats"]
+    assert len(samples["handoff"]) == len(grid["handoff"]) * grid["repeats"]
+    # a shape asked for with a cached context was served on it: the prefix cache held it
+    cached = [s for s in samples["prefill"] if s["context_tokens"] > 0]
+    assert len(cached) == sum(1 for _, c in grid["prefill"] if c) * grid["repeats"]
+    assert all(s["seconds"] > 0 for kind in samples.values() for s in kind)
+    assert all(s["bytes"] > 0 for s in samples["handoff"])
+    # the fitted profile loads as the simulator's own, with the engine's chunk and KV size
+    fitted = load_profile(tmp_path / "gpu-profile.yaml")
+    assert fitted.prefill.max_num_batched_tokens == record["max_num_batched_tokens"]
+    assert fitted.kv_bytes_per_token * record["kv_cache_tokens"] == pytest.approx(
+        fitted.kv_cache_bytes_per_gpu, rel=0.01
+    )
+    assert len(record["residuals"]) == sum(len(kind) for kind in samples.values())

@@ -1,0 +1,60 @@
+"""``baton bench gpu --engines sim``: the GPU benchmark's steps on ``baton sim`` engines timed by a
+profile fitted on a GPU, the points the GPU ran replayed on the simulator's clock."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import SMALL_TRACE, bench_gpu
+
+
+def _step(state: Path, *arguments: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = bench_gpu("sim", state, state, *arguments)
+    assert result.returncode == 0 or not check, result.stderr[-4000:]
+    return result
+
+
+def _saved(state: Path, name: str) -> dict[str, Any]:
+    record: dict[str, Any] = json.loads((state / f"{name}.json").read_text())
+    return record
+
+
+def test_the_simulator_runs_the_gpu_points_with_the_profile_fitted_on_a_gpu(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in SMALL_TRACE))
+    state = tmp_path / "state"
+    _step(state, "--step", "start", "--profile", "deepseek-v2-lite-12l-h200")
+    try:
+        started = _saved(state, "gpu-start")
+        for argv in started["argv"].values():
+            assert argv[argv.index("--profile") + 1] == "deepseek-v2-lite-12l-h200"
+            assert "--kv-transfer-config" in argv  # the pod's own flags, as the GPU's engines
+        _step(
+            state,
+            "--step",
+            "points",
+            "--trace",
+            str(trace),
+            "--window",
+            "0:4",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+        )
+        points = _saved(state, "gpu")["points"]
+        assert [p["router"] for p in points] == ["baton", "vllm-router"]
+        for point in points:
+            assert point["errors"] == 0, point["error_kinds"]
+            assert point["requests"] == len(SMALL_TRACE)
+            assert point["handoff"]["decode_computed_tokens"] == 0
+            assert point["handoff"]["decode_pulled_tokens"] > 0
+        # the profile step measures vLLM: a simulator's clock is its profile already
+        refused = _step(state, "--step", "profile", check=False)
+        assert refused.returncode != 0
+        assert "--engines gpu|cpu" in refused.stderr
+    finally:
+        _step(state, "--step", "stop")
