@@ -590,6 +590,17 @@ def gateway_affinity(gateway: str) -> dict[str, float]:
     return totals
 
 
+def gateway_not_reused(gateway: str) -> dict[str, float]:
+    """Prompt tokens Baton's gateway had sent a prefill rank before and saw computed again, by
+    cause (``routed_away``, ``absent``): its own record of where reuse went."""
+    totals = {"routed_away": 0.0, "absent": 0.0}
+    for family in text_string_to_metric_families(httpx.get(f"{gateway}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "baton_gateway_prompt_tokens_not_reused_total":
+                totals[sample.labels["cause"]] += sample.value
+    return totals
+
+
 def served_model(url: str) -> str:
     return str(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"])
 

@@ -67,6 +67,7 @@ from bench.agentx import (
     Record,
     fmt,
     gateway_affinity,
+    gateway_not_reused,
     served_model,
     stream_into,
     summarize,
@@ -565,6 +566,7 @@ def _point(
             )
         )
         affinity = gateway_affinity(url) if name == "baton" else None
+        not_reused = gateway_not_reused(url) if name == "baton" else None
     after = {e.name: _sources(e.url) for e in engines}
     delta = {e.name: {s: after[e.name][s] - before[e.name][s] for s in SOURCES} for e in engines}
     by_role: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(SOURCES, 0.0))
@@ -592,6 +594,8 @@ def _point(
         "offered_requests_per_s": len(requests) / (settings.window_s / speedup),
         "wall_s": wall_s,
         "affinity": affinity,
+        # the gateway's own count, warmup included, of tokens a rank held and prefill computed
+        "not_reused_tokens": not_reused,
         "prompt_tokens_by_source": dict(by_role),
         "per_engine": delta,
         # every answered prompt's KV pulled by a decode engine, none computed there

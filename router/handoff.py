@@ -251,6 +251,13 @@ class Handoff:
         if isinstance(prompt, int) and isinstance(cached, int):
             self.metrics.cached_tokens.inc(cached)
             self.metrics.uncached_tokens.inc(prompt - cached)
+            # what the index knew a rank held, and the engine computed anyway, by cause
+            away = min(choice.routed_away_tokens, prompt)
+            absent = max(0, min(target.cached_tokens, prompt) - cached)
+            if away:
+                self.metrics.child(self.metrics.not_reused, "routed_away").inc(away)
+            if absent:
+                self.metrics.child(self.metrics.not_reused, "absent").inc(absent)
         if not isinstance(params, dict):
             log.warning(
                 "prefill %s answered without kv_transfer_params; decode prefills alone", target.name

@@ -197,6 +197,15 @@ class GatewayMetrics:
             ["kind"],
             registry=r,
         )
+        self.not_reused = Counter(
+            "baton_gateway_prompt_tokens_not_reused",
+            "Prompt tokens a prefill rank had been sent before that prefill computed again, "
+            "by cause: routed_away (the prefill went to a rank holding less of the prompt "
+            "than another), absent (the chosen rank had been sent them: evicted, or still "
+            "being computed for an earlier request).",
+            ["cause"],
+            registry=r,
+        )
         self.output_tokens = Counter(
             "baton_gateway_output_tokens", "Generated tokens returned.", registry=r
         )

@@ -138,6 +138,12 @@ class PrefillChoice:
     view: PrefillView
     spilled: bool  # the first candidate (its cache, else its first choice) was too loaded
     uncached_tokens: int  # the request's estimate there: what it adds to the outstanding tokens
+    best_cached_tokens: int = 0  # the longest prefix of the prompt any rank was sent
+
+    @property
+    def routed_away_tokens(self) -> int:
+        """Prompt tokens another rank held beyond what the chosen one did: a spill's cost."""
+        return max(0, self.best_cached_tokens - self.view.cached_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +319,9 @@ def choose_prefill(
         view = pair[1]
     else:
         view = pair[0]
-    return PrefillChoice(view, view is not pair[0], uncached_tokens(view, prompt_tokens))
+    return PrefillChoice(
+        view, view is not pair[0], uncached_tokens(view, prompt_tokens), pair[0].cached_tokens
+    )
 
 
 def choose_decode_rank(

@@ -63,7 +63,9 @@ class Stack:
         eventually(lambda: scrape(self.decode.url, "vllm:num_requests_running") == 0)
 
 
-def start_engine(start_sim: Callable[..., SimHandle], *flags: str) -> SimHandle:
+def start_engine(
+    start_sim: Callable[..., SimHandle], *flags: str, env: dict[str, str] | None = None
+) -> SimHandle:
     return start_sim(
         "--served-model-name",
         MODEL,
@@ -71,7 +73,7 @@ def start_engine(start_sim: Callable[..., SimHandle], *flags: str) -> SimHandle:
         NIXL,
         *fault_injection().flags,
         *flags,
-        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_block(4))},
+        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_block(4)), **(env or {})},
     )
 
 

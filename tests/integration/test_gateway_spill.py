@@ -9,6 +9,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -21,6 +22,7 @@ from router.policy import (
     choose_prefill,
     estimate_prompt_tokens,
 )
+from router.prefix import BLOCK_TOKENS
 from tests.helpers import SimHandle, cached_tokens_of, eventually, scrape, scrape_by
 from tests.integration.test_gateway import LONG, MODEL, Stack, start_engine
 
@@ -126,6 +128,49 @@ def test_cached_history_in_flight_does_not_push_sessions_off_their_instance(
         new_tokens = estimate_prompt_tokens({"messages": turns[session][-2:]})
         assert cached_tokens_of(reply) >= reply.usage.prompt_tokens - new_tokens - 16, session
     stack.assert_nothing_leaked()
+
+
+def test_prompt_tokens_computed_again_are_counted_by_why(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
+) -> None:
+    """The gateway's own record of where reuse went: a turn whose history its instance lost
+    (its prefix cache reset) counts the history as absent; a turn sent away from the instance
+    holding its history (that instance busy with a long prefill) counts it as routed away."""
+    prefill = [start_engine(start_sim, env={"VLLM_SERVER_DEV_MODE": "1"}) for _ in range(2)]
+    decode = start_engine(start_sim)
+    gateway = start_gateway(
+        "--api-key", "k", *(f"--prefill={p.url}" for p in prefill), f"--decode={decode.url}"
+    )
+    stack = Stack(gateway, prefill, decode)
+    home, other = stack.prefill
+    session, blocker = sessions_keyed_to(home, stack, 2)
+
+    def not_reused(cause: str) -> float:
+        return scrape(
+            stack.gateway.url, "baton_gateway_prompt_tokens_not_reused_total", cause=cause
+        )
+
+    turn = history(session, 22)
+    turn = follow_up(turn, ask(stack.gateway, session, turn))
+    history_tokens = estimate_prompt_tokens({"messages": turn[:-1]})
+    assert (not_reused("absent"), not_reused("routed_away")) == (0, 0)
+    # the instance forgets the session's history: its next turn goes there and computes it
+    assert httpx.post(f"{home.url}/reset_prefix_cache", timeout=10).json() == {"success": True}
+    reply = ask(stack.gateway, session, turn)
+    assert served(other) == 0 and cached_tokens_of(reply) == 0
+    # the gateway's index knows what it sent in whole blocks
+    assert not_reused("absent") > history_tokens - BLOCK_TOKENS
+    assert not_reused("routed_away") == 0
+    # a long prefill holds the instance: the next turn spills, leaving its history behind
+    turn = follow_up(turn, reply)
+    stack.fault(home, action="stall", seconds=STALL_S)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(ask, stack.gateway, blocker, history(blocker, 60))
+        eventually(lambda: prefill_in_flight(stack.gateway, home) == 1)
+        ask(stack.gateway, session, turn)
+        held.result()
+    assert affinity(stack.gateway, "miss") == 1 and served(other) == 1
+    assert not_reused("routed_away") > history_tokens - BLOCK_TOKENS
 
 
 def test_a_replica_counts_the_prefills_other_replicas_have_in_flight(

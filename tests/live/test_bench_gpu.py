@@ -94,6 +94,7 @@ def test_each_router_replays_the_trace_with_every_prompt_handed_off(
         # caches were reset before the point: the first prompt was computed in full
         assert 0 <= point["prefix_reuse_achieved"] <= point["prefix_reuse_theoretical"]
     assert record["points"][0]["affinity"]["hit"] + record["points"][0]["affinity"]["miss"] > 0
+    assert set(record["points"][0]["not_reused_tokens"]) == {"routed_away", "absent"}
 
 
 def test_the_gateways_overhead_is_measured_against_a_client_doing_the_handoff_itself(

@@ -400,6 +400,8 @@ def test_the_instances_holding_the_longest_prefixes_are_the_candidates_whatever_
     views = views_with({third: (60_000, 40_000), fourth: (0, 20_000)})
     choice = choose_prefill(snapshot(views), k, 50_000, POLICY)
     assert choice is not None and choice.view.name == fourth and choice.spilled
+    # what the spill leaves behind: the longer prefix less what the next-longest holds
+    assert (choice.best_cached_tokens, choice.routed_away_tokens) == (40_000, 20_000)
     # with one holder, the key's first choice is the other candidate
     views = views_with({third: (60_000, 40_000)})
     choice = choose_prefill(snapshot(views), k, 50_000, POLICY)
