@@ -32,9 +32,12 @@ choice, so routing state never has to be shared between them.
    nearly all of it cached where the session's last turn ran). A candidate's load with the
    request is its rank's outstanding uncached tokens plus the request's estimated prompt tokens
    less those the rank holds. The first candidate wins unless its load exceeds the other's by
-   more than ``imbalance_tokens``; a hot prefix then spills over instead of queueing, to the
-   sibling rank of the same instance as readily as to another instance, since a rank's queue,
-   not its instance's, is what a prefill waits in. (``least_loaded`` takes the lowest such load
+   more than ``imbalance_tokens`` and, where the other rank is busy, by the cached prefix the
+   request would leave behind as well (recomputed on a busy rank, it delays the requests
+   queued after it there: on real engines under load, spills were where Baton's lost reuse
+   went); a hot prefix then spills over instead of queueing, to the sibling rank of the same
+   instance as readily as to another instance, since a rank's queue, not its instance's, is
+   what a prefill waits in. (``least_loaded`` takes the lowest such load
    of all, whatever the key.)
 
 **Decode** (one DP rank of the cell's decode group): the fewest in-flight requests among the
@@ -116,6 +119,7 @@ class PrefillView:
     outstanding_tokens: int
     cached_tokens: int  # the request's prompt tokens the rank was sent (router/prefix.py)
     dp_rank: int = -1  # what X-data-parallel-rank carries; -1: the engine chooses
+    outstanding_requests: int = 0  # prefills in flight on the rank, this gateway's and others'
 
     @property
     def unit(self) -> str:
@@ -315,13 +319,25 @@ def choose_prefill(
     pair = sorted(ranked, key=lambda view: -view.cached_tokens)[:2]  # stable: key order
     if policy.prefill is PrefillPolicy.LEAST_LOADED:
         view = min(ranked, key=load)
-    elif len(pair) > 1 and load(pair[0]) > load(pair[1]) + policy.imbalance_tokens:
+    elif len(pair) > 1 and load(pair[0]) > load(pair[1]) + _spill_bound(pair[0], pair[1], policy):
         view = pair[1]
     else:
         view = pair[0]
     return PrefillChoice(
         view, view is not pair[0], uncached_tokens(view, prompt_tokens), pair[0].cached_tokens
     )
+
+
+def _spill_bound(first: PrefillView, second: PrefillView, policy: RoutingPolicy) -> int:
+    """How much sooner the second candidate must finish the request to take it from the first:
+    the allowance, and where the second rank is busy, the prefix the request leaves behind,
+    once for each request queued there. Computed again, those tokens delay every request that
+    will queue behind it, which its own gain does not count: about as many as are queued ahead
+    of it (Little's law, the queue in steady state), at least one; on an idle rank, nobody."""
+    if not second.outstanding_tokens:
+        return policy.imbalance_tokens
+    left_behind = max(0, first.cached_tokens - second.cached_tokens)
+    return policy.imbalance_tokens + left_behind * max(1, second.outstanding_requests)
 
 
 def choose_decode_rank(

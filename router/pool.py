@@ -246,6 +246,7 @@ class Pool:
                     self._rank_tokens(t, rank),
                     held.get(f"{t.name}#{rank}", 0) * BLOCK_TOKENS,
                     rank,
+                    self._rank_requests(t, rank),
                 )
                 for t in self.prefill.values()
                 for rank in (range(t.dp_ranks) if t.dp_ranks > 1 else (-1,))
@@ -428,6 +429,13 @@ class Pool:
             return own + self._peer_tokens(sum(target.rank_others.values()))
         mine = target.rank_tokens.get(dp_rank, 0)
         return mine + self._peer_tokens(target.rank_others.get(dp_rank, 0))
+
+    def _rank_requests(self, target: _Target, dp_rank: int) -> int:
+        """Prefills in flight on one DP rank of a prefill instance (-1: on the whole instance),
+        this gateway's and other replicas' as the engine last counted them."""
+        if dp_rank < 0:
+            return sum(target.rank_requests.values()) + sum(target.rank_others.values())
+        return target.rank_requests.get(dp_rank, 0) + target.rank_others.get(dp_rank, 0)
 
     def _peer_tokens(self, requests: int) -> int:
         """An estimate: the engines count requests, not the tokens left to compute, so other

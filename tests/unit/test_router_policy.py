@@ -355,6 +355,41 @@ def test_the_bound_compares_each_candidates_load_with_the_request() -> None:
     assert pick(4_001) == (second, True, 5_000)
 
 
+def test_a_spill_onto_a_busy_rank_must_gain_the_prefix_it_leaves_once_per_queued_prefill() -> None:
+    """20K of a 25K prompt cached on the first choice. Onto an idle second choice the request
+    spills once its wait there is shorter by the allowance; onto a busy one only once it is
+    shorter by the allowance and the 20K it would compute again once for each prefill queued
+    there, as many as will queue after it and wait for them (on GPU engines under load, such
+    spills were where the reuse went: baton_gateway_prompt_tokens_not_reused_total
+    {cause="routed_away"})."""
+    k = key("agent-session")
+    first, second = candidates(k)
+
+    def pick(first_outstanding: int, second_queued: tuple[int, int]) -> tuple[str, int]:
+        views = views_with({first: (first_outstanding, 20_000)})
+        tokens, requests = second_queued
+        views = [
+            replace(v, outstanding_tokens=tokens, outstanding_requests=requests)
+            if v.name == second
+            else v
+            for v in views
+        ]
+        choice = choose_prefill(snapshot(views), k, 25_000, POLICY)
+        assert choice is not None
+        return choice.view.name, choice.routed_away_tokens
+
+    # idle second: 20K + 5K against 0 + 25K, plus the allowance (1K)
+    assert pick(21_000, (0, 0)) == (first, 0)
+    assert pick(21_001, (0, 0)) == (second, 20_000)
+    # one prefill (10K) queued on the second: the 20K left behind count once
+    assert pick(31_001, (10_000, 1)) == (first, 0)
+    assert pick(51_000, (10_000, 1)) == (first, 0)
+    assert pick(51_001, (10_000, 1)) == (second, 20_000)
+    # three queued there: as many will queue behind the request, each waiting for the 20K
+    assert pick(91_000, (10_000, 3)) == (first, 0)
+    assert pick(91_001, (10_000, 3)) == (second, 20_000)
+
+
 def test_a_key_cached_on_its_second_choice_follows_its_cache_there() -> None:
     # its last turn spilled: recomputing 50K on the idle first choice loses to 2K on the second
     k = key("spilled-session")

@@ -94,6 +94,7 @@ def test_snapshot_reflects_in_flight_accounting() -> None:
     p.end_decode(f"{D0}#1")
     snap = p.snapshot()
     assert {v.name: v.outstanding_tokens for v in snap.prefill} == {P0: 300, P1: 0, P2: 0}
+    assert {v.name: v.outstanding_requests for v in snap.prefill} == {P0: 1, P1: 0, P2: 0}
     assert {r.name: r.in_flight for r in snap.decode} == {f"{D0}#0": 0, f"{D0}#1": 1, D1: 0}
     assert p.in_flight() == {P0: 1, P1: 0, P2: 0, f"{D0}#0": 0, f"{D0}#1": 1, D1: 0}
 
@@ -288,7 +289,9 @@ def engine_metrics(requests: dict[str, tuple[int, int]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_other_replicas_prefills_are_priced_at_this_gateways_mean_uncached_tokens() -> None:
+def test_other_replicas_prefills_are_counted_and_priced_at_this_gateways_mean_uncached_tokens() -> (
+    None
+):
     p = two_instances()
     p.record_engine_load(P0, engine_load(engine_metrics({"0": (1, 1), "1": (1, 0)})))
     # no prefill of its own yet: nothing to price the engine's three requests at
@@ -304,6 +307,13 @@ def test_other_replicas_prefills_are_priced_at_this_gateways_mean_uncached_token
     assert {v.unit: v.outstanding_tokens for v in p.snapshot().prefill} == {
         f"{P0}#0": 7_000,
         f"{P0}#1": 3_000,
+        f"{P1}#0": 0,
+        f"{P1}#1": 0,
+    }
+    # and each rank's prefills: this gateway's own and the others' the engine counted
+    assert {v.unit: v.outstanding_requests for v in p.snapshot().prefill} == {
+        f"{P0}#0": 2,
+        f"{P0}#1": 1,
         f"{P1}#0": 0,
         f"{P1}#1": 0,
     }
