@@ -4,13 +4,15 @@ errors."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from bench.gpu import FOLDER_BYTES, REQUIREMENTS, Part, fit, pack
+from bench.gpu import FOLDER_BYTES, REQUIREMENTS, Part, fit, fitted_profile, pack
+from sim.profile import Profile, load_profile
 from tests.helpers import ROOT, baton_command
 
 
@@ -138,3 +140,14 @@ def test_points_without_engines_say_to_start_them(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert "the engines are not up; run --step start first" in result.stderr
+
+
+def test_the_shipped_h200_profile_is_the_fit_of_the_committed_measurements(
+    tmp_path: Path,
+) -> None:
+    # docs/figures/gpu-h200-profile.json holds what --step profile measured on the H200; the
+    # shipped profile must be what --step fit makes of it today
+    record = json.loads((ROOT / "docs" / "figures" / "gpu-h200-profile.json").read_text())
+    fitted = fitted_profile(record, tmp_path)
+    assert Profile.model_validate(fitted["profile"]) == load_profile("deepseek-v2-lite-12l-h200")
+    assert load_profile(tmp_path / "gpu-profile.yaml") == load_profile("deepseek-v2-lite-12l-h200")
