@@ -255,9 +255,9 @@ class Handoff:
             away = min(choice.routed_away_tokens, prompt)
             absent = max(0, min(target.cached_tokens, prompt) - cached)
             if away:
-                self.metrics.child(self.metrics.not_reused, "routed_away").inc(away)
+                self.metrics.routed_away_tokens.inc(away)
             if absent:
-                self.metrics.child(self.metrics.not_reused, "absent").inc(absent)
+                self.metrics.absent_tokens.inc(absent)
         if not isinstance(params, dict):
             log.warning(
                 "prefill %s answered without kv_transfer_params; decode prefills alone", target.name

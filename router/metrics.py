@@ -298,6 +298,9 @@ class GatewayMetrics:
         # children bound once: handlers never look labels up on the hot path
         self.cached_tokens = self.prompt_tokens.labels("cached")
         self.uncached_tokens = self.prompt_tokens.labels("uncached")
+        # both causes served from the start, at 0: a share of them is a ratio from the first scrape
+        self.routed_away_tokens = self.not_reused.labels("routed_away")
+        self.absent_tokens = self.not_reused.labels("absent")
         self.prefill_seconds = self.phase.labels("prefill")
         self.handoff_seconds = self.phase.labels("handoff")
         self.decode_seconds = self.phase.labels("decode")
