@@ -151,3 +151,16 @@ def test_the_shipped_h200_profile_is_the_fit_of_the_committed_measurements(
     fitted = fitted_profile(record, tmp_path)
     assert Profile.model_validate(fitted["profile"]) == load_profile("deepseek-v2-lite-12l-h200")
     assert load_profile(tmp_path / "gpu-profile.yaml") == load_profile("deepseek-v2-lite-12l-h200")
+
+
+def test_measurements_the_model_cannot_fit_are_said_and_no_profile_is_written(
+    tmp_path: Path,
+) -> None:
+    record = json.loads((ROOT / "docs" / "figures" / "gpu-h200-profile.json").read_text())
+    pulls = record["samples"]["handoff"]
+    for pull in pulls:  # larger pulls faster: no bandwidth (a busy CPU host's pulls do this)
+        pull["seconds"] = 1 / pull["bytes"]
+    fitted = fitted_profile(record, tmp_path)
+    assert fitted["profile"] is None
+    assert "handoff" in fitted["fit_error"]
+    assert not (tmp_path / "gpu-profile.yaml").exists()
