@@ -580,25 +580,32 @@ def engine_counters(rack: _Stack) -> dict[str, float]:
     return totals
 
 
-def gateway_affinity(gateway: str) -> dict[str, float]:
-    """Baton's prefill choices that followed the affinity key (hit) or spilled (miss)."""
-    totals = {"hit": 0.0, "miss": 0.0}
+def _gateway_counter(
+    gateway: str, sample_name: str, label: str, values: tuple[str, ...]
+) -> dict[str, float]:
+    """A counter of Baton's gateway summed by one label, each of ``values`` present."""
+    totals = dict.fromkeys(values, 0.0)
     for family in text_string_to_metric_families(httpx.get(f"{gateway}/metrics", timeout=10).text):
         for sample in family.samples:
-            if sample.name == "baton_gateway_affinity_total":
-                totals[sample.labels["result"]] += sample.value
+            if sample.name == sample_name:
+                totals[sample.labels[label]] += sample.value
     return totals
+
+
+def gateway_affinity(gateway: str) -> dict[str, float]:
+    """Baton's prefill choices that followed the affinity key (hit) or spilled (miss)."""
+    return _gateway_counter(gateway, "baton_gateway_affinity_total", "result", ("hit", "miss"))
 
 
 def gateway_not_reused(gateway: str) -> dict[str, float]:
     """Prompt tokens Baton's gateway had sent a prefill rank before and saw computed again, by
     cause (``routed_away``, ``absent``): its own record of where reuse went."""
-    totals = {"routed_away": 0.0, "absent": 0.0}
-    for family in text_string_to_metric_families(httpx.get(f"{gateway}/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == "baton_gateway_prompt_tokens_not_reused_total":
-                totals[sample.labels["cause"]] += sample.value
-    return totals
+    return _gateway_counter(
+        gateway,
+        "baton_gateway_prompt_tokens_not_reused_total",
+        "cause",
+        ("routed_away", "absent"),
+    )
 
 
 def served_model(url: str) -> str:

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from sim.perf import PrefillChunk, prefill_chunk_seconds
+from sim.perf import PrefillChunk, RankBatch, step_seconds
 from sim.profile import DecodeProfile, NVLinkProfile, PrefillProfile, Profile
 
 __all__ = [
@@ -94,22 +94,19 @@ def prefill_chunks(sample: PrefillSample, chunk_tokens: int) -> list[PrefillChun
 
 
 def prefill_seconds(profile: Profile, sample: PrefillSample) -> float:
-    """The model's prefill time for ``sample``: one step a chunk."""
+    """The simulator's prefill time for ``sample`` alone on a rank: one step a chunk."""
     chunks = prefill_chunks(sample, profile.prefill.max_num_batched_tokens)
-    return sum(profile.prefill.step_overhead_s + prefill_chunk_seconds(profile, c) for c in chunks)
+    return sum(step_seconds(profile, [RankBatch(prefill_chunks=(c,))]).total_s for c in chunks)
 
 
 def decode_seconds(profile: Profile, sample: DecodeSample) -> float:
-    """The model's step time for a one-rank decode batch with no draft (``sim.perf``'s terms,
-    the MoE's at balance 1)."""
-    d = profile.decode
-    tokens = sample.batch
-    rest = (
-        d.rest_fixed_s
-        + d.rest_per_token_s * tokens
-        + d.attention_per_context_token_s * tokens * sample.context_tokens
+    """The simulator's step time for a one-rank decode batch with no draft (balance 1)."""
+    batch = RankBatch(
+        decode_requests=sample.batch,
+        decode_query_tokens=sample.batch,
+        decode_context_query_product=sample.batch * sample.context_tokens,
     )
-    return rest + d.moe_fixed_s + d.moe_per_token_s * tokens * d.reference_balance
+    return step_seconds(profile, [batch]).total_s
 
 
 def _nnls(rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
