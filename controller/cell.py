@@ -20,6 +20,12 @@ instances and its scheduling gates, each decided by a function that returns what
   on the new spec (a planned restart: no backoff, no budget). A cell waiting for its turn keeps
   its pods; one that fails meanwhile comes back on the new revision, and the gateway's endpoints
   pair only pods of the decode group's revision.
+- A decode group on a tray marked degraded (a GPU that holds the group back:
+  ``controller.stragglers``) moves off it once the move pays (``move_decision``: the slowdown
+  so far against a restart, measured from the group's last start): on its turn, as an update
+  would, it leaves the rotation, drains, and restarts as a whole; placement gives the degraded
+  rank the spare tray, since a degraded tray takes no new pods. No failure is counted against
+  the tray, and no backoff applies: it is planned.
 - Where the cluster serves NVIDIA's ComputeDomain API, each cell gets its ComputeDomain; its
   decode pods claim the domain's IMEX channel from its template, and once the domain has a UID
   each tray holding the cell's prefill gets the claim its prefill pods share
@@ -60,17 +66,29 @@ from controller.observe import (
     ready_since,
     revision_of,
     rfc3339,
+    started_at,
     terminating,
     tray_keeps_pods,
 )
 from controller.placement import CellPlacement, DeploymentShape, TraySelector
 from controller.podspec import compute_domain, prefill_channel_claim, render_cell
 from controller.restarts import RestartPolicy, TrayFailure
+from controller.stragglers import Move, move_decision
 from controller.topology import Topology
 
-__all__ = ["CellActions", "CellRollout", "DecodeGroupActions", "PrefillActions", "plan_cell"]
+__all__ = [
+    "CellActions",
+    "CellRollout",
+    "DecodeGroupActions",
+    "PrefillActions",
+    "group_restart_seconds",
+    "plan_cell",
+]
 
 Pods = Mapping[str, Mapping[str, Any]]
+
+# A decode group's restart (the weights reload) where its pods never said how long theirs took.
+DEFAULT_RESTART_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +139,7 @@ class CellActions:
     ungate: tuple[str, ...]
     pending: bool  # pods not yet created, or still gated
     stale: bool = False  # pods of an older revision run in the cell
+    move: Move | None = None  # its decode group runs on a degraded tray
     draining_since: datetime | None = None  # out of the rotation for its update since
     in_rotation: bool = True  # the gateway may send it new requests
     settled: bool = False  # every planned pod ready for at least the rollout's minReadySeconds
@@ -128,6 +147,11 @@ class CellActions:
     wake_in: float | None = None  # seconds until its drain ends
     # current pods whose revision label is missing (made before pods carried one) or stale
     relabel: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def due(self) -> bool:
+        """The cell needs its turn: to update, or to move its decode group now."""
+        return self.stale or (self.move is not None and self.move.now)
 
     @property
     def delete_pods(self) -> tuple[str, ...]:
@@ -195,7 +219,10 @@ def plan_cell(
     live = {n: p for n, p in pods.items() if not terminating(p)}
     record = next((c for c in view.status.cells if c.name == cell.name), None)
     stale = any(n in wanted and outdated(p, wanted[n]) for n, p in live.items())
-    drain = _drain(view.name, cell.name, stale, rollout, observed.now)
+    move = _move(cell, live, trays, observed.now)
+    due = stale or (move is not None and move.now)
+    why = "for its update" if stale else "to move its decode group off a degraded tray"
+    drain = _drain(view.name, cell.name, due, why, rollout, observed.now)
     decode = decode_group_actions(
         view.name,
         cell,
@@ -209,6 +236,7 @@ def plan_cell(
         policy=policy,
         update=drain.update,
         selector=DeploymentShape.of(view.model).trays,
+        move=move.why if move is not None and move.now else None,
     )
     prefill = prefill_actions(
         view.name,
@@ -236,14 +264,29 @@ def plan_cell(
         ungate=ungate,
         pending=pending,
         stale=stale,
+        move=move,
         # out of the rotation from its drain until it serves the current revision again
-        draining_since=None if not stale and settled else drain.since,
-        in_rotation=not (stale and drain.since is not None),
+        draining_since=None if not due and settled else drain.since,
+        in_rotation=not (due and drain.since is not None),
         settled=settled,
-        drain_events=drain.events,
-        wake_in=drain.wake_in
-        if drain.wake_in is not None
-        else (settle if ready and settle > 0 else None),
+        drain_events=(
+            (Event(view.name, "Warning", Reason.TRAY_DEGRADED, f"{cell.name}: {move.why}"),)
+            if move is not None and not decode.delete
+            else ()
+        )
+        + drain.events,
+        wake_in=min(
+            (
+                w
+                for w in (
+                    drain.wake_in,
+                    settle if ready and settle > 0 else None,
+                    move.pays_in_s if move is not None else None,
+                )
+                if w is not None
+            ),
+            default=None,
+        ),
         relabel=tuple(
             (n, label)
             for n, p in sorted(live.items())
@@ -262,11 +305,41 @@ class _Drain:
     wake_in: float | None = None
 
 
-def _drain(deployment: str, cell: str, stale: bool, rollout: CellRollout, now: datetime) -> _Drain:
-    """A stale cell on its turn leaves the rotation, waits out its drain, then updates; a cell
-    whose drain began stays out until it serves the current revision (``plan_cell``)."""
+def _move(cell: CellPlacement, live: Pods, trays: Topology, now: datetime) -> Move | None:
+    """Whether the cell's decode group moves off a degraded tray now (the first that pays, or
+    the one that pays soonest), or None where it runs on none."""
+    moves = [
+        move_decision(name, tray.degraded, now, group_restart_seconds(cell, live))
+        for name in dict.fromkeys(cell.decode_trays)
+        if (tray := trays.tray(name)) is not None and tray.degraded is not None
+    ]
+    if not moves:
+        return None
+    return min(moves, key=lambda m: (not m.now, m.pays_in_s if m.pays_in_s is not None else 1e18))
+
+
+def group_restart_seconds(cell: CellPlacement, live: Pods) -> float:
+    """How long the decode group took to start last time (the slowest pod, from its start to
+    Ready): what moving it costs. ``DEFAULT_RESTART_S`` where no pod says."""
+    took = [
+        (became - began).total_seconds()
+        for index in range(len(cell.decode_trays))
+        if (pod := live.get(decode_pod_name(cell.name, index))) is not None
+        and (became := ready_since(pod)) is not None
+        and (began := started_at(pod)) is not None
+        and became >= began
+    ]
+    return max(took) if took else DEFAULT_RESTART_S
+
+
+def _drain(
+    deployment: str, cell: str, due: bool, why: str, rollout: CellRollout, now: datetime
+) -> _Drain:
+    """A cell due for its update or move leaves the rotation on its turn, waits out its drain,
+    then acts; a cell whose drain began stays out until it serves the current revision on
+    healthy trays (``plan_cell``)."""
     since = rollout.draining_since
-    if not stale:
+    if not due:
         return _Drain(since)
     if since is None:
         if not rollout.turn:
@@ -276,7 +349,7 @@ def _drain(deployment: str, cell: str, stale: bool, rollout: CellRollout, now: d
             deployment,
             "Normal",
             Reason.CELL_DRAINING,
-            f"{cell} leaves the gateway's rotation for its update; its in-flight requests have "
+            f"{cell} leaves the gateway's rotation {why}; its in-flight requests have "
             f"{rollout.drain.total_seconds():.0f} s to finish",
         )
         left = rollout.drain.total_seconds()
@@ -301,9 +374,11 @@ def decode_group_actions(
     policy: RestartPolicy,
     update: bool = True,
     selector: TraySelector | None = None,
+    move: str | None = None,
 ) -> DecodeGroupActions:
     """The decode group: whole or nothing (see the module docstring); ``update``: an outdated
-    group restarts on the current spec now (its cell is drained)."""
+    group restarts on the current spec now, and one to ``move`` (why) off a degraded tray
+    restarts (its cell is drained)."""
     recent = tuple(t for t in restarts if now - parse_time(t) < policy.window)
     names = [decode_pod_name(cell.name, i) for i in range(len(cell.decode_trays))]
     live_decode = {n: live[n] for n in names if n in live}
@@ -354,14 +429,24 @@ def decode_group_actions(
             restarting=True,
         )
     stale = any(outdated(p, wanted[n]) for n, p in live_decode.items())
-    if live_decode and not broken and stale and update:
-        # The spec changed (image, flags, shape): a planned restart of the whole group on the
-        # new pods, outside the failure backoff and budget.
-        event = Event(
-            deployment,
-            "Normal",
-            Reason.GROUP_UPDATING,
-            f"decode group of {cell.name} restarts as a whole on the updated pod spec",
+    if live_decode and not broken and update and (stale or move is not None):
+        # Planned, outside the failure backoff and budget: the spec changed (image, flags,
+        # shape) and the group restarts on the new pods, or it leaves a degraded tray and
+        # placement gives that rank the spare once these pods are gone.
+        event = (
+            Event(
+                deployment,
+                "Normal",
+                Reason.GROUP_UPDATING,
+                f"decode group of {cell.name} restarts as a whole on the updated pod spec",
+            )
+            if stale
+            else Event(
+                deployment,
+                "Warning",
+                Reason.GROUP_MOVING,
+                f"decode group of {cell.name} restarts as a whole off {move}",
+            )
         )
         return DecodeGroupActions(
             len(names),

@@ -49,6 +49,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    parser.add_argument(
+        "--prometheus-url",
+        default=None,
+        help="a Prometheus that scrapes dcgm-exporter on the trays: the straggler watch marks "
+        "trays whose GPU holds back its decode group (default: no watch)",
+    )
+    parser.add_argument(
+        "--straggler-window-seconds",
+        type=int,
+        default=60,
+        help="each GPU's SM clock is judged by its median over windows this long",
+    )
+    parser.add_argument(
+        "--straggler-windows",
+        type=int,
+        default=3,
+        help="windows in a row a GPU must be slow before its tray is marked degraded",
+    )
     return parser
 
 
@@ -63,6 +81,11 @@ def _api(kubeconfig: str | None) -> client.ApiClient:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.straggler_window_seconds < 1 or args.straggler_windows < 1:
+        parser.error(
+            "--straggler-window-seconds and --straggler-windows must be at least 1 "
+            f"(got {args.straggler_window_seconds} and {args.straggler_windows})"
+        )
     if args.lease_namespace is None:
         # No guess (controller-runtime refuses one too): two controllers leasing in different
         # namespaces would both lead.
@@ -92,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         lease_name=args.lease_name,
         identity=args.identity,
         registry=registry,
+        prometheus_url=args.prometheus_url,
+        straggler_window_s=args.straggler_window_seconds,
+        straggler_windows=args.straggler_windows,
     )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: controller.stopped.set())

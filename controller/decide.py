@@ -237,7 +237,8 @@ def _serves(actions: CellActions) -> bool:
 def _turns(
     view: DeploymentView, placed: Sequence[CellPlacement], cells: Mapping[str, CellActions]
 ) -> list[str]:
-    """The stale cells that may leave the rotation for their update now, in name order: while
+    """The cells due (stale, or moving off a degraded tray) that may leave the rotation now, in
+    name order: while
     fewer than ``maxUnavailable`` cells are out (draining, updating, or not serving for any
     reason) and never the last serving cell of several (a one-cell deployment has no other)."""
     out = [c.name for c in placed if cells[c.name].draining_since or not _serves(cells[c.name])]
@@ -248,7 +249,7 @@ def _turns(
         actions = cells[cell.name]
         if budget <= 0:
             break
-        if not actions.stale or actions.draining_since is not None or cell.name in out:
+        if not actions.due or actions.draining_since is not None or cell.name in out:
             continue
         if len(placed) > 1 and len(serving) <= 1:
             break

@@ -53,6 +53,7 @@ __all__ = [
     "recorded_status",
     "revision_of",
     "rfc3339",
+    "started_at",
     "terminating",
     "topology",
     "tray_keeps_pods",
@@ -195,6 +196,12 @@ def ready_since(pod: Mapping[str, Any]) -> datetime | None:
         if condition.get("type") == "Ready" and condition.get("lastTransitionTime"):
             return parse_time(condition["lastTransitionTime"])
     return None
+
+
+def started_at(pod: Mapping[str, Any]) -> datetime | None:
+    """When the kubelet started the pod (``status.startTime``), if it did."""
+    started = pod.get("status", {}).get("startTime")
+    return parse_time(started) if started else None
 
 
 def outdated(pod: Mapping[str, Any], wanted: Manifest) -> bool:

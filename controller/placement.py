@@ -6,9 +6,10 @@ the prefill instances that feed it (DEP``p``: ``N`` instances, each ``p`` GPUs o
 module decides which trays and GPUs each cell gets. It reads nothing and writes nothing: the
 reconciler turns a ``Plan`` into pods, the CLI into a rack map.
 
-A tray is *eligible* for a deployment when it has a domain label, is Ready, not quarantined, carries
-every label of the deployment's node selector and is schedulable, or not cordoned and tainted
-only with taints the deployment tolerates (``TraySelector``). It is *whole* for a shape when it is
+A tray is *eligible* for a deployment when it has a domain label, is Ready, not quarantined nor
+marked degraded (its pods stay; ``controller.cell`` moves its decode group), carries every
+label of the deployment's node selector and is schedulable, or not cordoned and tainted only
+with taints the deployment tolerates (``TraySelector``). It is *whole* for a shape when it is
 eligible, has exactly ``gpusPerPod`` GPUs, none of them held by anyone. A *prefill slot* is
 ``p`` free GPUs of an eligible tray; a whole GB300 tray has two DEP2 slots.
 
@@ -158,7 +159,13 @@ class TraySelector:
 
     def eligible(self, tray: Tray) -> bool:
         """New pods of the deployment may be placed on ``tray``."""
-        return tray.domain is not None and tray.ready and not tray.quarantined and self.admits(tray)
+        return (
+            tray.domain is not None
+            and tray.ready
+            and not tray.quarantined
+            and tray.degraded is None
+            and self.admits(tray)
+        )
 
     def keeps(self, tray: Tray) -> bool:
         """The deployment's pods already on ``tray`` keep running there."""

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -35,6 +36,9 @@ from baton.core.labels import (
     CELL_GATE,
     CLIQUE_LABEL,
     CONTROLLER_COMPONENT,
+    DEGRADED_ANNOTATION,
+    DEGRADED_SINCE_ANNOTATION,
+    DEGRADED_SLOWDOWN_ANNOTATION,
     DEPLOYMENT_LABEL,
     GPUS_USED_BY_OTHERS_ANNOTATION,
     QUARANTINED_ANNOTATION,
@@ -49,8 +53,9 @@ from controller.observe import Observed, rfc3339
 from controller.podspec import COMPUTE_DOMAIN_API, RESOURCE_CLAIM_API
 from controller.restarts import RestartPolicy
 from controller.runtime import Informer, WorkQueue
+from controller.tray_health import TrayHealthMonitor
 
-__all__ = ["Controller", "ControllerMetrics", "StatusCollector"]
+__all__ = ["Controller", "ControllerMetrics", "DegradedTrayCollector", "StatusCollector"]
 
 log = logging.getLogger("baton.controller")
 RESYNC_S = 30.0
@@ -102,10 +107,21 @@ class ControllerMetrics:
             "Trays quarantined after repeated Baton pod failures",
             registry=registry,
         )
+        self.trays_degraded = Counter(
+            "baton_controller_trays_degraded",
+            "Trays the straggler watch marked degraded (a GPU holding back its decode group)",
+            registry=registry,
+        )
+        self.group_moves = Counter(
+            "baton_controller_group_moves",
+            "Decode groups restarted off a degraded tray",
+            registry=registry,
+        )
         self._by_reason: dict[str, Counter] = {
             Reason.PLACED: self.placements,
             Reason.GROUP_RESTARTING: self.group_restarts,
             Reason.TRAY_QUARANTINED: self.quarantines,
+            Reason.GROUP_MOVING: self.group_moves,
         }
         for outcome in ("success", "error"):  # both series exist before the first error
             self.reconciles.labels(outcome)
@@ -123,6 +139,34 @@ class ControllerMetrics:
         """Export the conditions and cells of ``deployments()`` (the informer's cache) at every
         scrape."""
         registry.register(StatusCollector(deployments))
+
+    def watch_trays(
+        self, registry: CollectorRegistry, nodes: Callable[[], list[dict[str, Any]]]
+    ) -> None:
+        """Export the trays marked degraded in ``nodes()`` (the informer's cache) at every
+        scrape."""
+        registry.register(DegradedTrayCollector(nodes))
+
+
+class DegradedTrayCollector(Collector):
+    """``baton_tray_degraded{tray}``: 1 for each Node marked ``baton.dev/degraded`` (by the
+    straggler watch or by hand), which the alert and the dashboard read; no series for a
+    healthy tray."""
+
+    def __init__(self, nodes: Callable[[], list[dict[str, Any]]]) -> None:
+        self.nodes = nodes
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "baton_tray_degraded",
+            "Trays marked baton.dev/degraded: a GPU holds back the decode group on it",
+            labels=["tray", "reason"],
+        )
+        for node in self.nodes():
+            why = (node["metadata"].get("annotations") or {}).get(DEGRADED_ANNOTATION)
+            if why is not None and why.strip().lower() != "false":
+                family.add_metric([node["metadata"]["name"], why[:200]], 1.0)
+        yield family
 
 
 class StatusCollector(Collector):
@@ -180,6 +224,9 @@ def _placement_fingerprint(node: dict[str, Any] | None) -> tuple[Any, ...] | Non
         tuple(sorted((c.get("type"), c.get("status")) for c in status.get("conditions") or [])),
         annotations.get(QUARANTINED_ANNOTATION),
         annotations.get(GPUS_USED_BY_OTHERS_ANNOTATION),
+        annotations.get(DEGRADED_ANNOTATION),
+        annotations.get(DEGRADED_SINCE_ANNOTATION),
+        annotations.get(DEGRADED_SLOWDOWN_ANNOTATION),
     )
 
 
@@ -195,6 +242,9 @@ class Controller:
         identity: str | None = None,
         policy: RestartPolicy | None = None,
         registry: CollectorRegistry | None = None,
+        prometheus_url: str | None = None,
+        straggler_window_s: int = 60,
+        straggler_windows: int = 3,
     ) -> None:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
@@ -223,6 +273,21 @@ class Controller:
             label_selector=DEPLOYMENT_LABEL,
         )
         self.metrics.watch_status(registry, self.deployments.items)
+        self.metrics.watch_trays(registry, self.nodes.items)
+        # The straggler watch, where a Prometheus scrapes dcgm-exporter (leader only).
+        self.tray_health = (
+            TrayHealthMonitor(
+                self.core,
+                prometheus_url,
+                deployments=self.deployments.items,
+                nodes=self.nodes.items,
+                window_s=straggler_window_s,
+                persist=straggler_windows,
+                identity=self.identity,
+            )
+            if prometheus_url
+            else None
+        )
 
     # --- events into the queue -----------------------------------------------------------------
 
@@ -271,6 +336,8 @@ class Controller:
         self.metrics.leader.set(1)
         self._spawn("worker", self._work)
         self._spawn("resync", self._resync)
+        if self.tray_health is not None:
+            self._spawn("straggler-watch", self._watch_trays, self.tray_health)
 
     def _follow(self) -> None:
         self.metrics.leader.set(0)
@@ -292,6 +359,16 @@ class Controller:
     @property
     def stopped(self) -> threading.Event:
         return self._stop
+
+    def _watch_trays(self, monitor: TrayHealthMonitor) -> None:
+        while not self._stop.wait(monitor.window_s):
+            try:
+                found = monitor.window()
+            except (httpx.HTTPError, ApiException, ValueError, KeyError) as exc:
+                # Prometheus down, or a window it cannot answer: no verdict, no mark
+                log.warning("straggler watch: window skipped: %s", exc)
+                continue
+            self.metrics.trays_degraded.inc(len(found))
 
     def _resync(self) -> None:
         while not self._stop.wait(RESYNC_S):

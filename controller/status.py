@@ -472,7 +472,17 @@ def deployment_conditions(
     # Quarantined trays in this deployment's domains: the ones that cost it a spare.
     domains = {c.domain for c in plan.cells if c.deployment == name}
     quarantined = sorted(t.name for t in trays.trays if t.quarantined and t.domain in domains)
-    degraded = _degraded(summary, quarantined, stamp)
+    # Degraded trays its cells still run on: the ones that slow it (moved off, they do not).
+    running = {
+        tray
+        for c in plan.cells
+        if c.deployment == name
+        for tray in (*c.decode_trays, *(i.tray for i in c.prefill))
+    }
+    slow = sorted(
+        f"{t.name} ({t.degraded.why})" for t in trays.trays if t.degraded and t.name in running
+    )
+    degraded = _degraded(summary, quarantined, slow, stamp)
     set_condition(status.conditions, _ready(summary, degraded, stamp))
     if not any(c.deployment == name for c in plan.unplaced):
         set_condition(status.conditions, _progressing(summary, stamp))
@@ -530,11 +540,15 @@ _DEGRADING = (
 )
 
 
-def _degraded(summary: _Cells, quarantined: Sequence[str], stamp: ConditionStamp) -> Condition:
+def _degraded(
+    summary: _Cells, quarantined: Sequence[str], slow: Sequence[str], stamp: ConditionStamp
+) -> Condition:
     problems = [(c.reason, c.message) for c in summary.causes if c.reason in _DEGRADING]
     problems += [(Reason.GROUP_RESTARTING, down) for down in summary.down]
     if quarantined:
         problems.append((Reason.TRAY_QUARANTINED, f"quarantined trays: {', '.join(quarantined)}"))
+    if slow:
+        problems.append((Reason.TRAY_DEGRADED, f"degraded trays: {'; '.join(slow)}"))
     if problems:
         message = "; ".join(m for _, m in problems)
         return stamp.condition(ConditionType.DEGRADED, True, problems[0][0], message)

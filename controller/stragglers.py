@@ -12,10 +12,12 @@ robust standard deviations (1.4826 times the median absolute deviation). A tray 
 once one of its GPUs has been an outlier for ``persist`` windows in a row; one clean window
 forgets the run. The verdict names the clock-event reasons DCGM gave (thermal, power).
 
-Action: moving the group to the spare tray restarts it (the weights reload: ``restart_s`` of
-the whole group's capacity), while staying costs ``1 - 1/slowdown`` of its capacity for as
-long as the fault lasts. A fault seen for ``T`` is taken to last about ``T`` more, so the move
-pays once ``(1 - 1/slowdown) * T`` passes ``restart_s``.
+Action: a degraded tray is marked on its Node (``baton.dev/degraded``: why, since, slowdown;
+``degraded_marks``) and takes no new pods. Moving the group to the spare tray restarts it (the
+weights reload: ``restart_s`` of the whole group's capacity), while staying costs
+``1 - 1/slowdown`` of its capacity for as long as the fault lasts. A fault seen for ``T`` is
+taken to last about ``T`` more, so the move pays once ``(1 - 1/slowdown) * T`` passes
+``restart_s`` (``move_decision``; a tray an operator marked by hand moves at once).
 """
 
 from __future__ import annotations
@@ -23,16 +25,28 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
+
+from baton.core.labels import (
+    DEGRADED_ANNOTATION,
+    DEGRADED_SINCE_ANNOTATION,
+    DEGRADED_SLOWDOWN_ANNOTATION,
+)
+from controller.observe import rfc3339
+from controller.topology import Degradation
 
 __all__ = [
     "CLOCK_EVENT_REASONS",
     "Degraded",
     "GpuClock",
+    "Move",
     "StragglerWatch",
     "clock_outliers",
     "clock_queries",
     "clocks_from",
+    "degraded_marks",
+    "move_decision",
     "reason_names",
     "worth_moving",
 ]
@@ -77,6 +91,13 @@ class Degraded:
             f"GPU {self.gpu} runs at {self.clock_share:.0%} of its decode group's median SM "
             f"clock ({why})"
         )
+
+    @property
+    def slowdown(self) -> float:
+        """How many times as long the group's steps take: every MoE layer waits for this GPU,
+        whose work takes ``1 / clock_share`` as long (the step taken as compute-bound: an
+        upper bound where part of it waits on memory or the network)."""
+        return 1.0 / self.clock_share if self.clock_share > 0 else float("inf")
 
 
 def clock_queries(trays: Sequence[str], window_s: int) -> tuple[str, str]:
@@ -163,6 +184,51 @@ class StragglerWatch:
             if runs[(gpu.tray, gpu.gpu)][0] >= self.persist
         ]
         return sorted(degraded, key=lambda d: d.clock_share)
+
+
+def degraded_marks(degraded: Degraded, since: datetime) -> dict[str, str]:
+    """The Node annotations that mark ``degraded``'s tray (``since``: its ``since`` on the wall
+    clock, RFC 3339 in UTC)."""
+    return {
+        DEGRADED_ANNOTATION: degraded.message,
+        DEGRADED_SINCE_ANNOTATION: rfc3339(since),
+        DEGRADED_SLOWDOWN_ANNOTATION: f"{degraded.slowdown:.3f}",
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Whether a decode group on a degraded tray moves now; if not, in how long it will pay
+    (None: never, a slowdown of 1)."""
+
+    now: bool
+    why: str
+    pays_in_s: float | None = None
+
+
+def move_decision(tray: str, degradation: Degradation, now: datetime, restart_s: float) -> Move:
+    """``worth_moving`` for a marked tray; one marked by hand (no since or slowdown) moves at
+    once: the operator judged it."""
+    if degradation.since is None or degradation.slowdown is None:
+        return Move(True, f"{tray} marked degraded by hand ({degradation.why})")
+    slowdown, degraded_for = degradation.slowdown, (now - degradation.since).total_seconds()
+    what = f"{tray} degraded since {rfc3339(degradation.since)} ({degradation.why})"
+    if worth_moving(slowdown, degraded_for, restart_s):
+        return Move(
+            True,
+            f"{what}: steps {slowdown:.2f}x as long for {degraded_for:.0f} s cost more than a "
+            f"{restart_s:.0f} s restart",
+        )
+    if slowdown <= 1.0:
+        return Move(False, f"{what}: no slowdown to pay for a restart")
+    pays_after = restart_s / (1.0 - 1.0 / slowdown)
+    at = degradation.since + timedelta(seconds=pays_after)
+    return Move(
+        False,
+        f"{what}: steps {slowdown:.2f}x as long; moving pays at {rfc3339(at)}, against a "
+        f"{restart_s:.0f} s restart",
+        pays_after - degraded_for,
+    )
 
 
 def worth_moving(slowdown: float, degraded_for_s: float, restart_s: float) -> bool:

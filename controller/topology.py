@@ -21,6 +21,10 @@ What a Node becomes:
   pods already there. Those taints and the node's labels are kept, so that placement can use a
   tainted tray for a deployment that tolerates its taints, and only the trays a deployment's
   node selector names. ``baton.dev/quarantined`` (any value but "false") quarantines a tray.
+- ``baton.dev/degraded`` (any value but "false": why) marks a tray that holds back the decode
+  group on it: it takes no new pods, and keeps the ones it has until the group moves
+  (``controller.cell``); ``baton.dev/degraded-since`` and ``-slowdown`` say since when and how
+  much, where the straggler watch (``controller.stragglers``) marked it.
 
 Racks are told apart by the ClusterUUID part of the clique value; one rack may hold several
 domains when Fabric Manager splits it (e.g. two x36 cliques). Rack and slot indices exist for
@@ -36,7 +40,9 @@ import re
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -44,6 +50,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from baton.core.files import describe_errors
 from baton.core.labels import (
     CLIQUE_LABEL,
+    DEGRADED_ANNOTATION,
+    DEGRADED_SINCE_ANNOTATION,
+    DEGRADED_SLOWDOWN_ANNOTATION,
     GPU_COUNT_LABEL,
     GPU_PRODUCT_LABEL,
     GPU_RESOURCE,
@@ -54,6 +63,7 @@ from baton.core.labels import (
 )
 
 __all__ = [
+    "Degradation",
     "NVLinkDomain",
     "Topology",
     "TopologyError",
@@ -63,6 +73,7 @@ __all__ = [
     "synthetic_nodes",
     "synthetic_topology",
     "topology_from_trays",
+    "tray_degradation",
     "tray_name",
 ]
 
@@ -80,6 +91,16 @@ class TrayTaint:
     key: str
     value: str
     effect: str
+
+
+@dataclass(frozen=True, slots=True)
+class Degradation:
+    """Why a tray holds back the decode group on it; ``since`` and ``slowdown`` (how many times
+    as long the group's steps take) are None where an operator marked it by hand."""
+
+    why: str
+    since: datetime | None = None
+    slowdown: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +125,18 @@ class Tray:
     cordoned: bool = False
     labels: tuple[tuple[str, str], ...] = ()
     taints: tuple[TrayTaint, ...] = ()  # the blocking ones, nvidia.com/gpu's aside
+    degraded: Degradation | None = None
 
     @property
     def eligible(self) -> bool:
         """New pods may be placed here."""
-        return self.domain is not None and self.ready and self.schedulable and not self.quarantined
+        return (
+            self.domain is not None
+            and self.ready
+            and self.schedulable
+            and not self.quarantined
+            and self.degraded is None
+        )
 
     @property
     def keeps_pods(self) -> bool:
@@ -131,6 +159,8 @@ class Tray:
             return "quarantined"
         if not self.schedulable:
             return "cordoned"
+        if self.degraded is not None:
+            return "degraded"
         if self.domain is None:
             return "no NVLink domain label"
         return None
@@ -330,7 +360,27 @@ def _tray_from_node(
         # More GPUs than the tray has would be a stale count; the tray is simply full.
         used_by_others=min(max(others, 0), gpus),
         evicts_pods=any(taint.effect == "NoExecute" for taint in blocking),
+        degraded=tray_degradation(meta.annotations),
     )
+
+
+def tray_degradation(annotations: Mapping[str, str]) -> Degradation | None:
+    """The tray's ``baton.dev/degraded`` marks; a since or slowdown that does not parse counts
+    as absent (as if marked by hand: the group moves on its turn)."""
+    why = annotations.get(DEGRADED_ANNOTATION)
+    if why is None or why.strip().lower() == "false":
+        return None
+    since: datetime | None = None
+    with suppress(ValueError):
+        since = datetime.fromisoformat(annotations.get(DEGRADED_SINCE_ANNOTATION, ""))
+    if since is not None and since.tzinfo is None:
+        since = None
+    slowdown: float | None = None
+    with suppress(ValueError):
+        slowdown = float(annotations.get(DEGRADED_SLOWDOWN_ANNOTATION, ""))
+    if slowdown is not None and not slowdown >= 1.0:  # NaN too
+        slowdown = None
+    return Degradation(why.strip() or "marked degraded", since, slowdown)
 
 
 def _node_items(data: object) -> list[object]:

@@ -14,7 +14,7 @@ import json
 import ssl
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -532,9 +532,10 @@ def start_controller(
     kubeconfig: Path | None = None,
     lease_namespace: str = "default",
     metrics_port: int | None = None,
+    extra: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """``baton controller`` against ``plane`` (as admin unless ``kubeconfig`` says otherwise),
-    logging to ``<identity>.log`` in the plane's directory."""
+    with ``extra`` arguments, logging to ``<identity>.log`` in the plane's directory."""
     log = (plane.directory / f"{identity}.log").open("ab")
     return subprocess.Popen(
         baton_command(
@@ -545,6 +546,7 @@ def start_controller(
             f"--identity={identity}",
             f"--metrics-port={metrics_port or free_port()}",
             "--metrics-host=127.0.0.1",
+            *extra,
         ),
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -107,6 +107,8 @@ class Reason(StrEnum):
     SPARE_MOVING = "SpareMoving"
     CELL_REMOVED = "CellRemoved"
     GROUP_UPDATING = "GroupUpdating"
+    GROUP_MOVING = "GroupMoving"
+    TRAY_DEGRADED = "TrayDegraded"
     PREFILL_UPDATING = "PrefillUpdating"
     CELL_DRAINING = "CellDraining"
     ROLLING_UPDATE = "RollingUpdate"

@@ -12,6 +12,9 @@ __all__ = [
     "CELL_LABEL",
     "CLIQUE_LABEL",
     "CONTROLLER_COMPONENT",
+    "DEGRADED_ANNOTATION",
+    "DEGRADED_SINCE_ANNOTATION",
+    "DEGRADED_SLOWDOWN_ANNOTATION",
     "DEPLOYMENT_LABEL",
     "GPUS_USED_BY_OTHERS_ANNOTATION",
     "GPU_COUNT_LABEL",
@@ -52,6 +55,15 @@ GPU_TAINT_KEY = "nvidia.com/gpu"
 
 # Node annotation: the tray is taken out of placement (any value but "false"); its value says why.
 QUARANTINED_ANNOTATION = "baton.dev/quarantined"
+
+# Node annotations: the tray holds back the decode group on it (a GPU slower than the group's
+# others). Its value says why; Baton takes the tray out of placement and moves the group off it
+# through a drained restart once the move pays. The controller's straggler watch writes all three;
+# an operator may write the first alone (the group moves on its turn) and clears a tray by
+# removing it. Since: RFC 3339; slowdown: how many times as long the group's steps take.
+DEGRADED_ANNOTATION = "baton.dev/degraded"
+DEGRADED_SINCE_ANNOTATION = "baton.dev/degraded-since"
+DEGRADED_SLOWDOWN_ANNOTATION = "baton.dev/degraded-slowdown"
 
 # Node annotation: how many times Baton pods failed on the tray; at a limit it is quarantined.
 TRAY_FAILURES_ANNOTATION = "baton.dev/tray-failures"

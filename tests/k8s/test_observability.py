@@ -71,7 +71,7 @@ def test_promtool_checks_the_rules_and_every_alert_fires_in_its_unit_test() -> N
         for case in test.get("alert_rule_test", [])
         if case.get("exp_alerts")
     }
-    assert firing == alerts and len(alerts) == 13
+    assert firing == alerts and len(alerts) == 14
 
 
 @dataclass(frozen=True)

@@ -5,95 +5,34 @@ Prometheus)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
 from controller.stragglers import GpuClock, StragglerWatch, clock_queries, clocks_from
-from rigs.devcluster import binaries_dir
-from rigs.faults import FaultInjection
-from rigs.observability import Prometheus, start_prometheus
-from tests.helpers import (
-    ROOT,
-    baton_command,
-    eventually,
-    free_port,
-    free_port_block,
-    keep_decoding,
-    scrape,
-    stop_process,
-    wait_healthy,
-)
+from tests.helpers import eventually, free_port, scrape
+from tests.k8s.helpers import DcgmGroup, dcgm_group
 
 TRAYS = [f"cell-0-tray-{i}" for i in range(8)]
 WINDOW_S = 4  # a few 1 s scrapes in each window's median
 
 
-@dataclass(frozen=True)
-class Rack:
-    prometheus: Prometheus
-    servers: list[str]  # the decode group's 8 API servers, a tray's four ranks each
-    faults: FaultInjection
-
-
 @pytest.fixture
-def rack(tmp_path: Path) -> Iterator[Rack]:
-    faults = FaultInjection(tmp_path)
-    decode, dcgm = free_port_block(8), free_port_block(8)
-    spec = {
-        "served_model_name": "dsv4",
-        "fault_injection_token_file": str(faults.token_file),
-        "decode_groups": [
-            {
-                "name": "cell-0",
-                "data_parallel_size": 32,
-                "api_servers": 8,
-                "port": decode,
-                "side_channel_port": free_port_block(32),
-                "dcgm_port": dcgm,
-            }
-        ],
-    }
-    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(spec))
-    targets = tmp_path / "targets.json"
-    targets.write_text(
-        json.dumps(
-            [{"targets": [f"127.0.0.1:{dcgm + i}" for i in range(8)], "labels": {"job": "dcgm"}}]
-        )
-    )
-    log = tmp_path / "cluster.log"
-    process = subprocess.Popen(
-        baton_command("sim", "--cluster", str(tmp_path / "cluster.yaml")),
-        cwd=ROOT,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    servers = [f"http://127.0.0.1:{decode + i}" for i in range(8)]
-    try:
-        for server in servers:
-            wait_healthy(server, process, log, timeout=120)
-        for server in servers:  # every GPU busy, as a serving group's are
-            keep_decoding(server, requests=8, ranks=4)
-        with start_prometheus(
-            binaries_dir(), tmp_path, file_sd=targets, controller=f"127.0.0.1:{free_port()}"
-        ) as prometheus:
-            yield Rack(prometheus, servers, faults)
-    finally:
-        stop_process(process)
+def rack(tmp_path: Path) -> Iterator[DcgmGroup]:
+    with dcgm_group(tmp_path, "cell-0", controller=f"127.0.0.1:{free_port()}") as group:
+        yield group
 
 
-def window(rack: Rack) -> list[GpuClock]:
+def window(rack: DcgmGroup) -> list[GpuClock]:
     """One window of the group's GPUs, as Prometheus holds them now."""
     clocks, reasons = clock_queries(TRAYS, WINDOW_S)
     return clocks_from(rack.prometheus.query(clocks), rack.prometheus.query(reasons))
 
 
-def test_one_gpu_throttled_to_70_percent_is_found_on_its_tray_and_no_other(rack: Rack) -> None:
+def test_one_gpu_throttled_to_70_percent_is_found_on_its_tray_and_no_other(
+    rack: DcgmGroup,
+) -> None:
     watch = StragglerWatch(persist=3)
     # every GPU of the 8 trays scraped, busy, for a whole window
     eventually(

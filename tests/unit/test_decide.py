@@ -15,6 +15,9 @@ from typing import Any
 from baton.core.api import parse_prefill_record
 from baton.core.labels import (
     CELL_GATE,
+    DEGRADED_ANNOTATION,
+    DEGRADED_SINCE_ANNOTATION,
+    DEGRADED_SLOWDOWN_ANNOTATION,
     QUARANTINED_ANNOTATION,
     REVISION_LABEL,
     TRAY_FAILURES_ANNOTATION,
@@ -743,3 +746,122 @@ def test_a_count_that_is_not_a_list_of_times_is_read_as_no_recent_failure() -> N
     w.fail("dsv4-cell-0-decode-0")
     [mark] = w.step().trays
     assert (mark.failures, mark.quarantine) == (("2026-11-29T12:00:00Z",), None)
+
+
+def mark_degraded(w: World, tray: str, since: datetime | None, slowdown: float | None) -> None:
+    """The straggler watch's marks on ``tray`` (only the reason where an operator marks it)."""
+    w.annotate(tray, DEGRADED_ANNOTATION, "GPU 1 runs at 70% of its decode group's median SM clock")
+    if since is not None and slowdown is not None:
+        w.annotate(tray, DEGRADED_SINCE_ANNOTATION, since.strftime("%Y-%m-%dT%H:%M:%SZ"))
+        w.annotate(tray, DEGRADED_SLOWDOWN_ANNOTATION, f"{slowdown:.3f}")
+
+
+def started(w: World, seconds_before_ready: float) -> None:
+    """Each pod's kubelet start, ``seconds_before_ready`` before it became Ready."""
+    for pod in w.pods.values():
+        ready_at = pod["status"]["conditions"][0]["lastTransitionTime"]
+        began = datetime.fromisoformat(ready_at) - timedelta(seconds=seconds_before_ready)
+        pod["status"]["startTime"] = began.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def test_a_degraded_tray_keeps_its_group_until_the_move_pays_then_drains_it_onto_the_spare() -> (
+    None
+):
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    w.now += timedelta(seconds=10)  # serving for minReadySeconds
+    started(w, 180.0)  # the group took 180 s to load: what a move costs
+    [spare] = w.deployment["status"]["cells"][0]["spareTrays"]
+    slow = w.tray_of("dsv4-cell-0-decode-5")
+    mark_degraded(w, slow, w.now, 1.5)  # a third of the group's capacity lost while it stays
+    waiting = w.step()
+    assert not waiting.delete_pods and not w.reasons(waiting, "CellDraining")
+    [why] = w.reasons(waiting, "TrayDegraded")
+    # a 180 s restart is paid for after 540 s at 1.5 times as long a step
+    pays_at = (w.now + timedelta(seconds=540)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert f"moving pays at {pays_at}" in why
+    assert 539 < (waiting.requeue_after or 0) <= 540  # the controller wakes for it
+    assert w.condition("Degraded")["reason"] == "TrayDegraded"
+    assert w.condition("Ready")["status"] == "False"
+    assert set(serving(w)) == {"dsv4-cell-0"}  # still serving, slowly
+    w.now += timedelta(seconds=541)
+    drain = w.step()
+    assert w.reasons(drain, "CellDraining") and not drain.delete_pods
+    assert serving(w) == {}  # out of the gateway's rotation before anything restarts
+    w.now += timedelta(seconds=31)
+    move = w.step()
+    assert set(move.delete_pods) == names("decode", 8)
+    assert w.reasons(move, "GroupMoving")
+    assert move.trays == ()  # a planned move: no failure counted against the tray
+    w.settle()
+    assert w.pods["dsv4-cell-0-decode-5"]["spec"]["nodeName"] == spare
+    assert slow not in {p["spec"].get("nodeName") for p in w.pods.values()}
+    w.now += timedelta(seconds=10)  # minReadySeconds
+    w.step()
+    assert w.condition("Ready")["status"] == "True"
+    assert w.condition("Degraded")["status"] == "False"  # the group left the slow tray
+    assert w.deployment["status"]["cells"][0]["restarts"] == []
+    assert not w.deployment["status"]["cells"][0].get("drainingSince")
+
+
+def test_a_tray_an_operator_marks_degraded_moves_its_group_on_its_turn() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    w.now += timedelta(seconds=10)  # serving for minReadySeconds
+    slow = w.tray_of("dsv4-cell-0-decode-2")
+    mark_degraded(w, slow, None, None)
+    decision = w.step()
+    assert w.reasons(decision, "CellDraining")
+    assert w.reasons(decision, "TrayDegraded") == [
+        f"dsv4-cell-0: {slow} marked degraded by hand (GPU 1 runs at 70% of its decode group's "
+        "median SM clock)"
+    ]
+    w.now += timedelta(seconds=31)
+    assert set(w.step().delete_pods) == names("decode", 8)
+
+
+def test_cells_on_degraded_trays_move_one_at_a_time_and_never_the_last_serving() -> None:
+    w = world(racks=2, cells=2, cell={"prefill": {"instances": 2}})
+    w.settle()
+    w.now += timedelta(seconds=10)
+    for cell in ("dsv4-cell-0", "dsv4-cell-1"):
+        mark_degraded(w, w.tray_of(f"{cell}-decode-0"), None, None)
+    first = w.step()
+    assert len(w.reasons(first, "CellDraining")) == 1
+    assert set(serving(w)) == {"dsv4-cell-1"}
+    moved: set[str] = set()
+    for _ in range(30):
+        w.now += timedelta(seconds=31)
+        w.step()
+        cells = w.deployment["status"]["cells"]
+        assert serving(w)  # some cell serves at every step
+        assert sum(1 for c in cells if c.get("drainingSince")) <= 1
+        moved = {c["name"] for c in cells if not set(c["decode"]["trays"]) & degraded_trays(w)}
+        if moved == {"dsv4-cell-0", "dsv4-cell-1"} and len(serving(w)) == 2:
+            break
+    assert moved == {"dsv4-cell-0", "dsv4-cell-1"}
+    assert w.condition("Ready")["status"] == "True"
+
+
+def degraded_trays(w: World) -> set[str]:
+    return {
+        n["metadata"]["name"]
+        for n in w.nodes
+        if DEGRADED_ANNOTATION in n["metadata"].get("annotations", {})
+    }
+
+
+def test_a_mark_cleared_before_the_move_pays_leaves_the_group_where_it_is() -> None:
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    slow = w.tray_of("dsv4-cell-0-decode-5")
+    mark_degraded(w, slow, w.now, 1.1)
+    w.step()
+    assert w.condition("Degraded")["status"] == "True"
+    node = next(n for n in w.nodes if n["metadata"]["name"] == slow)
+    del node["metadata"]["annotations"][DEGRADED_ANNOTATION]  # kubectl annotate ... degraded-
+    w.now += timedelta(hours=2)
+    decision = w.step()
+    assert not decision.delete_pods and not w.reasons(decision, "CellDraining")
+    assert w.condition("Degraded")["status"] == "False"
+    assert w.tray_of("dsv4-cell-0-decode-5") == slow

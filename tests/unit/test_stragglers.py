@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from datetime import UTC, datetime, timedelta
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,9 +13,12 @@ from controller.stragglers import (
     GpuClock,
     StragglerWatch,
     clock_outliers,
+    degraded_marks,
+    move_decision,
     reason_names,
     worth_moving,
 )
+from controller.topology import Degradation, tray_degradation
 
 NOMINAL = 1900.0
 
@@ -99,3 +103,47 @@ def test_a_gpu_at_70_percent_is_moved_once_it_cost_a_restart() -> None:
     # 1/0.7 as long a step: 30% of the group's capacity lost while it stays
     assert not worth_moving(1 / 0.7, 599.0, 180.0)
     assert worth_moving(1 / 0.7, 601.0, 180.0)
+
+
+T0 = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
+
+
+@given(st.floats(1.01, 5.0), st.floats(0.0, 1e5), st.floats(1.0, 1e4))
+def test_a_group_not_moved_yet_is_told_when_its_move_pays(
+    slowdown: float, degraded_for: float, restart: float
+) -> None:
+    mark = Degradation("GPU 1 slow", T0, slowdown)
+    move = move_decision("tray-3", mark, T0 + timedelta(seconds=degraded_for), restart)
+    assert move.now == worth_moving(slowdown, degraded_for, restart)
+    if not move.now:
+        assert move.pays_in_s is not None and move.pays_in_s >= 0
+        later = T0 + timedelta(seconds=degraded_for + move.pays_in_s + 1e-3)
+        assert move_decision("tray-3", mark, later, restart).now
+
+
+def test_a_tray_marked_by_hand_moves_at_once() -> None:
+    move = move_decision("tray-3", Degradation("fan failing"), T0, 300.0)
+    assert move.now and move.why == "tray-3 marked degraded by hand (fan failing)"
+
+
+def test_the_marks_a_verdict_writes_read_back_as_the_same_degradation() -> None:
+    verdict = Degraded("tray-3", "1", 0.7, ("hw_thermal_slowdown",), 4.0)
+    marks = degraded_marks(verdict, T0)
+    assert marks == {
+        "baton.dev/degraded": "GPU 1 runs at 70% of its decode group's median SM clock "
+        "(hw_thermal_slowdown)",
+        "baton.dev/degraded-since": "2026-12-05T12:00:00Z",
+        "baton.dev/degraded-slowdown": "1.429",
+    }
+    assert tray_degradation(marks) == Degradation(marks["baton.dev/degraded"], T0, 1.429)
+
+
+def test_marks_that_do_not_parse_read_as_marked_by_hand_and_false_as_none() -> None:
+    bad = {
+        "baton.dev/degraded": "slow",
+        "baton.dev/degraded-since": "yesterday",
+        "baton.dev/degraded-slowdown": "0.5",
+    }
+    assert tray_degradation(bad) == Degradation("slow")
+    assert tray_degradation({"baton.dev/degraded": "false"}) is None
+    assert tray_degradation({}) is None
