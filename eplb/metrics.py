@@ -99,7 +99,8 @@ class EplbMetrics:
             "baton_eplb_switches_recovered",
             "Switches an earlier service left, settled at sync: aborted (staged, never "
             "committed), committed (committed on some agents only), reunified (agents switched "
-            "back to the group's newest placement)",
+            "back to the group's newest placement), restored (a restarted group switched back "
+            "to the placement in force before)",
             ("group", "action"),
             registry=registry,
         )

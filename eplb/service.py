@@ -24,7 +24,11 @@ For every decode group (from a :class:`~eplb.config.GroupSource`) a
 
 Before (1) opens any window, the switches an earlier service left on the agents (it was killed
 during Prepare or Commit, or stayed down past a switch's step) are finished or aborted, and
-agents left on different placements are brought back to one (``eplb.recovery``).
+agents left on different placements are brought back to one (``eplb.recovery``). A group whose
+engines restarted (a failure, or a move off a degraded tray: the agents answer again on the
+engines' cold placement) gets back the placement that was in force before, at once, with a
+two-phase switch of its own, instead of running unbalanced for a whole cadence; the service
+remembers it across the group's runners (a moved group's agents have new addresses).
 
 Every decision and switch is logged, counted (``eplb.metrics``) and kept in
 ``GroupRunner.records`` (the last :data:`RECORDS_KEPT`, with the achieved balances of their
@@ -133,6 +137,7 @@ class GroupRunner:
         config: EplbServiceConfig,
         clients: list[AgentClient],
         metrics: EplbMetrics,
+        remembered: dict[str, tuple[Placement, int]] | None = None,
     ) -> None:
         self.spec = spec
         self.config = config
@@ -147,6 +152,9 @@ class GroupRunner:
         self.balance: dict[str, float] = {}
         self.last_rebalance_step: dict[str, int] = {}
         self._incarnations: dict[str, str] = {}
+        # The placement and version of each model last in force (synced or committed): what a
+        # restarted group gets back.
+        self.last_in_force: dict[str, tuple[Placement, int]] = dict(remembered or {})
         self._failing = False
         self.synced = asyncio.Event()
         # exported too, so that a caller can wait for the group (baton up does)
@@ -204,6 +212,7 @@ class GroupRunner:
         )
         await self._recover(states, num_ranks, logical)
         in_force = _agreed_placements(self.spec.name, states)
+        await self._restore(in_force, num_ranks, logical)
         step = max(info.current_step for info in infos)
         capacity = self.policy.window_size + 4 * self.config.steps_per_report
         self.tracks = {}
@@ -217,6 +226,7 @@ class GroupRunner:
                 # Boundaries already passed belong to windows this service never saw.
                 last_boundary=(step // self.policy.step_interval) * self.policy.step_interval,
             )
+        self.last_in_force = {n: (t.placement, t.version) for n, t in self.tracks.items()}
         self._incarnations = {
             client.address: info.incarnation
             for client, info in zip(self.clients, infos, strict=True)
@@ -304,10 +314,62 @@ class GroupRunner:
             message.version,
             switch_id,
         )
-        encoded = encode_placement(model, placement, message.version)
+        await self._switch_alone(
+            clients, switch_id, encode_placement(model, placement, message.version), "reunifying"
+        )
+
+    async def _restore(
+        self, in_force: dict[str, pb.Placement], num_ranks: int, logical: dict[str, int]
+    ) -> None:
+        """Switch every agent back to the placement last in force where they came back on an
+        older one (a restarted group: see the module doc). Raises GroupMismatch after a
+        restore, so that the runner syncs again once it is in force."""
+        restored = []
+        for model, message in sorted(in_force.items()):
+            last = self.last_in_force.get(model)
+            if last is None or message.version >= last[1]:
+                continue  # nothing known, or the agents' placement is as new or newer
+            placement, version = last
+            shape = (message.layers, message.physical_experts)
+            if (
+                placement.num_ranks != num_ranks
+                or placement.num_logical_experts != logical[model]
+                or placement.phy2log.shape != shape
+            ):
+                continue  # another shape of group: the remembered placement does not apply
+            if np.array_equal(
+                decode_placement(message, num_ranks, logical[model]).phy2log, placement.phy2log
+            ):
+                continue
+            switch_id = f"{self.spec.name}-{model}-restore-{uuid.uuid4().hex[:8]}"
+            log.warning(
+                "group %s %s: its engines came back on placement version %d; restoring version "
+                "%d, in force before they restarted (%s)",
+                self.spec.name,
+                model,
+                message.version,
+                version,
+                switch_id,
+            )
+            await self._switch_alone(
+                self.clients, switch_id, encode_placement(model, placement, version), "restoring"
+            )
+            self.metrics.switches_recovered.labels(self.spec.name, "restored").inc()
+            restored.append(model)
+        if restored:
+            raise GroupMismatch(
+                f"group {self.spec.name}: restored the placement in force before its engines "
+                f"restarted ({', '.join(restored)}); syncing again once it applies"
+            )
+
+    async def _switch_alone(
+        self, clients: list[AgentClient], switch_id: str, message: pb.Placement, what: str
+    ) -> None:
+        """A two-phase switch of ``clients`` to ``message`` outside the windows and decisions
+        (recovery); any failure aborts it everywhere and raises."""
         try:
             acks = await asyncio.gather(
-                *(self._prepare(client, switch_id, encoded) for client in clients)
+                *(self._prepare(client, switch_id, message) for client in clients)
             )
             step = self._apply_step(list(acks))
             await asyncio.gather(
@@ -317,7 +379,7 @@ class GroupRunner:
                 )
             )
         except AgentError as exc:
-            await self._abort_all(switch_id, f"reunifying failed: {exc}")
+            await self._abort_all(switch_id, f"{what} failed: {exc}")
             raise
 
     async def _follow(self) -> None:
@@ -448,6 +510,7 @@ class GroupRunner:
         round_trip = time.perf_counter() - started
         applied_at = max(step for step in committed if isinstance(step, int))
         track.placement, track.version = decision.placement, track.version + 1
+        self.last_in_force[track.name] = (track.placement, track.version)
         self.last_rebalance_step[track.name] = track.switch_step = applied_at
         track.awaiting.append(
             _Achievement(
@@ -628,6 +691,9 @@ class EplbService:
         self._token, self._tls_ca = token, tls_ca
         self.runners: dict[str, GroupRunner] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        # each group's placements last in force, kept when its runner goes (its agents
+        # changed: the group was recreated), for the next one to restore
+        self._remembered: dict[str, dict[str, tuple[Placement, int]]] = {}
 
     async def run(self) -> None:
         """Follow the source until cancelled."""
@@ -652,12 +718,19 @@ class EplbService:
                 AgentClient(address, token=self._token, tls_ca=self._tls_ca)
                 for address in spec.agents
             ]
-            runner = GroupRunner(spec, self.config.for_group(spec), clients, self.metrics)
+            runner = GroupRunner(
+                spec,
+                self.config.for_group(spec),
+                clients,
+                self.metrics,
+                self._remembered.get(name),
+            )
             self.runners[name] = runner
             self._tasks[name] = asyncio.create_task(runner.run(), name=f"eplb-group-{name}")
 
     async def _stop(self, name: str) -> None:
         runner = self.runners.pop(name)
+        self._remembered[name] = runner.last_in_force
         task = self._tasks.pop(name)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -28,7 +28,7 @@ from eplb.config import EplbServiceConfig, GroupSpec
 from eplb.decide import Decision, Outcome, decide
 from eplb.errors import AgentRejected, AgentUnauthenticated, AgentUnavailable
 from eplb.metrics import EplbMetrics
-from eplb.service import GroupRunner, SwitchRecord
+from eplb.service import EplbService, GroupRunner, SwitchRecord
 from eplb.window import Window
 from rigs.faults import FaultInjection
 from tests.helpers import (
@@ -400,3 +400,81 @@ async def test_an_engine_restart_restarts_the_groups_windows(
     for client in runner.clients:
         await client.close()
     assert isinstance(runner.tracks["target"].placement, Placement)
+
+
+class MovingGroup:
+    """The groups of one cell whose agents change address when the group is recreated (moved
+    to a spare tray), as the ModelDeployment's status lists them."""
+
+    def __init__(self, agent: str) -> None:
+        self.spec = GroupSpec(name="cell-0", agents=(agent,))
+        self._changed = asyncio.Event()
+
+    def decode_groups(self) -> tuple[GroupSpec, ...]:
+        return (self.spec,)
+
+    def move(self, agent: str) -> None:
+        self.spec = GroupSpec(name="cell-0", agents=(agent,))
+        self._changed.set()
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+        self._changed.clear()
+
+
+async def test_a_group_recreated_elsewhere_gets_back_the_placement_in_force_before(
+    start_sim: Callable[..., SimHandle], tmp_path: Path
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+
+    def start_group() -> str:
+        port = free_port()
+        sim = start_sim(
+            *DEP32_FLAGS,
+            "--eplb-agent-port",
+            str(port),
+            "--eplb-agent-token-file",
+            str(token_file),
+        )
+        keep_decoding(sim.url, requests=32)  # steps advance, so switches apply
+        return f"127.0.0.1:{port}"
+
+    first = start_group()
+    source = MovingGroup(first)
+    config = service_config(first, reconnect_seconds=0.2)
+    service = EplbService(config, source, EplbMetrics(CollectorRegistry()), token=TOKEN)
+    task = asyncio.create_task(service.run())
+    await asyncio.to_thread(eventually, lambda: "cell-0" in service.runners, 10)
+    runner = service.runners["cell-0"]
+    await asyncio.wait_for(runner.synced.wait(), timeout=20)
+    model, decision = skewed_decision(runner)
+    assert (await runner.switch(model, decision)).result == "committed"
+    # the group is recreated on other trays: a fresh engine, on its cold placement (version 0)
+    second = start_group()
+    assert await version_of(second, model) == 0
+    before = dict(runner.last_in_force)  # the service's own cadence may have switched more
+    assert before[model][1] >= 1
+    source.move(second)
+
+    async def restored() -> bool:
+        now = service.runners.get("cell-0")
+        return (
+            now is not None
+            and now is not runner
+            and now.synced.is_set()
+            and all(now.tracks[m].version == version for m, (_, version) in before.items())
+        )
+
+    deadline = asyncio.get_running_loop().time() + 30
+    while not await restored():
+        assert asyncio.get_running_loop().time() < deadline, "the placement was not restored"
+        await asyncio.sleep(0.2)
+    now = service.runners["cell-0"]
+    for name, (placement, _) in before.items():
+        assert np.array_equal(now.tracks[name].placement.phy2log, placement.phy2log)
+    assert await version_of(second, model) == before[model][1]
+    recovered = now.metrics.switches_recovered.labels("cell-0", "restored")._value.get()
+    assert recovered == sum(1 for _, version in before.values() if version > 0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
