@@ -27,7 +27,8 @@ during Prepare or Commit, or stayed down past a switch's step) are finished or a
 agents left on different placements are brought back to one (``eplb.recovery``). A group whose
 engines restarted (a failure, or a move off a degraded tray: the agents answer again on the
 engines' cold placement) gets back the placement that was in force before, at once, with a
-two-phase switch of its own, instead of running unbalanced for a whole cadence; the service
+two-phase switch of its own committed for a coming step (as a rebalance's is: the windows open
+knowing both placements), instead of running unbalanced for a whole cadence; the service
 remembers it across the group's runners (a moved group's agents have new addresses).
 
 Every decision and switch is logged, counted (``eplb.metrics``) and kept in
@@ -212,13 +213,13 @@ class GroupRunner:
         )
         await self._recover(states, num_ranks, logical)
         in_force = _agreed_placements(self.spec.name, states)
-        await self._restore(in_force, num_ranks, logical)
+        restored = await self._restore(in_force, num_ranks, logical)
         step = max(info.current_step for info in infos)
         capacity = self.policy.window_size + 4 * self.config.steps_per_report
         self.tracks = {}
         for name, message in in_force.items():
             placement = decode_placement(message, num_ranks, logical[name])
-            self.tracks[name] = _ModelTrack(
+            track = _ModelTrack(
                 name=name,
                 placement=placement,
                 version=message.version,
@@ -226,6 +227,11 @@ class GroupRunner:
                 # Boundaries already passed belong to windows this service never saw.
                 last_boundary=(step // self.policy.step_interval) * self.policy.step_interval,
             )
+            if name in restored:  # committed for a coming step, as a rebalance's switch is
+                back, version, applied_at = restored[name]
+                track.window.expect(version, back)
+                track.placement, track.version, track.switch_step = back, version, applied_at
+            self.tracks[name] = track
         self.last_in_force = {n: (t.placement, t.version) for n, t in self.tracks.items()}
         self._incarnations = {
             client.address: info.incarnation
@@ -320,11 +326,11 @@ class GroupRunner:
 
     async def _restore(
         self, in_force: dict[str, pb.Placement], num_ranks: int, logical: dict[str, int]
-    ) -> None:
+    ) -> dict[str, tuple[Placement, int, int]]:
         """Switch every agent back to the placement last in force where they came back on an
-        older one (a restarted group: see the module doc). Raises GroupMismatch after a
-        restore, so that the runner syncs again once it is in force."""
-        restored = []
+        older one (a restarted group: see the module doc); for each model restored, that
+        placement, its version and the step the switch applies at."""
+        restored: dict[str, tuple[Placement, int, int]] = {}
         for model, message in sorted(in_force.items()):
             last = self.last_in_force.get(model)
             if last is None or message.version >= last[1]:
@@ -351,28 +357,24 @@ class GroupRunner:
                 version,
                 switch_id,
             )
-            await self._switch_alone(
+            applied_at = await self._switch_alone(
                 self.clients, switch_id, encode_placement(model, placement, version), "restoring"
             )
             self.metrics.switches_recovered.labels(self.spec.name, "restored").inc()
-            restored.append(model)
-        if restored:
-            raise GroupMismatch(
-                f"group {self.spec.name}: restored the placement in force before its engines "
-                f"restarted ({', '.join(restored)}); syncing again once it applies"
-            )
+            restored[model] = (placement, version, applied_at)
+        return restored
 
     async def _switch_alone(
         self, clients: list[AgentClient], switch_id: str, message: pb.Placement, what: str
-    ) -> None:
+    ) -> int:
         """A two-phase switch of ``clients`` to ``message`` outside the windows and decisions
-        (recovery); any failure aborts it everywhere and raises."""
+        (recovery); the step it applies at. Any failure aborts it everywhere and raises."""
         try:
             acks = await asyncio.gather(
                 *(self._prepare(client, switch_id, message) for client in clients)
             )
             step = self._apply_step(list(acks))
-            await asyncio.gather(
+            committed = await asyncio.gather(
                 *(
                     client.commit(switch_id, step, self.config.commit_timeout_seconds)
                     for client in clients
@@ -381,6 +383,7 @@ class GroupRunner:
         except AgentError as exc:
             await self._abort_all(switch_id, f"{what} failed: {exc}")
             raise
+        return max(committed)
 
     async def _follow(self) -> None:
         """Step 2: read every agent's load stream until one breaks."""
