@@ -140,6 +140,8 @@ def layout_stack(
                 api_servers=servers,
                 port=decode_port,
                 side_channel_port=free_port_block(ranks),
+                # dcgm-exporter's series of each server's tray, as a rack's exporters serve them
+                dcgm_port=free_port_block(servers),
                 eplb_agent_port=agent_port,
                 eplb_agent_token_file=eplb_token_file if agent_port is not None else None,
                 eplb_policy_plugin="baton" if eplb_mode == "plugin" else None,
@@ -203,11 +205,18 @@ def layout_stack(
 
 
 def prometheus_targets(
-    pool: PoolSpec, gateway_url: str, eplb_metrics_url: str | None, deployment: str
+    pool: PoolSpec,
+    gateway_url: str,
+    eplb_metrics_url: str | None,
+    deployment: str,
+    *,
+    cluster: ClusterSpec | None = None,
 ) -> list[dict[str, Any]]:
     """Every ``/metrics`` endpoint of the stack as Prometheus' file-based discovery lists
     targets: the gateway, the EPLB service (when one runs) and each engine API server, with its
-    cell and role; each labelled with its ModelDeployment as the chart's monitors label it."""
+    cell and role; each labelled with its ModelDeployment as the chart's monitors label it. And
+    the simulated trays' dcgm-exporters of ``cluster``'s decode groups (``job="dcgm-exporter"``,
+    no deployment: a tray's series are the node's, as a rack's exporters serve them)."""
 
     def hostport(url: str) -> str:
         return url.removeprefix("http://").removesuffix("/metrics")
@@ -237,6 +246,18 @@ def prometheus_targets(
                         },
                     }
                 )
+    exporters = (
+        [
+            f"{cluster.host}:{group.dcgm_port + server}"
+            for group in cluster.decode_groups
+            if group.dcgm_port is not None
+            for server in range(group.api_servers)
+        ]
+        if cluster is not None
+        else []
+    )
+    if exporters:
+        groups.append({"targets": exporters, "labels": {"job": "dcgm-exporter"}})
     return groups
 
 
@@ -481,7 +502,9 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
             if stop.is_set():
                 return 0
             if args.prometheus_targets is not None:
-                targets = prometheus_targets(layout.pool, gateway_url, eplb_metrics_url, deployment)
+                targets = prometheus_targets(
+                    layout.pool, gateway_url, eplb_metrics_url, deployment, cluster=layout.cluster
+                )
                 _write_targets(args.prometheus_targets, targets)
             _print_urls(layout, gateway_url, eplb_metrics_url)
             return _watch(processes, stop)

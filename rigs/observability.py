@@ -23,6 +23,7 @@ import yaml
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.core.labels import CLIQUE_LABEL, DEGRADED_ANNOTATION
 from baton.core.model import SERVED_MODEL_NAME
 from rigs.devcluster import (
     ROOT,
@@ -262,7 +263,8 @@ def drill(stack: BatonUp, *, rounds: int = 3, requests: int = 48) -> dict[int, i
 def controller_drill(api: client.ApiClient, namespace: str, model: str) -> None:
     """A deployment ``dsv4`` of ``model`` placed on a rack's trays by a running controller and
     Ready; then a decode pod fails on a tray with two failures on record: the decode group
-    restarts, the tray is quarantined and the deployment turns Degraded."""
+    restarts, the tray is quarantined and the deployment turns Degraded; and an operator marks
+    a tray the cell does not use degraded by hand (``baton_tray_degraded``)."""
     create_model_deployment(
         api, namespace, "dsv4", {"model": model, "cell": {"prefill": {"instances": 2}}}
     )
@@ -286,3 +288,21 @@ def controller_drill(api: client.ApiClient, namespace: str, model: str) -> None:
         return "baton.dev/quarantined" in ((meta.annotations if meta else None) or {})
 
     eventually(lambda: quarantined() and condition("Degraded") == "True", timeout=60)
+    used = {
+        tray
+        for cell in status()["cells"]
+        for tray in (
+            *cell["decode"]["trays"],
+            *cell["spareTrays"],
+            *(line.split(":")[1] for line in cell["prefill"]),
+        )
+    }
+    domain = status()["cells"][0]["domain"]
+    free = next(
+        name
+        for node in core.list_node(label_selector=f"{CLIQUE_LABEL}={domain}").items
+        if (name := node.metadata.name if node.metadata else None) and name not in used
+    )
+    core.patch_node(
+        free, {"metadata": {"annotations": {DEGRADED_ANNOTATION: "fan failing (a drill)"}}}
+    )

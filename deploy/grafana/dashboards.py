@@ -426,6 +426,35 @@ CONTROLLER = (
         bars=True,
     ),
     PanelSpec(
+        "Degraded trays",
+        "Which trays carry baton.dev/degraded (a GPU holding back its decode group, marked by "
+        "the straggler watch or by hand); the series' reason label says why.",
+        (Query("max by (tray) (baton_tray_degraded)", "{{tray}}"),),
+        unit="bool",
+        kind="state-timeline",
+    ),
+    PanelSpec(
+        "Straggler marks and group moves",
+        "When the straggler watch marked a tray degraded, and when a decode group restarted off "
+        "one (drained first, once the slowdown had cost more than a restart).",
+        (
+            Query(f"sum(increase(baton_controller_trays_degraded_total{RATE}))", "trays marked"),
+            Query(f"sum(increase(baton_controller_group_moves_total{RATE}))", "groups moved"),
+        ),
+        unit="short",
+        bars=True,
+    ),
+    PanelSpec(
+        "Slowest GPU's SM clock per tray",
+        "dcgm-exporter's SM clock of each tray's slowest GPU against the median of all GPUs: "
+        "one GPU well below the others holds back its whole decode group.",
+        (
+            Query("min by (Hostname) (DCGM_FI_DEV_SM_CLOCK)", "{{Hostname}}"),
+            Query("quantile(0.5, DCGM_FI_DEV_SM_CLOCK)", "median of all GPUs"),
+        ),
+        unit="suffix: MHz",
+    ),
+    PanelSpec(
         "Reconciles by outcome",
         "How often the controller reconciles, and how often a reconcile fails (retried with "
         "backoff).",

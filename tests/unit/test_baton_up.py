@@ -55,7 +55,11 @@ def test_prometheus_targets_list_every_metrics_endpoint_with_the_engines_cell_an
     layout = layout_stack(plan(), time_scale=1.0, fault_injection_token_file="/run/token")
     assert layout.cluster.fault_injection_token_file == "/run/token"
     groups = prometheus_targets(
-        layout.pool, "http://127.0.0.1:8000", "http://127.0.0.1:9090/metrics", "dsv4"
+        layout.pool,
+        "http://127.0.0.1:8000",
+        "http://127.0.0.1:9090/metrics",
+        "dsv4",
+        cluster=layout.cluster,
     )
     by_job: dict[str, list[dict[str, Any]]] = {}
     for group in groups:
@@ -66,8 +70,16 @@ def test_prometheus_targets_list_every_metrics_endpoint_with_the_engines_cell_an
             "labels": {"job": "baton-gateway", "modeldeployment": "default/dsv4"},
         }
     ]
-    # every series says which ModelDeployment it serves, as the chart's monitors label them
-    assert {g["labels"]["modeldeployment"] for g in groups} == {"default/dsv4"}
+    # every series of the stack says which ModelDeployment it serves, as the chart's monitors
+    # label them; the trays' dcgm-exporters serve the node's GPUs, whoever runs there
+    [exporters] = by_job.pop("dcgm-exporter")
+    [decode] = layout.cluster.decode_groups
+    assert decode.dcgm_port is not None and exporters == {
+        "targets": [f"127.0.0.1:{decode.dcgm_port + s}" for s in range(decode.api_servers)],
+        "labels": {"job": "dcgm-exporter"},
+    }
+    served = [g for jobs in by_job.values() for g in jobs]
+    assert {g["labels"]["modeldeployment"] for g in served} == {"default/dsv4"}
     assert by_job["baton-eplb"][0]["targets"] == ["127.0.0.1:9090"]
     [cell] = layout.pool.cells
     engines = {
