@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ __all__ = [
     "eventually",
     "free_port",
     "free_port_block",
+    "keep_decoding",
     "process_running",
     "reserve_ports",
     "stop_pid",
@@ -179,3 +181,21 @@ def busy_host(per_core: int) -> Iterator[None]:
         yield
     finally:
         stop_process(*processes)
+
+
+def keep_decoding(url: str, requests: int = 64, max_tokens: int = 200_000, ranks: int = 32) -> None:
+    """``requests`` long decodes spread over a server's ``ranks`` (local) ranks, in daemon
+    threads."""
+
+    def run(index: int) -> None:
+        # The test stops the simulator under these requests when it ends.
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(
+                f"{url}/v1/completions",
+                headers={"X-data-parallel-rank": str(index % ranks)},
+                json={"prompt": "load", "max_tokens": max_tokens, "ignore_eos": True},
+                timeout=600,
+            )
+
+    for index in range(requests):
+        threading.Thread(target=run, args=(index,), daemon=True).start()

@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from rigs.processes import (
     eventually,
     free_port,
     free_port_block,
+    keep_decoding,
     stop_process,
     wait_healthy,
 )
@@ -171,24 +171,6 @@ def cached_tokens_of(answer: _Answer) -> int:
     details = usage_of(answer).prompt_tokens_details
     assert details is not None and details.cached_tokens is not None
     return details.cached_tokens
-
-
-def keep_decoding(url: str, requests: int = 64, max_tokens: int = 200_000, ranks: int = 32) -> None:
-    """``requests`` long decodes spread over a server's ``ranks`` (local) ranks, in daemon
-    threads."""
-
-    def run(index: int) -> None:
-        # The test stops the simulator under these requests when it ends.
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.post(
-                f"{url}/v1/completions",
-                headers={"X-data-parallel-rank": str(index % ranks)},
-                json={"prompt": "load", "max_tokens": max_tokens, "ignore_eos": True},
-                timeout=600,
-            )
-
-    for index in range(requests):
-        threading.Thread(target=run, args=(index,), daemon=True).start()
 
 
 __all__ = [

@@ -2,36 +2,28 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from rigs.devcluster import (
     ControlPlane,
-    binaries_dir,
     condition,
     create_model_deployment,
     read_model_deployment,
 )
-from rigs.faults import FaultInjection
-from rigs.observability import Prometheus, start_prometheus
 from rigs.processes import (
     baton_command,
     eventually,
     free_port,
-    free_port_block,
     stop_process,
     wait_healthy,
 )
-from tests.helpers import ROOT, keep_decoding
 
 
 def controller_log(plane: ControlPlane, identity: str) -> str:
@@ -156,59 +148,3 @@ def start_gateway_following(
         stop_process(gateway)
         raise
     return gateway, url
-
-
-@dataclass(frozen=True)
-class DcgmGroup:
-    prometheus: Prometheus
-    servers: list[str]  # the decode group's 8 API servers, a tray's four ranks each
-    faults: FaultInjection
-
-
-@contextmanager
-def dcgm_group(directory: Path, name: str, *, controller: str) -> Iterator[DcgmGroup]:
-    """A simulated DEP32 decode group ``name`` on 8 trays (``baton sim --cluster``), every GPU
-    busy, with one dcgm-exporter per tray whose ``Hostname`` is ``<name>-tray-<i>``, scraped
-    by a real Prometheus each second (with the controller's ``/metrics`` at ``controller``)."""
-    faults = FaultInjection(directory)
-    decode, dcgm = free_port_block(8), free_port_block(8)
-    spec = {
-        "served_model_name": "dsv4",
-        "fault_injection_token_file": str(faults.token_file),
-        "decode_groups": [
-            {
-                "name": name,
-                "data_parallel_size": 32,
-                "api_servers": 8,
-                "port": decode,
-                "side_channel_port": free_port_block(32),
-                "dcgm_port": dcgm,
-            }
-        ],
-    }
-    (directory / "cluster.yaml").write_text(yaml.safe_dump(spec))
-    targets = directory / "targets.json"
-    targets.write_text(
-        json.dumps(
-            [{"targets": [f"127.0.0.1:{dcgm + i}" for i in range(8)], "labels": {"job": "dcgm"}}]
-        )
-    )
-    log = directory / "cluster.log"
-    process = subprocess.Popen(
-        baton_command("sim", "--cluster", str(directory / "cluster.yaml")),
-        cwd=ROOT,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    servers = [f"http://127.0.0.1:{decode + i}" for i in range(8)]
-    try:
-        for server in servers:
-            wait_healthy(server, process, log, timeout=120)
-        for server in servers:  # every GPU busy, as a serving group's are
-            keep_decoding(server, requests=8, ranks=4)
-        with start_prometheus(
-            binaries_dir(), directory, file_sd=targets, controller=controller
-        ) as prometheus:
-            yield DcgmGroup(prometheus, servers, faults)
-    finally:
-        stop_process(process)

@@ -20,7 +20,8 @@ from baton.core.labels import (
 )
 from rigs.devcluster import ControlPlane, condition, install_crd, start_controller
 from rigs.processes import eventually, free_port, stop_process
-from tests.k8s.helpers import DcgmGroup, apply, controller_log, dcgm_group, read, wait_ready
+from rigs.stragglers import SimulatedGroup, simulated_group
+from tests.k8s.helpers import apply, controller_log, read, wait_ready
 
 
 @pytest.fixture
@@ -30,14 +31,14 @@ def watched(
     namespace: str,
     rack: list[dict[str, Any]],
     tmp_path: Path,
-) -> Iterator[tuple[DcgmGroup, str]]:
+) -> Iterator[SimulatedGroup]:
     """The simulated group's exporters under the rack's first 8 trays' names (where the
     decode group is placed), and a controller whose straggler watch judges 4 s windows."""
     install_crd(api)
     metrics = free_port()
     first_tray = rack[0]["metadata"]["name"]
     name = first_tray.rsplit("-tray-", 1)[0]  # <namespace>-rack-0: trays <name>-tray-<i>
-    with dcgm_group(tmp_path, name, controller=f"127.0.0.1:{metrics}") as group:
+    with simulated_group(tmp_path, name, controller=f"127.0.0.1:{metrics}") as group:
         identity = f"straggler-{namespace}"
         process = start_controller(
             control_plane,
@@ -51,7 +52,7 @@ def watched(
             ),
         )
         try:
-            yield group, name
+            yield group
         finally:
             stop_process(process)
             assert "Traceback" not in controller_log(control_plane, identity)
@@ -63,9 +64,9 @@ def node_annotations(api: client.ApiClient, name: str) -> dict[str, str]:
 
 
 def test_a_gpu_at_70_percent_gets_its_tray_marked_and_its_group_moved_to_the_spare(
-    api: client.ApiClient, namespace: str, watched: tuple[DcgmGroup, str]
+    api: client.ApiClient, namespace: str, watched: SimulatedGroup
 ) -> None:
-    group, trays = watched
+    group = watched
     apply(
         api,
         namespace,
@@ -74,9 +75,9 @@ def test_a_gpu_at_70_percent_gets_its_tray_marked_and_its_group_moved_to_the_spa
     )
     obj = wait_ready(api, namespace, "dsv4")
     [cell] = obj["status"]["cells"]
-    assert cell["decode"]["trays"] == [f"{trays}-tray-{i}" for i in range(8)]
+    assert cell["decode"]["trays"] == group.trays
     [spare] = cell["spareTrays"]
-    slow = f"{trays}-tray-3"
+    slow = group.trays[3]
     # healthy windows first: nothing is marked
     eventually(
         lambda: group.prometheus.query("count(DCGM_FI_DEV_SM_CLOCK > 1000)") != [], timeout=60
@@ -89,7 +90,7 @@ def test_a_gpu_at_70_percent_gets_its_tray_marked_and_its_group_moved_to_the_spa
     assert "hw_thermal_slowdown" in marks[DEGRADED_ANNOTATION]
     assert 1.3 < float(marks[DEGRADED_SLOWDOWN_ANNOTATION]) < 1.5
     assert marks[DEGRADED_SINCE_ANNOTATION].endswith("Z")
-    marked = [t for t in (f"{trays}-tray-{i}" for i in range(8)) if t != slow]
+    marked = [t for t in group.trays if t != slow]
     assert not any(DEGRADED_ANNOTATION in node_annotations(api, t) for t in marked)
     events = client.CoreV1Api(api).list_namespaced_event(
         "default", field_selector=f"involvedObject.name={slow}"

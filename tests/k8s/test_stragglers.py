@@ -11,27 +11,27 @@ from pathlib import Path
 import pytest
 
 from controller.stragglers import GpuClock, StragglerWatch, clock_queries, clocks_from
+from rigs.stragglers import SimulatedGroup, simulated_group
 from tests.helpers import eventually, free_port, scrape
-from tests.k8s.helpers import DcgmGroup, dcgm_group
 
 TRAYS = [f"cell-0-tray-{i}" for i in range(8)]
 WINDOW_S = 4  # a few 1 s scrapes in each window's median
 
 
 @pytest.fixture
-def rack(tmp_path: Path) -> Iterator[DcgmGroup]:
-    with dcgm_group(tmp_path, "cell-0", controller=f"127.0.0.1:{free_port()}") as group:
+def rack(tmp_path: Path) -> Iterator[SimulatedGroup]:
+    with simulated_group(tmp_path, "cell-0", controller=f"127.0.0.1:{free_port()}") as group:
         yield group
 
 
-def window(rack: DcgmGroup) -> list[GpuClock]:
+def window(rack: SimulatedGroup) -> list[GpuClock]:
     """One window of the group's GPUs, as Prometheus holds them now."""
     clocks, reasons = clock_queries(TRAYS, WINDOW_S)
     return clocks_from(rack.prometheus.query(clocks), rack.prometheus.query(reasons))
 
 
 def test_one_gpu_throttled_to_70_percent_is_found_on_its_tray_and_no_other(
-    rack: DcgmGroup,
+    rack: SimulatedGroup,
 ) -> None:
     watch = StragglerWatch(persist=3)
     # every GPU of the 8 trays scraped, busy, for a whole window
