@@ -128,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="tray",
         help="the Hostname label of the DCGM series: the node (tray) the GPUs are on",
     )
+    _flag(
+        sim,
+        "--dcgm-noise",
+        choices=["quiet", "rack"],
+        default="quiet",
+        help="quiet: identical GPUs with a little jitter; rack: each GPU a few percent off "
+        "nominal for good, and momentary power-cap dips (sim/dcgm.py)",
+    )
     _flag(sim, "--eplb-agent-port", type=int, default=None)
     _flag(
         sim,
@@ -253,6 +261,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         dcgm_port=args.dcgm_port,
         dcgm_hostname=args.dcgm_hostname,
+        dcgm_noise=args.dcgm_noise,
         fault_injection_token_file=args.fault_injection_token_file
         if args.enable_fault_injection
         else None,

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -68,6 +69,7 @@ class DecodeGroupSpec(_Spec):
     # dcgm-exporter's series of each API server's tray, from this port up (sim --dcgm-port),
     # each tray named NAME-tray-I
     dcgm_port: int | None = Field(default=None, ge=1, le=65535)
+    dcgm_noise: Literal["quiet", "rack"] = "quiet"  # sim --dcgm-noise
     enable_eplb: bool = True
     eplb: EplbConfig = Field(default_factory=EplbConfig)
     speculative: SpeculativeConfig = Field(
@@ -160,6 +162,7 @@ def engine_configs(spec: ClusterSpec) -> Iterator[tuple[EngineConfig, list[int],
             seed=spec.seed * 7919 + index,
             dcgm_port=group.dcgm_port,
             dcgm_hostname=f"{group.name}-tray",
+            dcgm_noise=group.dcgm_noise,
         )
         yield config, [group.port + i for i in range(group.api_servers)], per_server
     for prefill in spec.prefill:

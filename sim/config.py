@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -102,6 +103,8 @@ class EngineConfig:
     # server's on the next port (None: no exporter); their Hostname label is the tray's name
     dcgm_port: int | None = None
     dcgm_hostname: str = "tray"
+    # "quiet": identical GPUs, 0.4% jitter a scrape; "rack": as a rack's GPUs look (sim/dcgm.py)
+    dcgm_noise: Literal["quiet", "rack"] = "quiet"
     # POST /sim/faults, for the holders of the token in this file (None: no such route)
     fault_injection_token_file: str | None = None
     # VLLM_SERVER_DEV_MODE=1: vLLM's development endpoints (POST /reset_prefix_cache)

@@ -12,7 +12,10 @@ The values are the simulator's own healthy GPU under load (a round SM clock, tem
 power, with a little noise per scrape, as boost clocks wander), not measurements; a throttle
 fault (``sim/faults.py``) lowers one GPU's clock to its share, raises its temperature and sets
 the hardware-thermal reason bit. Detection compares a GPU with its group, so only the ratios
-matter.
+matter. ``noise="rack"`` makes the healthy GPUs look less alike, as a rack's do (the
+simulator's assumption, not a measurement): each GPU sits its own 0-3% below the nominal clock
+for good (silicon and cooling), and each scrape, one GPU in fifty dips 5-15% for that moment
+with the software power-cap reason set (a power-limit event shorter than a scrape interval).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from prometheus_client.registry import Collector
 
 from sim.engine import DPGroup, DPRank
 
-__all__ = ["HW_THERMAL_SLOWDOWN", "NOMINAL_SM_CLOCK_MHZ", "DcgmExporter"]
+__all__ = ["HW_THERMAL_SLOWDOWN", "NOMINAL_SM_CLOCK_MHZ", "SW_POWER_CAP", "DcgmExporter"]
 
 NOMINAL_SM_CLOCK_MHZ = 1900.0
 _IDLE_SM_CLOCK_MHZ = 345.0
@@ -36,6 +39,9 @@ _MEM_CLOCK_MHZ = 3996.0
 _IDLE_TEMP_C, _BUSY_TEMP_C, _THROTTLED_TEMP_C = 38.0, 68.0, 88.0
 _IDLE_POWER_W, _BUSY_POWER_W = 180.0, 1050.0
 _CLOCK_NOISE = 0.004  # relative standard deviation of a healthy GPU's clock between scrapes
+_RACK_SPREAD = 0.03  # noise="rack": how far below nominal a healthy GPU may sit, for good
+_DIP_CHANCE, _DIP_DEPTH = 0.02, (0.05, 0.15)  # noise="rack": a scrape's momentary power-cap dip
+SW_POWER_CAP = 0x4
 # NVML clock-event reason bits (nvmlClocksEventReasons)
 GPU_IDLE = 0x1
 HW_THERMAL_SLOWDOWN = 0x40
@@ -43,12 +49,19 @@ _LABELS = ["gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname"]
 
 
 class _TrayCollector(Collector):
-    def __init__(self, group: DPGroup, ranks: range, hostname: str, seed: int) -> None:
+    def __init__(
+        self, group: DPGroup, ranks: range, hostname: str, seed: int, noise: str = "quiet"
+    ) -> None:
         self.group = group
         self.ranks = ranks
         self.hostname = hostname
         self.rng = random.Random(f"{seed}:{hostname}")
         self.model = f"NVIDIA {group.config.profile.hardware}"
+        self.rack_noise = noise == "rack"
+        # each GPU's own clock under load, as a share of nominal
+        self.own = [
+            1.0 - self.rng.uniform(0.0, _RACK_SPREAD) if self.rack_noise else 1.0 for _ in ranks
+        ]
 
     def _labels(self, index: int) -> list[str]:
         gpu_uuid = uuid.uuid5(uuid.NAMESPACE_DNS, f"{self.hostname}/{index}")
@@ -83,9 +96,19 @@ class _TrayCollector(Collector):
             rank: DPRank = self.group.ranks[dp_rank]
             share = rank.clock_at(now)
             labels = self._labels(index)
-            noise = 1.0 - abs(self.rng.gauss(0.0, _CLOCK_NOISE))
+            noise = (1.0 - abs(self.rng.gauss(0.0, _CLOCK_NOISE))) * self.own[index]
+            dip = (
+                self.rng.uniform(*_DIP_DEPTH)
+                if self.rack_noise and busy and self.rng.random() < _DIP_CHANCE
+                else 0.0
+            )
+            noise *= 1.0 - dip
             clock = NOMINAL_SM_CLOCK_MHZ * share * noise if busy else _IDLE_SM_CLOCK_MHZ
-            reasons = (HW_THERMAL_SLOWDOWN if share < 1.0 else 0) | (0 if busy else GPU_IDLE)
+            reasons = (
+                (HW_THERMAL_SLOWDOWN if share < 1.0 else 0)
+                | (0 if busy else GPU_IDLE)
+                | (SW_POWER_CAP if dip else 0)
+            )
             temp = _THROTTLED_TEMP_C if share < 1.0 else _BUSY_TEMP_C if busy else _IDLE_TEMP_C
             power = _BUSY_POWER_W * share * noise if busy else _IDLE_POWER_W
             for name, value in (
@@ -105,10 +128,18 @@ class DcgmExporter:
     """One tray's dcgm-exporter: ``GET /metrics`` on ``host:port``."""
 
     def __init__(
-        self, group: DPGroup, ranks: range, hostname: str, host: str, port: int, seed: int = 0
+        self,
+        group: DPGroup,
+        ranks: range,
+        hostname: str,
+        host: str,
+        port: int,
+        seed: int = 0,
+        *,
+        noise: str = "quiet",
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_TrayCollector(group, ranks, hostname, seed))
+        self.registry.register(_TrayCollector(group, ranks, hostname, seed, noise))
         self.host, self.port = host, port
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)

@@ -77,6 +77,7 @@ async def start_group(
                 host,
                 config.dcgm_port + index,
                 config.seed,
+                noise=config.dcgm_noise,
             )
             await exporter.start()
             process.exporters.append(exporter)

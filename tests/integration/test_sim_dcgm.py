@@ -9,7 +9,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from rigs.faults import FaultInjection
-from sim.dcgm import HW_THERMAL_SLOWDOWN, NOMINAL_SM_CLOCK_MHZ
+from sim.dcgm import HW_THERMAL_SLOWDOWN, NOMINAL_SM_CLOCK_MHZ, SW_POWER_CAP
 from tests.helpers import SimHandle, eventually, free_port, keep_decoding, scrape
 
 
@@ -68,3 +68,32 @@ def test_a_throttled_gpu_shows_in_dcgm_and_slows_every_rank_of_its_group(
     # ranks 0, 1 and 3 are healthy, yet every step of the group waits for rank 2's GPU
     # (1/0.7 for the same batches; the batches' own mix moves it by some percent)
     assert mean_step(sim.url, 300) > 1.2 * before
+
+
+def test_rack_noise_keeps_each_gpu_a_few_percent_below_nominal_and_dips_a_few_scrapes(
+    start_sim: Callable[..., SimHandle],
+) -> None:
+    port = free_port()
+    sim = start_sim(
+        *("--data-parallel-size", "4", "--enable-expert-parallel"),
+        *("--dcgm-port", str(port), "--dcgm-hostname", "gb300-tray-7", "--dcgm-noise", "rack"),
+    )
+    keep_decoding(sim.url, requests=16, ranks=4)
+    eventually(lambda: scrape(sim.url, "vllm:num_requests_running") == 16, timeout=60)
+    scrapes = [dcgm(port) for _ in range(400)]
+    for gpu in ("0", "1", "2", "3"):
+        clocks = sorted(s["DCGM_FI_DEV_SM_CLOCK"][gpu] for s in scrapes)
+        # its own clock: up to 3% below nominal, less the scrape's jitter
+        assert 0.955 * NOMINAL_SM_CLOCK_MHZ < clocks[len(clocks) // 2] <= NOMINAL_SM_CLOCK_MHZ
+    dips = [
+        (s["DCGM_FI_DEV_SM_CLOCK"][gpu], int(s["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"][gpu]))
+        for s in scrapes
+        for gpu in ("0", "1", "2", "3")
+        if int(s["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"][gpu]) & SW_POWER_CAP
+    ]
+    # one GPU-scrape in fifty: about 32 of 1,600, each 5-15% down
+    assert 5 <= len(dips) <= 80
+    assert all(
+        0.8 * NOMINAL_SM_CLOCK_MHZ < clock < 0.96 * NOMINAL_SM_CLOCK_MHZ for clock, _ in dips
+    )
+    assert not any(reasons & HW_THERMAL_SLOWDOWN for _, reasons in dips)
