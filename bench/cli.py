@@ -38,6 +38,7 @@ BENCHMARKS = {
     "gpu": "bench.gpu",
     "prefill-dp": "bench.prefill_dp",
     "chaos": "bench.chaos",
+    "stragglers": "bench.stragglers",
 }
 
 

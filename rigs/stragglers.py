@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class SimulatedGroup:
     eplb_metrics: str | None = None  # the EPLB service's /metrics URL, where one runs
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    load_started: list[float] = field(default_factory=list)  # wall time of each start's load
     _eplb: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _prometheus: Prometheus | None = field(default=None, repr=False)
 
@@ -89,6 +91,7 @@ class SimulatedGroup:
             wait_healthy(server, self.process, self.log, timeout=180)
         for server in self.servers:
             keep_decoding(server, requests=self.requests_per_server, ranks=RANKS // SERVERS)
+        self.load_started.append(time.time())
 
     def stop(self) -> None:
         if self.process is not None:
@@ -120,10 +123,12 @@ def simulated_group(
     controller: str,
     eplb_steps: int | None = None,
     requests_per_server: int = 8,
+    dcgm_noise: str = "quiet",
 ) -> Iterator[SimulatedGroup]:
     """The group ``name`` running, scraped by Prometheus each second with the controller's
     ``/metrics`` at ``controller`` (host:port); with ``eplb_steps``, its EPLB agent followed by
-    a ``baton eplb`` service rebalancing every that many steps from as many."""
+    a ``baton eplb`` service rebalancing every that many steps from as many. ``dcgm_noise``:
+    the exporters' ``--dcgm-noise``."""
     directory.mkdir(parents=True, exist_ok=True)
     group = SimulatedGroup(
         directory,
@@ -143,6 +148,7 @@ def simulated_group(
         "port": group.decode_port,
         "side_channel_port": free_port_block(RANKS),
         "dcgm_port": group.dcgm_port,
+        "dcgm_noise": dcgm_noise,
     }
     if eplb_steps is not None:
         spec |= {
