@@ -24,3 +24,14 @@ def test_in_a_pod_the_lease_is_in_the_pods_namespace_as_the_chart_renders_it(
 ) -> None:
     monkeypatch.setenv("POD_NAMESPACE", "baton-system")
     assert build_parser().parse_args([]).lease_namespace == "baton-system"
+
+
+def test_a_straggler_window_under_one_second_is_refused_with_the_flags_named(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--lease-namespace", "default", "--straggler-window-seconds", "0"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--straggler-window-seconds and --straggler-windows must be at least 1" in err
+    assert "got 0 and 3" in err
