@@ -719,7 +719,7 @@ EPLB_LOG_LINES = {
     "aborted": "aborted on every agent: left staged by an earlier EPLB service",
     "committed": "was committed on some agents only",
     "reunified": "are on another placement than",
-    "restored": "in force before they restarted (",
+    "restored": "in force before they restarted (version",
 }
 
 

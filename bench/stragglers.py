@@ -339,7 +339,7 @@ _DECISION = re.compile(
     r"group \S+ target: (?:no rebalance at step (\d+) \(gain_too_small; window balance "
     r"([0-9.]+)|switch \S+ committed for step \d+: window \[\d+, (\d+)\) balance ([0-9.]+))"
 )
-_RESTORED = "in force before they restarted"
+_RESTORED = "in force before they restarted (version"
 
 
 def _eplb_recovery(log: str) -> dict[str, Any]:

@@ -329,13 +329,17 @@ class GroupRunner:
     ) -> dict[str, tuple[Placement, int, int]]:
         """Switch every agent back to the placement last in force where they came back on an
         older one (a restarted group: see the module doc); for each model restored, that
-        placement, its version and the step the switch applies at."""
+        placement, the version the engines will give it and the step the switch applies at.
+
+        A version counts the switches an engine has applied since it started
+        (docs/eplb-protocol.md): engines reporting fewer than the service last knew have
+        restarted since, and the restore is their next switch."""
         restored: dict[str, tuple[Placement, int, int]] = {}
         for model, message in sorted(in_force.items()):
             last = self.last_in_force.get(model)
             if last is None or message.version >= last[1]:
-                continue  # nothing known, or the agents' placement is as new or newer
-            placement, version = last
+                continue  # nothing known, or no restart since (as many switches or more)
+            placement = last[0]
             shape = (message.layers, message.physical_experts)
             if (
                 placement.num_ranks != num_ranks
@@ -347,14 +351,15 @@ class GroupRunner:
                 decode_placement(message, num_ranks, logical[model]).phy2log, placement.phy2log
             ):
                 continue
+            version = message.version + 1
             switch_id = f"{self.spec.name}-{model}-restore-{uuid.uuid4().hex[:8]}"
             log.warning(
-                "group %s %s: its engines came back on placement version %d; restoring version "
-                "%d, in force before they restarted (%s)",
+                "group %s %s: its engines came back on placement version %d of their own, not "
+                "the one in force before they restarted (version %d then); restoring it (%s)",
                 self.spec.name,
                 model,
                 message.version,
-                version,
+                last[1],
                 switch_id,
             )
             applied_at = await self._switch_alone(

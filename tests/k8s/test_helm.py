@@ -1016,7 +1016,7 @@ def test_every_alerts_runbook_url_is_a_section_of_the_page_the_chart_value_names
         if o["kind"] == "PrometheusRule"
     ]
     alerts = [r for group in rule["spec"]["groups"] for r in group["rules"] if "alert" in r]
-    assert len(alerts) == 13
+    assert len(alerts) == 14
     for alert in alerts:
         assert alert["annotations"]["runbook_url"] == f"{base}#{alert['alert'].lower()}"
     # each names a section of docs/observability.md, as Markdown anchors it

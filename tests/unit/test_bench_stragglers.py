@@ -14,7 +14,7 @@ INFO baton.eplb: group g target: switch g-target-900-ab committed for step 960: 
 INFO baton.eplb: group g target: no rebalance at step 1200 (gain_too_small; window balance 0.9641 -> 0.9650 predicted)
 WARNING baton.eplb: group g: agent 127.0.0.1:1: UNAVAILABLE: Socket closed; its windows restart (agent_lost)
 INFO baton.eplb: group g: 32 ranks over 1 agents, models ['draft', 'target'], step 10
-WARNING baton.eplb: group g target: its engines came back on placement version 0; restoring version 1, in force before they restarted (g-target-restore-cd)
+WARNING baton.eplb: group g target: its engines came back on placement version 0 of their own, not the one in force before they restarted (version 1 then); restoring it (g-target-restore-cd)
 INFO baton.eplb: group g target: no rebalance at step 300 (switch_pending; window balance 1.0000 -> 1.0000 predicted)
 INFO baton.eplb: group g target: no rebalance at step 600 (gain_too_small; window balance 0.9630 -> 0.9644 predicted)
 """  # noqa: E501
