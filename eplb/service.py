@@ -27,9 +27,10 @@ during Prepare or Commit, or stayed down past a switch's step) are finished or a
 agents left on different placements are brought back to one (``eplb.recovery``). A group whose
 engines restarted (a failure, or a move off a degraded tray: the agents answer again on the
 engines' cold placement) gets back the placement that was in force before, at once, with a
-two-phase switch of its own committed for a coming step (as a rebalance's is: the windows open
-knowing both placements), instead of running unbalanced for a whole cadence; the service
-remembers it across the group's runners (a moved group's agents have new addresses).
+two-phase switch of its own as soon as its windows are open, committed for a coming step as a
+rebalance's is (best effort: one the engines cannot stage in time is aborted, left to the
+cadence), instead of running unbalanced for a whole cadence; the service remembers it across
+the group's runners (a moved group's agents have new addresses).
 
 Every decision and switch is logged, counted (``eplb.metrics``) and kept in
 ``GroupRunner.records`` (the last :data:`RECORDS_KEPT`, with the achieved balances of their
@@ -156,6 +157,7 @@ class GroupRunner:
         # The placement and version of each model last in force (synced or committed): what a
         # restarted group gets back.
         self.last_in_force: dict[str, tuple[Placement, int]] = dict(remembered or {})
+        self._restoring: dict[str, Placement] = {}  # found at sync, switched back in _follow
         self._failing = False
         self.synced = asyncio.Event()
         # exported too, so that a caller can wait for the group (baton up does)
@@ -213,13 +215,13 @@ class GroupRunner:
         )
         await self._recover(states, num_ranks, logical)
         in_force = _agreed_placements(self.spec.name, states)
-        restored = await self._restore(in_force, num_ranks, logical)
+        self._restoring = self._to_restore(in_force, num_ranks, logical)
         step = max(info.current_step for info in infos)
         capacity = self.policy.window_size + 4 * self.config.steps_per_report
         self.tracks = {}
         for name, message in in_force.items():
             placement = decode_placement(message, num_ranks, logical[name])
-            track = _ModelTrack(
+            self.tracks[name] = _ModelTrack(
                 name=name,
                 placement=placement,
                 version=message.version,
@@ -227,12 +229,11 @@ class GroupRunner:
                 # Boundaries already passed belong to windows this service never saw.
                 last_boundary=(step // self.policy.step_interval) * self.policy.step_interval,
             )
-            if name in restored:  # committed for a coming step, as a rebalance's switch is
-                back, version, applied_at = restored[name]
-                track.window.expect(version, back)
-                track.placement, track.version, track.switch_step = back, version, applied_at
-            self.tracks[name] = track
-        self.last_in_force = {n: (t.placement, t.version) for n, t in self.tracks.items()}
+        # a placement to restore stays the one remembered until the restore is in force
+        self.last_in_force = {
+            n: self.last_in_force[n] if n in self._restoring else (t.placement, t.version)
+            for n, t in self.tracks.items()
+        }
         self._incarnations = {
             client.address: info.incarnation
             for client, info in zip(self.clients, infos, strict=True)
@@ -324,17 +325,17 @@ class GroupRunner:
             clients, switch_id, encode_placement(model, placement, message.version), "reunifying"
         )
 
-    async def _restore(
+    def _to_restore(
         self, in_force: dict[str, pb.Placement], num_ranks: int, logical: dict[str, int]
-    ) -> dict[str, tuple[Placement, int, int]]:
-        """Switch every agent back to the placement last in force where they came back on an
-        older one (a restarted group: see the module doc); for each model restored, that
-        placement, the version the engines will give it and the step the switch applies at.
+    ) -> dict[str, Placement]:
+        """The placements last in force of the models whose agents came back on an older one
+        (a restarted group: see the module doc), to switch them back to once the windows are
+        open.
 
         A version counts the switches an engine has applied since it started
         (docs/eplb-protocol.md): engines reporting fewer than the service last knew have
-        restarted since, and the restore is their next switch."""
-        restored: dict[str, tuple[Placement, int, int]] = {}
+        restarted since."""
+        restoring: dict[str, Placement] = {}
         for model, message in sorted(in_force.items()):
             last = self.last_in_force.get(model)
             if last is None or message.version >= last[1]:
@@ -347,27 +348,49 @@ class GroupRunner:
                 or placement.phy2log.shape != shape
             ):
                 continue  # another shape of group: the remembered placement does not apply
-            if np.array_equal(
+            if not np.array_equal(
                 decode_placement(message, num_ranks, logical[model]).phy2log, placement.phy2log
             ):
-                continue
-            version = message.version + 1
+                restoring[model] = placement
+        return restoring
+
+    async def _restore_placements(self) -> None:
+        """Switch each model of ``_restoring`` back, as its engines' next switch, committed for
+        a coming step as a rebalance is. Best effort: a restore that fails (the engines cannot
+        stage it in time) is aborted everywhere and left to the cadence."""
+        restoring, self._restoring = self._restoring, {}
+        for model, placement in sorted(restoring.items()):
+            track = self.tracks[model]
+            version = track.version + 1
             switch_id = f"{self.spec.name}-{model}-restore-{uuid.uuid4().hex[:8]}"
             log.warning(
                 "group %s %s: its engines came back on placement version %d of their own, not "
                 "the one in force before they restarted (version %d then); restoring it (%s)",
                 self.spec.name,
                 model,
-                message.version,
-                last[1],
+                track.version,
+                self.last_in_force[model][1],
                 switch_id,
             )
-            applied_at = await self._switch_alone(
-                self.clients, switch_id, encode_placement(model, placement, version), "restoring"
-            )
+            track.window.expect(version, placement)
+            try:
+                applied_at = await self._switch_alone(
+                    self.clients,
+                    switch_id,
+                    encode_placement(model, placement, version),
+                    "restoring",
+                )
+            except AgentError as exc:
+                log.warning(
+                    "group %s %s: restoring failed (%s); the cadence rebalances it",
+                    self.spec.name,
+                    model,
+                    exc,
+                )
+                continue  # remembered still: a later sync of these engines tries again
+            track.placement, track.version, track.switch_step = placement, version, applied_at
+            self.last_in_force[model] = (placement, version)
             self.metrics.switches_recovered.labels(self.spec.name, "restored").inc()
-            restored[model] = (placement, version, applied_at)
-        return restored
 
     async def _switch_alone(
         self, clients: list[AgentClient], switch_id: str, message: pb.Placement, what: str
@@ -398,6 +421,7 @@ class GroupRunner:
             for client in self.clients
         ]
         try:
+            await self._restore_placements()
             while True:
                 item = await queue.get()
                 if isinstance(item, AgentError):
