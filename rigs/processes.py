@@ -183,19 +183,33 @@ def busy_host(per_core: int) -> Iterator[None]:
         stop_process(*processes)
 
 
-def keep_decoding(url: str, requests: int = 64, max_tokens: int = 200_000, ranks: int = 32) -> None:
+def keep_decoding(
+    url: str,
+    requests: int = 64,
+    max_tokens: int = 200_000,
+    ranks: int = 32,
+    *,
+    until: threading.Event | None = None,
+) -> None:
     """``requests`` long decodes spread over a server's ``ranks`` (local) ranks, in daemon
-    threads."""
+    threads; with ``until``, each sends its next one as one ends, until the event is set (a
+    load that lasts longer than one request's ``max_tokens``)."""
 
     def run(index: int) -> None:
-        # The test stops the simulator under these requests when it ends.
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.post(
-                f"{url}/v1/completions",
-                headers={"X-data-parallel-rank": str(index % ranks)},
-                json={"prompt": "load", "max_tokens": max_tokens, "ignore_eos": True},
-                timeout=600,
-            )
+        while True:
+            # The test stops the simulator under these requests when it ends.
+            try:
+                httpx.post(
+                    f"{url}/v1/completions",
+                    headers={"X-data-parallel-rank": str(index % ranks)},
+                    json={"prompt": "load", "max_tokens": max_tokens, "ignore_eos": True},
+                    timeout=600,
+                )
+            except httpx.HTTPError:
+                if until is None or until.wait(1.0):
+                    return
+            if until is None or until.is_set():
+                return
 
     for index in range(requests):
         threading.Thread(target=run, args=(index,), daemon=True).start()

@@ -3,7 +3,8 @@ under the names of trays a ModelDeployment was placed on: the straggler watch's 
 benchmark rig.
 
 ``baton sim --cluster`` runs the group (8 API servers of 4 ranks each, one exporter per server
-named ``<name>-tray-<i>``, every GPU kept busy by long decodes), optionally with its EPLB agent
+named ``<name>-tray-<i>``, every GPU kept busy by long decodes, each followed by the next for
+as long as the group runs), optionally with its EPLB agent
 followed by a ``baton eplb`` service; Prometheus scrapes the exporters, the engines, the EPLB
 service and a controller's ``/metrics``. ``restart`` stops the group and starts a fresh one on
 the same ports: what moving a decode group does to its engines (a new incarnation on vLLM's
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -59,6 +61,8 @@ class SimulatedGroup:
     load_started: list[float] = field(default_factory=list)  # wall time of each start's load
     _eplb: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _prometheus: Prometheus | None = field(default=None, repr=False)
+    # ends the load's requests once the group stops (they would decode for minutes each)
+    _load_stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
     def prometheus(self) -> Prometheus:
@@ -89,11 +93,18 @@ class SimulatedGroup:
         )
         for server in self.servers:
             wait_healthy(server, self.process, self.log, timeout=180)
+        self._load_stop = threading.Event()
         for server in self.servers:
-            keep_decoding(server, requests=self.requests_per_server, ranks=RANKS // SERVERS)
+            keep_decoding(
+                server,
+                requests=self.requests_per_server,
+                ranks=RANKS // SERVERS,
+                until=self._load_stop,
+            )
         self.load_started.append(time.time())
 
     def stop(self) -> None:
+        self._load_stop.set()
         if self.process is not None:
             stop_process(self.process)
             self.process = None
