@@ -258,7 +258,11 @@ def _noise_run(
                 time.sleep(min(60.0, max(0.0, deadline - time.time())))
                 windows += 1
             marked = _marked(core, group.trays)
-            clocks = group.prometheus.query("max(DCGM_FI_DEV_SM_CLOCK) / min(DCGM_FI_DEV_SM_CLOCK)")
+            spread = group.prometheus.query("max(DCGM_FI_DEV_SM_CLOCK) / min(DCGM_FI_DEV_SM_CLOCK)")
+            # the GPUs were busy throughout (an idle GPU clocks down to 345 MHz)
+            busy = group.prometheus.query(
+                f"min_over_time(quantile(0.5, DCGM_FI_DEV_SM_CLOCK)[{round(minutes * 60)}s:15s])"
+            )
         finally:
             stop_process(controller)
     return {
@@ -268,7 +272,8 @@ def _noise_run(
         "minutes": minutes,
         "windows": windows,
         "trays_marked": marked,
-        "fastest_over_slowest_gpu_now": float(clocks[0]["value"][1]) if clocks else None,
+        "fastest_over_slowest_gpu_at_the_end": float(spread[0]["value"][1]) if spread else None,
+        "lowest_median_sm_clock_mhz": float(busy[0]["value"][1]) if busy else None,
     }
 
 
@@ -429,6 +434,7 @@ def _print(result: dict[str, Any]) -> None:
         noise = result["noise"]
         lines.append(
             f"noise: {noise['minutes']} min, {noise['windows']} windows, trays marked "
-            f"{noise['trays_marked'] or 'none'}"
+            f"{noise['trays_marked'] or 'none'}; the group's median SM clock never below "
+            f"{noise['lowest_median_sm_clock_mhz']} MHz"
         )
     print("\n".join(lines))
