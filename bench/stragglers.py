@@ -32,6 +32,7 @@ import argparse
 import re
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ from kubernetes import client, config
 
 from baton.core.labels import DEGRADED_ANNOTATION, DEGRADED_SLOWDOWN_ANNOTATION
 from baton.core.model import MODEL
-from controller.stragglers import worth_moving
+from controller.stragglers import move_decision
+from controller.topology import Degradation
 from rigs.devcluster import (
     add_trays,
     binaries_dir,
@@ -251,12 +253,8 @@ def _noise_run(
                 api, NAMESPACE, "noise", {"model": MODEL, "cell": {"prefill": {"instances": 2}}}
             )
             eventually(lambda: _ready(api, "noise"), timeout=120, interval=0.5)
-            started = time.time()
-            windows = 0
-            deadline = started + 60 * minutes
-            while time.time() < deadline:
-                time.sleep(min(60.0, max(0.0, deadline - time.time())))
-                windows += 1
+            time.sleep(60 * minutes)  # the run's length: a benchmark phase, not a wait
+            windows = round(minutes)  # 60 s windows
             marked = _marked(core, group.trays)
             spread = group.prometheus.query("max(DCGM_FI_DEV_SM_CLOCK) / min(DCGM_FI_DEV_SM_CLOCK)")
             # the GPUs were busy throughout (an idle GPU clocks down to 345 MHz)
@@ -330,12 +328,10 @@ def _mean(series: list[list[float]], start: float, end: float) -> float:
 
 
 def _pays_after(slowdown: float, restart_s: float) -> float | None:
-    """Seconds of the fault after which moving pays, by ``controller.stragglers``' rule."""
-    if not slowdown > 1.0:
-        return None
-    pays = restart_s / (1.0 - 1.0 / slowdown)
-    assert worth_moving(slowdown, pays + 1e-6, restart_s)
-    return pays
+    """Seconds of the fault after which moving pays: ``controller.stragglers``' own decision
+    for a tray marked that long ago."""
+    mark = Degradation("bench", datetime.now(UTC), slowdown)
+    return move_decision("tray", mark, mark.since or datetime.now(UTC), restart_s).pays_in_s
 
 
 _SYNC = re.compile(r"group \S+: \d+ ranks over \d+ agents, models \[[^]]*\], step (\d+)")
