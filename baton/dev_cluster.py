@@ -4,7 +4,10 @@ etcd, kube-apiserver, kube-scheduler, kube-controller-manager and kwok (``rigs/d
 built by ``make dev-bin``) run detached from the command, so they outlive it, in one directory
 (``--dir``, default ``~/.cache/baton/dev-cluster``) that holds their data, logs, the kubeconfig
 and ``state.json``: the API server's URL, the kubeconfig's path, the racks and CPU nodes created
-and every process's pid. The other subcommands read that file.
+and every process's pid. The other subcommands read that file. Beside them a kubelet for
+processes (``rigs/kubelet.py``) runs each pod kwok reports Running as a local process at its pod
+IP: the chart's controller, gateway and EPLB service as the chart writes them, engine pods as
+``baton sim`` with their vLLM flags; ``kubectl logs`` and ``kubectl port-forward`` reach them.
 
 - ``start [--racks N] [--cpu-nodes N]``: a fresh control plane with N racks of 18 fake GB300
   trays and N CPU nodes; prints the kubeconfig and ``export`` lines. No Baton CRD: as on a real
@@ -159,16 +162,15 @@ def _start(directory: Path, racks: int, cpu_nodes: int) -> int:
     _write_state(directory, DevClusterState(binaries=str(bin_dir)))
     print(f"{PROG}: starting the control plane in {directory}", file=sys.stderr)
     try:
-        plane = start_control_plane(directory, bin_dir, detached=True)
+        plane = start_control_plane(directory, bin_dir, detached=True, run_pods=True)
     except (RuntimeError, TimeoutError) as exc:
         raise DevClusterError(f"the control plane did not start: {exc}") from exc
     state = DevClusterState(
         server=plane.server,
         kubeconfig=str(plane.kubeconfig),
         binaries=str(bin_dir),
-        # Every process runs the binary of its name.
         processes={
-            name: ClusterProcess(pid=process.pid, executable=str(bin_dir / name))
+            name: ClusterProcess(pid=process.pid, executable=plane.commands[name][0])
             for name, process in plane.processes.items()
         },
     )

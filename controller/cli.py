@@ -10,10 +10,10 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from kubernetes import client, config
 from kubernetes.config.config_exception import ConfigException
 from prometheus_client import CollectorRegistry, start_http_server
 
+from baton.core.kube import api_client
 from controller.reconciler import Controller
 
 __all__ = ["main"]
@@ -70,14 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _api(kubeconfig: str | None) -> client.ApiClient:
-    if kubeconfig:
-        api: client.ApiClient = config.new_client_from_config(config_file=kubeconfig)
-        return api
-    config.load_incluster_config()
-    return client.ApiClient()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -97,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        api = _api(args.kubeconfig)
+        api = api_client(args.kubeconfig)
     except (ConfigException, OSError) as exc:
         where = args.kubeconfig or "the in-cluster service account"
         print(

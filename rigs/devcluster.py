@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ __all__ = [
     "ControlPlane",
     "add_cpu_nodes",
     "add_trays",
+    "apply_crd",
     "binaries_dir",
     "condition",
     "create_model_deployment",
@@ -217,11 +219,97 @@ def write_kubeconfig(plane: ControlPlane, path: Path, token: str) -> Path:
     return path
 
 
-def start_control_plane(directory: Path, bin_dir: Path, *, detached: bool = False) -> ControlPlane:
+def _admin_configuration(plane: ControlPlane) -> client.Configuration:
+    configuration = client.Configuration()
+    configuration.host = plane.server
+    configuration.ssl_ca_cert = str(plane.directory / "certs" / "apiserver.crt")
+    configuration.api_key = {"authorization": f"Bearer {TOKEN}"}
+    return configuration
+
+
+def _self_signed(directory: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed certificate for a server at 127.0.0.1, and its key."""
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "3650",
+            "-subj",
+            f"/CN={name}",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+def _start_kubelet(plane: ControlPlane) -> None:
+    """Run the cluster's Running pods as local processes from now on (rigs/kubelet.py), in
+    ``plane.directory``; it stops with the plane."""
+    _spawn(
+        plane,
+        "kubelet",
+        [
+            sys.executable,
+            "-m",
+            "rigs.kubelet",
+            f"--kubeconfig={plane.kubeconfig}",
+            f"--dir={plane.directory}",
+            f"--server={plane.server}",
+            f"--ca={plane.directory / 'certs' / 'apiserver.crt'}",
+        ],
+    )
+
+
+def _pod_stages(bin_dir: Path, directory: Path, run_pods: bool) -> list[Path]:
+    """kwok's stages. Its pod-ready stage calls a pod Ready as it starts; where the pods run
+    (``run_pods``), a pod starts not Ready instead, and the kubelet for processes makes it Ready
+    when its readiness probe answers, as a kubelet does."""
+    stages = sorted((bin_dir / "kwok-stages").glob("*.yaml"))
+    if not run_pods:
+        return stages
+    ready = bin_dir / "kwok-stages" / "pod-ready.yaml"
+    text = ready.read_text()
+    for old, new in (
+        ("name: pod-ready", "name: pod-running"),
+        ('status: "True"\n        type: Ready', 'status: "False"\n        type: Ready'),
+        (
+            'status: "True"\n        type: ContainersReady',
+            'status: "False"\n        type: ContainersReady',
+        ),
+        (
+            "ready: true\n        restartCount: 0\n        state:\n          running:",
+            "ready: false\n        restartCount: 0\n        state:\n          running:",
+        ),
+    ):
+        if text.count(old) != 1:
+            raise RuntimeError(f"{ready}: kwok's pod-ready stage changed; cannot find {old!r}")
+        text = text.replace(old, new)
+    running = directory / "pod-running.yaml"
+    running.write_text(text)
+    return [running if stage == ready else stage for stage in stages]
+
+
+def start_control_plane(
+    directory: Path, bin_dir: Path, *, detached: bool = False, run_pods: bool = False
+) -> ControlPlane:
     """Start the control plane in ``directory`` (its data, certificates, logs and kubeconfig).
 
     ``detached`` processes outlive the Python process that started them (``baton dev-cluster``);
-    otherwise they stop with :meth:`ControlPlane.stop`.
+    otherwise they stop with :meth:`ControlPlane.stop`. With ``run_pods``, the kubelet for
+    processes runs the Running pods (``rigs/kubelet.py``).
     """
     directory.mkdir(parents=True, exist_ok=True)
     etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
@@ -272,6 +360,9 @@ def start_control_plane(directory: Path, bin_dir: Path, *, detached: bool = Fals
                 f"--audit-policy-file={directory / 'audit-policy.yaml'}",
                 f"--audit-log-path={directory / 'audit.log'}",
                 "--audit-log-mode=blocking",  # written before the request returns: a test reads it
+                # kwok serves every node's kubelet API at 127.0.0.1 (logs, port-forward); a
+                # node's Hostname address resolves nowhere
+                "--kubelet-preferred-address-types=InternalIP",
             ],
         )
         _wait(plane, plane.api_ready, 120)
@@ -291,6 +382,11 @@ def start_control_plane(directory: Path, bin_dir: Path, *, detached: bool = Fals
                 "--use-service-account-credentials=false",
             ],
         )
+        api = client.ApiClient(_admin_configuration(plane))
+        for crd in sorted((bin_dir / "kwok-crds").glob("*.yaml")):
+            apply_crd(api, yaml.safe_load(crd.read_text()))
+        kubelet_port = free_port()
+        cert, key_file = _self_signed(directory, "kwok")
         _spawn(
             plane,
             "kwok",
@@ -299,17 +395,24 @@ def start_control_plane(directory: Path, bin_dir: Path, *, detached: bool = Fals
                 f"--kubeconfig={plane.kubeconfig}",
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
-                f"--server-address=127.0.0.1:{free_port()}",
+                # Every node's kubelet API (logs, port-forward) at one address, over TLS as the
+                # API server dials it; the pods' log files and ports are in Logs and PortForward
+                # objects (rigs/kubelet.py writes them).
+                "--node-ip=127.0.0.1",
+                f"--node-port={kubelet_port}",
+                f"--server-address=127.0.0.1:{kubelet_port}",
+                f"--tls-cert-file={cert}",
+                f"--tls-private-key-file={key_file}",
+                "--enable-crds=Logs,PortForward",
                 f"--cidr={POD_CIDR}",
                 # A kubelet's Lease: without one, kube-controller-manager marks every tray
                 # NotReady after its 50 s grace period and kwok flips it back, over and over.
                 f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}",
-                *(
-                    f"--config={stage}"
-                    for stage in sorted((bin_dir / "kwok-stages").glob("*.yaml"))
-                ),
+                *(f"--config={stage}" for stage in _pod_stages(bin_dir, directory, run_pods)),
             ],
         )
+        if run_pods:
+            _start_kubelet(plane)
         _alive(plane)
     except BaseException:
         plane.stop()
@@ -322,6 +425,9 @@ def _create_kwok_nodes(api: client.ApiClient, nodes: list[dict[str, Any]], timeo
     core = client.CoreV1Api(api)
     for node in nodes:
         node["metadata"].setdefault("annotations", {})[KWOK_ANNOTATION] = "fake"
+        # kwok initialises a node that is not Ready yet: its conditions, and its kubelet's
+        # address and port (where the API server asks for logs and port-forwards)
+        node["status"].pop("conditions", None)
         # The model the client would validate the dict into itself: the request is the same.
         core.create_node(client.V1Node.model_validate(node))
     names = {node["metadata"]["name"] for node in nodes}
@@ -475,10 +581,18 @@ def patch_model_deployment_spec(
 
 def install_crd(api: client.ApiClient) -> None:
     """Apply the generated ModelDeployment CRD and wait until the API server serves it."""
+    apply_crd(api, yaml.safe_load((ROOT / CRD_PATH).read_text()))
+
+
+def apply_crd(api: client.ApiClient, crd: dict[str, Any]) -> None:
+    """Create ``crd`` (unless it exists) and wait until the API server serves its resource."""
     extensions = client.ApiextensionsV1Api(api)
-    crd = yaml.safe_load((ROOT / CRD_PATH).read_text())
+    names, group = crd["spec"]["names"], crd["spec"]["group"]
+    version = crd["spec"]["versions"][0]["name"]
     try:
-        extensions.create_custom_resource_definition(crd)
+        extensions.create_custom_resource_definition(
+            client.V1CustomResourceDefinition.model_validate(crd)
+        )
     except ApiException as exc:
         if exc.status != 409:
             raise
@@ -493,7 +607,7 @@ def install_crd(api: client.ApiClient) -> None:
         if conditions.get("Established") != "True":
             return False
         try:
-            custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, limit=1)
+            custom.list_cluster_custom_object(group, version, names["plural"], limit=1)
         except ApiException as exc:
             if exc.status == 404:
                 return False

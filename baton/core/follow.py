@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from kubernetes import client, config, watch
+from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from baton.core.api import GROUP, PLURAL, VERSION
-from baton.core.kube import raw_json
+from baton.core.kube import api_client, raw_json
 
 __all__ = ["DeploymentRef", "ModelDeploymentFollower", "StatusFollower", "custom_objects_api"]
 
@@ -49,12 +49,7 @@ class DeploymentRef:
 
 
 def custom_objects_api(ref: DeploymentRef) -> client.CustomObjectsApi:
-    if ref.kubeconfig is not None:
-        return client.CustomObjectsApi(
-            config.new_client_from_config(config_file=str(ref.kubeconfig))
-        )
-    config.load_incluster_config()
-    return client.CustomObjectsApi()
+    return client.CustomObjectsApi(api_client(ref.kubeconfig))
 
 
 class ModelDeploymentFollower:

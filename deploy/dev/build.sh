@@ -48,6 +48,11 @@ if [ ! -e "$out/.complete" ]; then
      "$stages/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml" \
      "$stages/pod/fast/pod-ready.yaml" "$stages/pod/fast/pod-complete.yaml" \
      "$stages/pod/fast/pod-delete.yaml" "$out/kwok-stages/"
+  # kwok's Logs and PortForward CRDs: the dev cluster's kubelet (rigs/kubelet.py) names each
+  # pod's log file and address in them, so `kubectl logs` and `kubectl port-forward` work
+  mkdir -p "$out/kwok-crds"
+  cp "$stages/../crd/bases/kwok.x-k8s.io_logs.yaml" \
+     "$stages/../crd/bases/kwok.x-k8s.io_portforwards.yaml" "$out/kwok-crds/"
   step "helm"
   (cd "$here/helm" && go build "${flags[@]}" -o "$out/" helm.sh/helm/v3/cmd/helm)
   # Not a binary: KubeRay's RayService CRD, from its module (kuberay/), for the chart's Ray

@@ -67,7 +67,7 @@ def test_start_add_a_rack_fail_a_tray_and_stop(tmp_path: Path) -> None:
     assert started.returncode == 0, started.stderr  # a failed start stops what it started
     state = json.loads((directory / "state.json").read_text())
     pids = [process["pid"] for process in state["processes"].values()]
-    assert len(pids) == 5 and all(map(alive, pids))  # they outlived the command
+    assert len(pids) == 6 and all(map(alive, pids))  # they outlived the command (kubelet too)
     try:
         kubeconfig = str(directory / "kubeconfig")
         assert f"export KUBECONFIG={kubeconfig}" in started.stdout.splitlines()

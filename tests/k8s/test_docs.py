@@ -23,14 +23,12 @@ from tests.helpers import ROOT
 # own (docs/dev-cluster.md).
 GUIDES = {"docs/dev-cluster.md": False, "docs/operator.md": True, "docs/operations.md": True}
 MARK = ">>> block "
-# The cluster a reader has: a dev cluster with kube-prometheus-stack's CRDs, and Baton's
-# controller running beside it (kwok runs no container, so the chart's controller pods are
-# status only; docs/dev-cluster.md runs the controller so too).
+# The cluster a reader has: a dev cluster with kube-prometheus-stack's CRDs, whose pods run
+# (the chart's controller among them, once the guide installs the chart).
 CLUSTER = (
     'eval "$(baton dev-cluster start)"',
     'trap "baton dev-cluster stop >/dev/null" EXIT',
     'kubectl apply --server-side -f "$BATON_DEV_BIN/monitoring-crds" >/dev/null',
-    'baton controller --kubeconfig "$KUBECONFIG" --lease-namespace default 2>/dev/null &',
 )
 
 

@@ -149,8 +149,28 @@ def test_the_shipped_h200_profile_is_the_fit_of_the_committed_measurements(
     # shipped profile must be what --step fit makes of it today
     record = json.loads((ROOT / "docs" / "figures" / "gpu-h200-profile.json").read_text())
     fitted = fitted_profile(record, tmp_path)
-    assert Profile.model_validate(fitted["profile"]) == load_profile("deepseek-v2-lite-12l-h200")
-    assert load_profile(tmp_path / "gpu-profile.yaml") == load_profile("deepseek-v2-lite-12l-h200")
+    shipped = _leaves(load_profile("deepseek-v2-lite-12l-h200").model_dump())
+    # equal to the last few bits a NumPy/SciPy release may round differently (seen: ...446
+    # against ...448 in the 16th digit on a fresh install)
+    for made in (
+        Profile.model_validate(fitted["profile"]),
+        load_profile(tmp_path / "gpu-profile.yaml"),
+    ):
+        leaves = _leaves(made.model_dump())
+        assert leaves.keys() == shipped.keys()
+        for path, value in leaves.items():
+            if isinstance(value, float):
+                assert value == pytest.approx(shipped[path], rel=1e-9), path
+            else:
+                assert value == shipped[path], path
+
+
+def _leaves(tree: object, path: str = "") -> dict[str, object]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{path}.{key}").items()}
+    if isinstance(tree, list | tuple):
+        return {k: v for i, sub in enumerate(tree) for k, v in _leaves(sub, f"{path}[{i}]").items()}
+    return {path: tree}
 
 
 def test_measurements_the_model_cannot_fit_are_said_and_no_profile_is_written(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from controller.cli import build_parser, main
@@ -35,3 +37,15 @@ def test_a_straggler_window_under_one_second_is_refused_with_the_flags_named(
     err = capsys.readouterr().err
     assert "--straggler-window-seconds and --straggler-windows must be at least 1" in err
     assert "got 0 and 3" in err
+
+
+def test_without_the_flag_the_controller_reads_the_kubeconfig_that_kubeconfig_names(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # As kubectl and controller-runtime do: a pod of the dev cluster is given its service
+    # account's kubeconfig this way. An unreadable one is named in the error.
+    broken = tmp_path / "kubeconfig"
+    broken.write_text("{}")
+    monkeypatch.setenv("KUBECONFIG", str(broken))
+    assert main(["--lease-namespace", "default"]) == 2
+    assert f"cannot load {broken}" in capsys.readouterr().err
