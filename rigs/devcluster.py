@@ -426,10 +426,11 @@ def _create_kwok_nodes(api: client.ApiClient, nodes: list[dict[str, Any]], timeo
     for node in nodes:
         node["metadata"].setdefault("annotations", {})[KWOK_ANNOTATION] = "fake"
         # kwok initialises a node that is not Ready yet: its conditions, and its kubelet's
-        # address and port (where the API server asks for logs and port-forwards)
-        node["status"].pop("conditions", None)
+        # address and port (where the API server asks for logs and port-forwards). The
+        # caller's dict keeps its conditions: it is the node as it will be.
+        body = {**node, "status": {k: v for k, v in node["status"].items() if k != "conditions"}}
         # The model the client would validate the dict into itself: the request is the same.
-        core.create_node(client.V1Node.model_validate(node))
+        core.create_node(client.V1Node.model_validate(body))
     names = {node["metadata"]["name"] for node in nodes}
 
     def all_ready() -> bool:
