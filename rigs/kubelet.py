@@ -206,7 +206,8 @@ def hosts_entries(
     services: Iterable[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]
 ) -> dict[str, str]:
     """Cluster DNS as an /etc/hosts: each name to the address it resolves to. ``pods`` are the
-    Running pods with an IP; a Service names the oldest pod it selects."""
+    Running pods with an IP; a Service names the oldest Ready pod it selects (an EndpointSlice
+    lists ready endpoints only), and none while no pod it selects is Ready."""
     names: dict[str, str] = {}
     for pod in pods:
         spec, meta = pod["spec"], pod["metadata"]
@@ -216,7 +217,8 @@ def hosts_entries(
                 names[name] = pod["status"]["podIP"]
     for service in services:
         chosen = sorted(
-            _service_pods(service, pods), key=lambda p: p["metadata"]["creationTimestamp"]
+            (pod for pod in _service_pods(service, pods) if _pod_ready(pod)),
+            key=lambda p: p["metadata"]["creationTimestamp"],
         )
         if not chosen:
             continue
@@ -231,6 +233,11 @@ def hosts_entries(
             # by name, so the first namespace listed keeps a short name.
             names.setdefault(alias, chosen[0]["status"]["podIP"])
     return names
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def _cri_line(stream: str, line: bytes) -> bytes:

@@ -107,10 +107,13 @@ def test_a_program_the_machine_cannot_run_is_named() -> None:
         launch_of(_pod([container]), container, mounts={}, lookup=_no_lookup)
 
 
-def test_a_service_names_its_oldest_running_pod_and_a_pod_with_a_subdomain_its_own() -> None:
+def test_a_service_names_its_oldest_ready_pod_and_a_pod_with_a_subdomain_its_own() -> None:
+    ready = {"conditions": [{"type": "Ready", "status": "True"}]}
     older = _pod([], hostname="dsv4-cell-0-decode-0", subdomain="dsv4-cell-0-decode")
     older["metadata"] |= {"name": "a", "labels": {"app": "gw"}}
+    older["status"] |= ready
     newer = _pod([])
+    newer["status"] |= ready
     newer["metadata"] |= {
         "name": "b",
         "labels": {"app": "gw"},
@@ -130,6 +133,10 @@ def test_a_service_names_its_oldest_running_pod_and_a_pod_with_a_subdomain_its_o
     ):
         assert names[alias] == IP
     assert names["dsv4-cell-0-decode-0.dsv4-cell-0-decode.serving.svc"] == IP
-    # a Service whose pods are not running resolves nowhere
+    # a Service whose pods are not running resolves nowhere; nor one whose pods are not Ready
     lonely = {"metadata": {"name": "x", "namespace": "serving"}, "spec": {"selector": {"a": "b"}}}
     assert "x" not in hosts_entries([lonely], [older])
+    older["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    assert hosts_entries([service], [older, newer])["baton-gateway"] == "127.64.0.9"
+    newer["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    assert "baton-gateway" not in hosts_entries([service], [older, newer])
