@@ -179,8 +179,13 @@ def launch_of(
                 continue
             raise NotRunnable(f"env {name}: {kind} {ref['name']} has no key {ref['key']}")
         env[name] = value
-    command = [*container.get("command", []), *container.get("args", [])]
-    argv = [_remounted(arg, mounts) for arg in _program(command, ip)]
+    # The pod's own words name mount paths; the program this machine runs them with (this
+    # interpreter, which may live under a path a volume mounts over, as /tmp) is not the pod's.
+    command = [
+        _remounted(arg, mounts)
+        for arg in (*container.get("command", []), *container.get("args", []))
+    ]
+    argv = _program(command, ip)
     if command[:2] == ["vllm", "serve"]:
         # Modules installed for vLLM (Baton's EPLB plugin: a part of Baton's own packages)
         # would shadow the simulator's, which is Baton whole.

@@ -77,6 +77,23 @@ def test_a_chart_pod_binds_its_pod_ip_where_it_says_every_interface() -> None:
     )
 
 
+def test_a_volume_over_tmp_renames_the_pods_paths_not_the_interpreter_that_runs_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # CI's checkout (and so its interpreter) lives under /tmp, where the gateway mounts an emptyDir
+    monkeypatch.setattr("sys.executable", "/tmp/ci/.venv/bin/python3")
+    container = {"name": "gateway", "command": ["baton", "gateway"], "args": ["--x=/tmp/a"]}
+    mounts = {"/tmp": Path("/pods/p/volumes/tmp")}
+    launch = launch_of(_pod([container]), container, mounts=mounts, lookup=_no_lookup)
+    assert launch.argv == [
+        "/tmp/ci/.venv/bin/python3",
+        "-m",
+        "baton.cli",
+        "gateway",
+        "--x=/pods/p/volumes/tmp/a",
+    ]
+
+
 def test_secrets_and_fields_fill_the_environment_and_a_missing_key_is_named() -> None:
     container = {
         "name": "c",
