@@ -20,12 +20,12 @@
    each with 32 and with 0 redundant experts; the share of the gap to uniform recovered. The
    draft is the study's DSpark draft, which vLLM 0.33 leaves out of its in-engine EPLB
    (``baton.core.model.draft_balanced_in_engine``): in every configuration vLLM runs (its
-   policy in-engine, Baton's plugin) it keeps its plain layout; Baton's service balances it. Every
-   switch costs its copies (``sim.perf.switch_copy_seconds``: per layer, the most experts a rank
-   receives over its NVLink), carried by the decode steps it overlaps; the mean decode step
-   (``sim.perf.step_seconds`` at 72 requests per GPU, 6 tokens each, 128K context, from the
-   target and draft balance of every 100 steps, plus the copies) turns balance and copies into
-   throughput.
+   policy in-engine, Baton's plugin) it keeps its plain layout; Baton's service balances it.
+   Every switch costs its copies (``baton.core.perf.switch_copy_seconds``: per layer, the most
+   experts a rank receives over its NVLink), carried by the decode steps it overlaps; the mean
+   decode step (``baton.core.perf.step_seconds`` at 72 requests per GPU, 6 tokens each, 128K
+   context, from the target and draft balance of every 100 steps, plus the copies) turns balance
+   and copies into throughput.
 2. Experts moved and copy time per switch, Baton's algorithm against vLLM's policy, both with
    the placement in force as ``previous``.
 3. Decision time (``decide``: algorithm and prediction) for 43 layers x 384 experts x 32 ranks.
@@ -58,6 +58,8 @@ from baton.core.model import (
     MoEModel,
     draft_balanced_in_engine,
 )
+from baton.core.perf import RankBatch, step_seconds, switch_copy_seconds
+from baton.core.profile import load_profile
 from baton.core.vllm_eplb import vllm_rebalance
 from eplb.algorithm import rebalance
 from eplb.client import AgentClient
@@ -78,8 +80,6 @@ from sim.experts import (
     sample_load,
     simulate_balance,
 )
-from sim.perf import RankBatch, step_seconds, switch_copy_seconds
-from sim.profile import load_profile
 
 __all__ = ["run"]
 

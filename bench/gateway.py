@@ -40,9 +40,9 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.core.profile import load_profile
 from bench.procstat import cpu_seconds, pin
 from rigs.processes import baton_command, free_port, free_port_block, stop_process, wait_healthy
-from sim.profile import load_profile
 
 __all__ = [
     "MODEL",

@@ -63,6 +63,7 @@ import orjson
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.core.profile import load_profile
 from bench.agentx import (
     Record,
     fmt,
@@ -90,7 +91,6 @@ from rigs.vllm_live import (
 )
 from router.handoff import decode_body, prefill_body
 from sim.fit import DecodeSample, HandoffSample, PrefillSample, fit_profile, residuals
-from sim.profile import load_profile
 
 __all__ = ["Fit", "Part", "add_arguments", "fit", "fitted_profile", "pack", "run"]
 

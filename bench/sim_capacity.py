@@ -24,10 +24,10 @@ from typing import TypedDict
 
 import aiohttp
 
+from baton.core.perf import RankBatch, step_seconds
+from baton.core.profile import DEFAULT_PROFILE, load_profile
 from bench.procstat import cpu_seconds, pin
 from rigs.processes import baton_command, free_port, stop_process, wait_healthy
-from sim.perf import RankBatch, step_seconds
-from sim.profile import DEFAULT_PROFILE, load_profile
 
 __all__ = ["run"]
 

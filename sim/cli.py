@@ -22,11 +22,11 @@ from pydantic import BaseModel, ValidationError
 
 from baton.core.files import describe_errors
 from baton.core.model import MODEL
+from baton.core.profile import ProfileError, load_profile
 from baton.core.secrets import read_token
 from sim.cluster import load_cluster
 from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
 from sim.moe import policy_plugins
-from sim.profile import ProfileError, load_profile
 from sim.runner import SimProcess, start_cluster, start_single
 
 __all__ = ["build_parser", "config_from_args", "main"]

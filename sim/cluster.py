@@ -32,9 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from baton.core.files import load_yaml_model
 from baton.core.model import MODEL, SERVED_MODEL_NAME, SPECULATIVE_METHOD, SPECULATIVE_TOKENS
+from baton.core.profile import load_profile
 from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
 from sim.moe import policy_plugins
-from sim.profile import load_profile
 
 __all__ = [
     "ClusterSpec",

@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from baton.core.profile import Profile
 from baton.core.vllm_eplb import VLLM_STEP_INTERVAL, VLLM_WINDOW_SIZE
-from sim.profile import Profile
 
 __all__ = ["EngineConfig", "EplbConfig", "KVTransferConfig", "SpeculativeConfig"]
 

@@ -19,10 +19,10 @@ import random
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from baton.core.perf import PrefillChunk, RankBatch, StepTime, step_seconds
 from sim.config import EngineConfig
 from sim.kvcache import PrefixCache, chain_hash
 from sim.moe import MoERuntime, MoEStep
-from sim.perf import PrefillChunk, RankBatch, StepTime, step_seconds
 from sim.request import FinishReason, RequestFailed, RequestState, SimRequest
 from sim.stats import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Buckets
 from sim.tokenizer import BYTES_PER_TOKEN, word_for

@@ -2,7 +2,7 @@
 
 Pure: measured samples in, profile constants out. ``baton bench gpu --step profile`` measures a
 real vLLM engine's prefill and decode times (from its own histograms, one shape at a time) and
-its NIXL pulls; this module fits the performance model's constants (``sim.perf``) to them by
+its NIXL pulls; this module fits the performance model's constants (``baton.core.perf``) to them by
 non-negative least squares on relative error (a short step counts as much as a long one), over
 the median of each shape's repeats, and reports each sample's error under the fit.
 
@@ -25,8 +25,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from sim.perf import PrefillChunk, RankBatch, step_seconds
-from sim.profile import DecodeProfile, NVLinkProfile, PrefillProfile, Profile
+from baton.core.perf import PrefillChunk, RankBatch, step_seconds
+from baton.core.profile import DecodeProfile, NVLinkProfile, PrefillProfile, Profile
 
 __all__ = [
     "DecodeSample",

@@ -2,7 +2,7 @@
 
 Each decode step the group's tokens are routed over the experts of the target model and, with
 MTP, of the draft model (``sim.experts``); the placement in force turns that into per-rank load,
-and its balance sets the step's MoE time (``sim.perf``).
+and its balance sets the step's MoE time (``baton.core.perf``).
 
 Who re-places experts:
 - ``--enable-eplb`` alone: the engine does, as vLLM 0.33 does inside the engine: every
@@ -17,9 +17,9 @@ Who re-places experts:
 A switch costs what moving its experts costs (:class:`ExpertTransfer`). As vLLM's asynchronous
 EPLB worker does, the new weights are copied one MoE layer per decode step, model by model
 (target, then draft), while decode goes on; each such step is longer by the NVLink time of that
-layer's largest per-rank copy (``sim.perf.expert_copy_seconds``). In-engine, a layer runs on its
-new placement from the step after its copy; a staged switch (the agent's Prepare) copies the same
-way and switches every layer at once at its committed step. A whole DEP32 rebalance of the
+layer's largest per-rank copy (``baton.core.perf.expert_copy_seconds``). In-engine, a layer runs
+on its new placement from the step after its copy; a staged switch (the agent's Prepare) copies the
+same way and switches every layer at once at its committed step. A whole DEP32 rebalance of the
 target model therefore takes 43 decode steps (about 0.7 s at 16-17 ms a step), the study's "under
 one second for the whole DEP32 without pausing decode".
 
@@ -36,6 +36,7 @@ import numpy as np
 
 from baton.core.experts import Placement, rank_load
 from baton.core.model import DRAFT, TARGET, MoEModel, draft_balanced_in_engine
+from baton.core.perf import switch_copy_seconds
 from baton.core.vllm_eplb import vllm_rebalance
 from sim.config import EngineConfig
 from sim.experts import (
@@ -46,7 +47,6 @@ from sim.experts import (
     physical_load,
     sample_load,
 )
-from sim.perf import switch_copy_seconds
 
 __all__ = [
     "ExpertTransfer",

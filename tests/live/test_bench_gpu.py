@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sim.profile import load_profile
+from baton.core.profile import load_profile
 from tests.helpers import SMALL_TRACE, bench_gpu
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from baton.core.profile import Profile, load_profile
 from bench.gpu import FOLDER_BYTES, REQUIREMENTS, Part, fit, fitted_profile, pack
-from sim.profile import Profile, load_profile
 from tests.helpers import ROOT, baton_command
 
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from baton.core.profile import load_profile
 from sim.config import EngineConfig, SpeculativeConfig
 from sim.offline import run_closed_loop, run_open_loop
-from sim.profile import load_profile
 from sim.request import FinishReason, SimRequest, make_request
 
 PROFILE = load_profile()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sim.perf import PrefillChunk, RankBatch, expected_tokens_per_step, step_seconds
-from sim.profile import load_profile
+from baton.core.perf import PrefillChunk, RankBatch, expected_tokens_per_step, step_seconds
+from baton.core.profile import load_profile
 
 PROFILE = load_profile()
 K128 = 128 * 1024

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sim.perf import RankBatch, step_seconds
-from sim.profile import load_profile
+from baton.core.perf import RankBatch, step_seconds
+from baton.core.profile import load_profile
 
 PROFILE = load_profile()
 # The study's DEP32 decode: 16 requests a rank, 1 + 5 DSpark tokens each, 128K-token contexts.

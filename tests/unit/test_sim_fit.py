@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from baton.core.profile import Profile, load_profile
 from sim.fit import (
     DecodeSample,
     HandoffSample,
@@ -17,7 +18,6 @@ from sim.fit import (
     prefill_seconds,
     residuals,
 )
-from sim.profile import Profile, load_profile
 
 CHUNK = 8192
 KV_BYTES = 6912

@@ -9,13 +9,13 @@ import pytest
 
 from baton.core.experts import Placement, moves_per_rank
 from baton.core.model import DRAFT, EXPERT_BYTES, TARGET
+from baton.core.perf import RankBatch, expert_copy_seconds, step_seconds
+from baton.core.profile import load_profile
 from baton.core.vllm_eplb import vllm_rebalance
 from eplb.algorithm import rebalance
 from sim.config import EngineConfig, EplbConfig, SpeculativeConfig
 from sim.experts import DEP32_DECODE_TOKENS_PER_STEP, TARGET_SKEW
 from sim.moe import MoERuntime, policy_plugins
-from sim.perf import RankBatch, expert_copy_seconds, step_seconds
-from sim.profile import load_profile
 
 PROFILE = load_profile()
 

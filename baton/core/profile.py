@@ -75,7 +75,7 @@ class ProfileError(ValueError):
 
 def shipped_profiles() -> list[str]:
     """Names of the profiles that ship with the simulator (``--profile NAME``)."""
-    files = resources.files("sim.profiles").iterdir()
+    files = resources.files("baton.core.profiles").iterdir()
     return sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml"))
 
 
@@ -83,7 +83,7 @@ def load_profile(path: str | Path | None = None) -> Profile:
     """Read a profile from ``path``, a shipped profile's name, or the default profile."""
     name = DEFAULT_PROFILE.removesuffix(".yaml") if path is None else str(path)
     if not Path(name).exists() and name in shipped_profiles():
-        text = resources.files("sim.profiles").joinpath(f"{name}.yaml").read_text()
+        text = resources.files("baton.core.profiles").joinpath(f"{name}.yaml").read_text()
         source = f"<shipped profile {name}>"
     else:
         source = name
@@ -103,5 +103,5 @@ def load_profile(path: str | Path | None = None) -> Profile:
     except ValidationError as exc:
         raise ProfileError(
             f"{source}: {describe_errors(exc)}. Fix the field, or start from the default profile "
-            f"sim/profiles/{DEFAULT_PROFILE}"
+            f"baton/core/profiles/{DEFAULT_PROFILE}"
         ) from exc

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from baton.core.experts import Placement, moves_per_rank
-from sim.profile import Profile
+from baton.core.profile import Profile
 
 __all__ = [
     "PrefillChunk",
