@@ -14,6 +14,7 @@ from kubernetes.config.config_exception import ConfigException
 from prometheus_client import CollectorRegistry, start_http_server
 
 from baton.core.kube import api_client
+from baton.core.profile import DEFAULT_PROFILE, ProfileError, load_profile, shipped_profiles
 from controller.reconciler import Controller
 
 __all__ = ["main"]
@@ -65,7 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--straggler-windows",
         type=int,
         default=3,
-        help="windows in a row a GPU must be slow before its tray is marked degraded",
+        help="windows in a row a GPU (or a group's step) must be slow before the watch acts",
+    )
+    parser.add_argument(
+        "--straggler-step-slowdown",
+        type=float,
+        default=1.25,
+        help="a decode group whose steps take this many times what the performance model "
+        "predicts for its batch is reported slow (default 1.25: the model's own error on real "
+        "engines is up to 15%%)",
+    )
+    parser.add_argument(
+        "--performance-profile",
+        default=None,
+        help="the performance model's constants for the engines' model and GPU, a shipped "
+        f"profile's name ({', '.join(shipped_profiles())}) or a YAML file (default: "
+        f"{DEFAULT_PROFILE.removesuffix('.yaml')}, the study's calibration)",
     )
     return parser
 
@@ -78,6 +94,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--straggler-window-seconds and --straggler-windows must be at least 1 "
             f"(got {args.straggler_window_seconds} and {args.straggler_windows})"
         )
+    if args.straggler_step_slowdown <= 1.0:
+        parser.error(
+            f"--straggler-step-slowdown must be above 1 (got {args.straggler_step_slowdown}): "
+            "it is how many times the predicted step a slow group's steps take"
+        )
+    try:
+        profile = load_profile(args.performance_profile)
+    except ProfileError as exc:
+        parser.error(f"--performance-profile: {exc}")
     if args.lease_namespace is None:
         # No guess (controller-runtime refuses one too): two controllers leasing in different
         # namespaces would both lead.
@@ -110,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prometheus_url=args.prometheus_url,
         straggler_window_s=args.straggler_window_seconds,
         straggler_windows=args.straggler_windows,
+        straggler_step_slowdown=args.straggler_step_slowdown,
+        performance_profile=profile,
     )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: controller.stopped.set())

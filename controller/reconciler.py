@@ -45,6 +45,7 @@ from baton.core.labels import (
     REVISION_LABEL,
     TRAY_FAILURES_ANNOTATION,
 )
+from baton.core.profile import Profile, load_profile
 from controller.actions import Actions, Event
 from controller.decide import decide
 from controller.events import EventWrite, Occurrences
@@ -169,6 +170,34 @@ class DegradedTrayCollector(Collector):
         yield family
 
 
+class DecodeStepCollector(Collector):
+    """``baton_decode_group_slowdown{namespace,modeldeployment,cell}``: each placed decode
+    group's mean step in the straggler watch's last window over what the performance model
+    predicts for its batch; ``baton_decode_group_slow``: 1 while the watch finds it slow."""
+
+    def __init__(self, monitor: TrayHealthMonitor) -> None:
+        self.monitor = monitor
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["namespace", "modeldeployment", "cell"]
+        slowdown = GaugeMetricFamily(
+            "baton_decode_group_slowdown",
+            "A decode group's mean step over the performance model's prediction for its batch",
+            labels=labels,
+        )
+        slow = GaugeMetricFamily(
+            "baton_decode_group_slow",
+            "1 while the straggler watch finds a decode group's steps slow, window after window",
+            labels=labels,
+        )
+        for (namespace, name, cell, _), reading in self.monitor.steps.items():
+            values = [namespace, f"{namespace}/{name}", cell]
+            slowdown.add_metric(values, reading.slowdown)
+            slow.add_metric(values, 1.0 if reading.slow else 0.0)
+        yield slowdown
+        yield slow
+
+
 class StatusCollector(Collector):
     """``baton_modeldeployment_condition{namespace,name,type,status}``, as kube-state-metrics
     exports a Deployment's conditions: one series per status (true, false, unknown) of each
@@ -245,6 +274,8 @@ class Controller:
         prometheus_url: str | None = None,
         straggler_window_s: int = 60,
         straggler_windows: int = 3,
+        straggler_step_slowdown: float = 1.25,
+        performance_profile: Profile | None = None,
     ) -> None:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
@@ -281,13 +312,17 @@ class Controller:
                 prometheus_url,
                 deployments=self.deployments.items,
                 nodes=self.nodes.items,
+                profile=performance_profile or load_profile(),
                 window_s=straggler_window_s,
                 persist=straggler_windows,
+                min_slowdown=straggler_step_slowdown,
                 identity=self.identity,
             )
             if prometheus_url
             else None
         )
+        if self.tray_health is not None:
+            registry.register(DecodeStepCollector(self.tray_health))
 
     # --- events into the queue -----------------------------------------------------------------
 
@@ -368,7 +403,9 @@ class Controller:
                 # Prometheus down, or a window it cannot answer: no verdict, no mark
                 log.warning("straggler watch: window skipped: %s", exc)
                 continue
-            self.metrics.trays_degraded.inc(len(found))
+            self.metrics.trays_degraded.inc(len(found.degraded))
+            for namespace, event in found.slow_groups:
+                self._emit(namespace, [event])
 
     def _resync(self) -> None:
         while not self._stop.wait(RESYNC_S):

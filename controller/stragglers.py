@@ -12,6 +12,18 @@ robust standard deviations (1.4826 times the median absolute deviation). A tray 
 once one of its GPUs has been an outlier for ``persist`` windows in a row; one clean window
 forgets the run. The verdict names the clock-event reasons DCGM gave (thermal, power).
 
+A straggler that leaves the clocks alone (a slow CPU feeding one rank, NVLink errors and their
+replays) shows in the group's step time instead. Per window, the group's mean decode step is
+measured from its engines' vLLM series (vLLM records one inter-token latency per request at
+every engine step that emits its tokens, so their mean is the mean step) and set against what
+the performance model (``baton.core.perf``) predicts for the batch each DP rank ran (its mean
+running requests, their mean context from the KV cache in use, the speculative tokens, and the
+per-step balance of its experts that the EPLB service measures in agent mode, or the balance
+the deployment's status reports; with neither, the step is not judged). A group whose steps
+take ``min_slowdown`` times the prediction for ``persist`` windows in a row is slow
+(``StepWatch``); with no GPU of it an outlier, no tray can be named, so the controller reports
+the group (an Event and a series) for an operator to find the tray and mark it.
+
 Action: a degraded tray is marked on its Node (``baton.dev/degraded``: why, since, slowdown;
 ``degraded_marks``) and takes no new pods. Moving the group to the spare tray restarts it (the
 weights reload: ``restart_s`` of the whole group's capacity), while staying costs
@@ -33,6 +45,9 @@ from baton.core.labels import (
     DEGRADED_SINCE_ANNOTATION,
     DEGRADED_SLOWDOWN_ANNOTATION,
 )
+from baton.core.model import DRAFT, TARGET
+from baton.core.perf import RankBatch, step_seconds
+from baton.core.profile import Profile
 from controller.observe import rfc3339
 from controller.topology import Degradation
 
@@ -40,14 +55,20 @@ __all__ = [
     "CLOCK_EVENT_REASONS",
     "Degraded",
     "GpuClock",
+    "GroupStep",
     "Move",
+    "SlowGroup",
+    "StepWatch",
     "StragglerWatch",
     "clock_outliers",
     "clock_queries",
     "clocks_from",
     "degraded_marks",
+    "expected_step_seconds",
+    "group_step_from",
     "move_decision",
     "reason_names",
+    "step_queries",
     "worth_moving",
 ]
 
@@ -238,3 +259,150 @@ def worth_moving(slowdown: float, degraded_for_s: float, restart_s: float) -> bo
     if slowdown <= 1.0:
         return False
     return (1.0 - 1.0 / slowdown) * degraded_for_s > restart_s
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStep:
+    """One decode group over one window, from its engines' vLLM series and the EPLB service's
+    balance figures."""
+
+    step_s: float  # the mean decode step: inter-token latencies' sum over their count
+    steps: float  # inter-token latencies recorded in the window
+    requests: tuple[float, ...]  # each DP rank's mean running requests
+    context_tokens: float  # tokens in KV per running request, the group's mean
+    # vLLM's per-step balancedness of each MoE model's experts (mean over max rank load); None:
+    # no figure, no prediction (the MoE all-to-all's time is set by the busiest rank)
+    target_balance: float | None = None
+    draft_balance: float | None = None
+
+
+def step_queries(deployment: str, cell: str, window_s: int) -> dict[str, str]:
+    """The PromQL of one window of a decode group's engines, selected as the chart's PodMonitor
+    labels them (``deployment``: NAMESPACE/NAME): the inter-token latencies' sum and count, each
+    engine's mean running requests and KV cache in use, its cache's size; and the EPLB
+    service's per-step balance of each model for the group (the service names it by its
+    cell)."""
+    group = f'modeldeployment="{deployment}",cell="{cell}",role="decode"'
+    itl = "vllm:inter_token_latency_seconds"
+    return {
+        "itl_sum": f"sum(increase({itl}_sum{{{group}}}[{window_s}s]))",
+        "itl_count": f"sum(increase({itl}_count{{{group}}}[{window_s}s]))",
+        "running": f"avg_over_time(vllm:num_requests_running{{{group}}}[{window_s}s])",
+        "kv_usage": f"avg_over_time(vllm:kv_cache_usage_perc{{{group}}}[{window_s}s])",
+        "cache": f"vllm:cache_config_info{{{group}}}",
+        "balance": f'min by (model) (baton_eplb_step_balance{{group="{cell}"}})',
+    }
+
+
+def _value(sample: Mapping[str, Any]) -> float:
+    return float(sample["value"][1])
+
+
+def _engine(sample: Mapping[str, Any]) -> tuple[str, str]:
+    labels = sample["metric"]
+    return labels.get("instance", ""), labels.get("engine", "")
+
+
+def group_step_from(results: Mapping[str, Sequence[Mapping[str, Any]]]) -> GroupStep | None:
+    """The queries' instant vectors (Prometheus' JSON ``result`` per ``step_queries`` key) as
+    the group's step; None when its engines emitted no token in the window."""
+    count = sum(_value(sample) for sample in results["itl_count"])
+    if count <= 0:
+        return None
+    total = sum(_value(sample) for sample in results["itl_sum"])
+    running = {_engine(sample): _value(sample) for sample in results["running"]}
+    kv_tokens = 0.0
+    usage = {_engine(sample): _value(sample) for sample in results["kv_usage"]}
+    for sample in results["cache"]:
+        labels = sample["metric"]
+        blocks = float(labels.get("num_gpu_blocks") or 0) * float(labels.get("block_size") or 0)
+        kv_tokens += usage.get(_engine(sample), 0.0) * blocks
+    requests = sum(running.values())
+    context = kv_tokens / requests if requests > 0 else 0.0
+    balance = {
+        sample["metric"].get("model"): _value(sample) for sample in results.get("balance", ())
+    }
+    return GroupStep(
+        total / count,
+        count,
+        tuple(running.values()),
+        context,
+        balance.get(TARGET.name),
+        balance.get(DRAFT.name),
+    )
+
+
+def expected_step_seconds(
+    profile: Profile, step: GroupStep, *, num_speculative_tokens: int = 0
+) -> float | None:
+    """What the performance model predicts for ``step``'s batch: each rank's mean requests, each
+    with ``1 + num_speculative_tokens`` query tokens over the mean context, at its balance (the
+    draft's, when unknown, taken as the profile's measured one); None without the target's
+    balance."""
+    if step.target_balance is None:
+        return None
+    query = 1 + num_speculative_tokens
+    ranks = [
+        RankBatch(
+            decode_requests=round(requests),
+            decode_query_tokens=round(requests * query),
+            decode_context_query_product=requests * step.context_tokens * query,
+        )
+        for requests in step.requests
+    ]
+    return step_seconds(
+        profile,
+        ranks,
+        num_speculative_tokens=num_speculative_tokens,
+        target_balance=step.target_balance,
+        draft_balance=step.draft_balance or profile.decode.reference_balance,
+    ).total_s
+
+
+@dataclass(frozen=True, slots=True)
+class SlowGroup:
+    """A decode group whose steps took ``slowdown`` times the prediction, window after window."""
+
+    slowdown: float  # this window's measured step over the expected one
+    step_s: float
+    expected_s: float
+    since: float  # when its run of slow windows began (the watch's clock)
+
+    @property
+    def message(self) -> str:
+        return (
+            f"decode steps take {self.step_s * 1e3:.1f} ms, {self.slowdown:.2f}x the "
+            f"{self.expected_s * 1e3:.1f} ms the performance model predicts for the batch its "
+            "ranks run"
+        )
+
+
+@dataclass
+class StepWatch:
+    """Slow-window runs of one decode group's step against the prediction (the caller's
+    clock). A window with fewer than ``min_steps`` inter-token latencies (an idle group, a
+    group just started) judges nothing and keeps the run as it is."""
+
+    persist: int = 3
+    min_slowdown: float = 1.25
+    min_steps: float = 100.0
+    _run: int = 0
+    _since: float = 0.0
+
+    def observe(
+        self, now: float, step: GroupStep | None, expected_s: float | None
+    ) -> SlowGroup | None:
+        """One window's step and its prediction (None: none could be made); the verdict once
+        the group has been slow for ``persist`` windows in a row, else None."""
+        if step is None or step.steps < self.min_steps or not expected_s:
+            return None
+        slowdown = step.step_s / expected_s
+        if slowdown < self.min_slowdown:
+            self._run = 0
+            return None
+        if self._run == 0:
+            self._since = now
+        self._run += 1
+        if self._run < self.persist:
+            return None
+        return SlowGroup(slowdown, step.step_s, expected_s, self._since)

@@ -1,6 +1,8 @@
-"""The straggler watch on a running rack: dcgm-exporter's clocks from Prometheus, window after
-window, for every decode group the ModelDeployments' status places, and a mark on each tray the
-watch finds degraded (``controller.stragglers`` decides; this module only reads and writes).
+"""The straggler watch on a running rack: dcgm-exporter's clocks and the decode engines' vLLM
+series from Prometheus, window after window, for every decode group the ModelDeployments'
+status places; a mark on each tray the watch finds degraded, and an Event on the deployment of a
+group whose steps are slow with no tray to blame (``controller.stragglers`` decides; this
+module only reads and writes).
 
 A verdict becomes the tray's ``baton.dev/degraded`` annotations and a Warning Event on its Node
 (``kubectl describe node`` shows both); the reconciler reads the annotations, keeps new pods off
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,27 +25,56 @@ import httpx
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from baton.core.api import Reason
 from baton.core.labels import CONTROLLER_COMPONENT, DEGRADED_ANNOTATION
+from baton.core.model import DRAFT, TARGET
+from baton.core.profile import Profile
+from controller.actions import Event
 from controller.observe import rfc3339
 from controller.stragglers import (
     Degraded,
     GpuClock,
+    GroupStep,
+    StepWatch,
     StragglerWatch,
     clock_queries,
     clocks_from,
     degraded_marks,
+    expected_step_seconds,
+    group_step_from,
+    step_queries,
 )
 
-__all__ = ["TrayHealthMonitor"]
+__all__ = ["GroupKey", "StepReading", "TrayHealthMonitor", "WindowResult"]
 
 log = logging.getLogger("baton.controller")
 
 Obj = dict[str, Any]
+# A decode group: namespace, deployment, cell and its trays (a group that moved is a new one).
+GroupKey = tuple[str, str, str, tuple[str, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class StepReading:
+    """A decode group's last window: its step over the prediction, and the watch's verdict."""
+
+    slowdown: float
+    slow: bool
+
+
+@dataclass
+class WindowResult:
+    """What one window found: trays newly marked degraded, and per namespace the Events of
+    decode groups newly found slow with no tray of theirs to blame."""
+
+    degraded: list[Degraded] = field(default_factory=list)
+    slow_groups: list[tuple[str, Event]] = field(default_factory=list)
 
 
 class TrayHealthMonitor:
-    """One ``StragglerWatch`` per decode group (namespace, deployment, cell and its trays: a
-    group that moved starts a new watch), fed one Prometheus window every ``window_s``."""
+    """One ``StragglerWatch`` and one ``StepWatch`` per decode group, fed one Prometheus window
+    every ``window_s``; ``profile``: the performance model's constants for the engines' model
+    and GPU, which predict each group's step."""
 
     def __init__(
         self,
@@ -51,49 +83,99 @@ class TrayHealthMonitor:
         *,
         deployments: Callable[[], list[Obj]],
         nodes: Callable[[], list[Obj]],
+        profile: Profile,
         window_s: int = 60,
         persist: int = 3,
+        min_slowdown: float = 1.25,
         identity: str = "baton-controller",
     ) -> None:
         self.core = core
         self.prometheus = httpx.Client(base_url=prometheus_url.rstrip("/"), timeout=10.0)
         self.deployments, self.nodes = deployments, nodes
-        self.window_s, self.persist = window_s, persist
+        self.profile = profile
+        self.window_s, self.persist, self.min_slowdown = window_s, persist, min_slowdown
         self.identity = identity
-        self._watches: dict[tuple[str, str, str, tuple[str, ...]], StragglerWatch] = {}
+        self._watches: dict[GroupKey, StragglerWatch] = {}
+        self._step_watches: dict[GroupKey, StepWatch] = {}
+        # the last window's step per group, for /metrics (``baton_decode_group_slowdown``)
+        self.steps: dict[GroupKey, StepReading] = {}
 
-    def window(self) -> list[Degraded]:
-        """Judge one window of every placed decode group; mark and return the trays newly found
-        degraded. Raises ``httpx.HTTPError`` or ``ValueError`` when Prometheus cannot answer:
-        the window then judges nothing."""
+    def window(self) -> WindowResult:
+        """Judge one window of every placed decode group; mark the trays newly found degraded
+        and return them with the groups newly found slow. Raises ``httpx.HTTPError`` or
+        ``ValueError`` when Prometheus cannot answer: the window then judges nothing."""
         now = time.time()
-        groups = dict(self._groups())
+        groups = {key: deployment for key, deployment in self._groups()}
         self._watches = {
             key: self._watches.get(key) or StragglerWatch(self.persist) for key in groups
+        }
+        self._step_watches = {
+            key: self._step_watches.get(key) or StepWatch(self.persist, self.min_slowdown)
+            for key in groups
         }
         marked = {
             node["metadata"]["name"]
             for node in self.nodes()
             if DEGRADED_ANNOTATION in (node["metadata"].get("annotations") or {})
         }
-        found: list[Degraded] = []
-        for key, trays in groups.items():
+        result = WindowResult()
+        steps: dict[GroupKey, StepReading] = {}
+        for key, deployment in groups.items():
+            trays = list(key[3])
             for verdict in self._watches[key].observe(now, self._clocks(trays)):
                 if verdict.tray in marked:
                     continue
                 self._mark(verdict, f"{key[0]}/{key[1]} {key[2]}")
                 marked.add(verdict.tray)
-                found.append(verdict)
-        return found
+                result.degraded.append(verdict)
+            step = self._step(key, deployment)
+            expected = self._expected(step, deployment) if step is not None else None
+            slow = self._step_watches[key].observe(now, step, expected)
+            if step is not None and expected:
+                steps[key] = StepReading(step.step_s / expected, slow is not None)
+            was_slow = key in self.steps and self.steps[key].slow
+            # A marked tray of the group explains its steps: the move is under way.
+            if slow is not None and not was_slow and marked.isdisjoint(trays):
+                message = (
+                    f"decode group {key[2]}: {slow.message}, for {self.persist} windows of "
+                    f"{self.window_s} s; no GPU of it runs below its group's clock, so no tray "
+                    "is marked: look for a slow CPU or NVLink errors on its trays, and mark the "
+                    f"tray with kubectl annotate node TRAY {DEGRADED_ANNOTATION}=WHY to move the "
+                    "group off it"
+                )
+                event = Event(key[1], "Warning", Reason.DECODE_GROUP_SLOW, message)
+                result.slow_groups.append((key[0], event))
+        self.steps = steps
+        return result
 
-    def _groups(self) -> Iterable[tuple[tuple[str, str, str, tuple[str, ...]], list[str]]]:
+    def _groups(self) -> Iterable[tuple[GroupKey, Obj]]:
         for deployment in self.deployments():
             meta = deployment["metadata"]
             for cell in (deployment.get("status") or {}).get("cells") or []:
-                trays = list((cell.get("decode") or {}).get("trays") or [])
+                trays = tuple((cell.get("decode") or {}).get("trays") or [])
                 if trays:
-                    key = (meta["namespace"], meta["name"], cell["name"], tuple(trays))
-                    yield key, trays
+                    yield (meta["namespace"], meta["name"], cell["name"], trays), deployment
+
+    def _step(self, key: GroupKey, deployment: Obj) -> GroupStep | None:
+        queries = step_queries(f"{key[0]}/{key[1]}", key[2], self.window_s)
+        step = group_step_from({name: self._query(q) for name, q in queries.items()})
+        if step is None or step.target_balance is not None:
+            return step
+        # No agent-mode figure: the balance the deployment's status reports (plugin mode's)
+        balances = (deployment.get("status") or {}).get("eplb") or {}
+        return replace(
+            step,
+            target_balance=(balances.get(TARGET.name) or {}).get("balance"),
+            draft_balance=(balances.get(DRAFT.name) or {}).get("balance"),
+        )
+
+    def _expected(self, step: GroupStep, deployment: Obj) -> float | None:
+        speculative = (deployment.get("spec") or {}).get("speculative") or {}
+        return expected_step_seconds(
+            self.profile,
+            step,
+            num_speculative_tokens=int(speculative.get("numSpeculativeTokens") or 0),
+        )
 
     def _clocks(self, trays: list[str]) -> list[GpuClock]:
         clocks, reasons = clock_queries(trays, self.window_s)

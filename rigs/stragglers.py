@@ -135,11 +135,14 @@ def simulated_group(
     eplb_steps: int | None = None,
     requests_per_server: int = 8,
     dcgm_noise: str = "quiet",
+    deployment: str = "",
+    cell: str = "",
 ) -> Iterator[SimulatedGroup]:
     """The group ``name`` running, scraped by Prometheus each second with the controller's
     ``/metrics`` at ``controller`` (host:port); with ``eplb_steps``, its EPLB agent followed by
     a ``baton eplb`` service rebalancing every that many steps from as many. ``dcgm_noise``:
-    the exporters' ``--dcgm-noise``."""
+    the exporters' ``--dcgm-noise``. The engines' series are labelled as the chart's
+    PodMonitor labels a placed group's: ``deployment`` (NAMESPACE/NAME) and ``cell``."""
     directory.mkdir(parents=True, exist_ok=True)
     group = SimulatedGroup(
         directory,
@@ -180,7 +183,12 @@ def simulated_group(
         },
         {
             "targets": [s.removeprefix("http://") for s in group.servers],
-            "labels": {"job": "baton-engines", "role": "decode"},
+            "labels": {
+                "job": "baton-engines",
+                "role": "decode",
+                "modeldeployment": deployment,
+                "cell": cell,
+            },
         },
     ]
     with ExitStack() as stack:
@@ -191,7 +199,8 @@ def simulated_group(
             config = {
                 "window_size": eplb_steps,
                 "step_interval": eplb_steps,
-                "groups": [{"name": name, "agents": [f"127.0.0.1:{group.agent_port}"]}],
+                # the service names a placed group by its cell, as when it follows a deployment
+                "groups": [{"name": cell or name, "agents": [f"127.0.0.1:{group.agent_port}"]}],
             }
             (directory / "eplb.yaml").write_text(yaml.safe_dump(config))
             eplb_log = directory / "eplb.log"

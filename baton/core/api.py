@@ -109,6 +109,7 @@ class Reason(StrEnum):
     GROUP_UPDATING = "GroupUpdating"
     GROUP_MOVING = "GroupMoving"
     TRAY_DEGRADED = "TrayDegraded"
+    DECODE_GROUP_SLOW = "DecodeGroupSlow"
     PREFILL_UPDATING = "PrefillUpdating"
     CELL_DRAINING = "CellDraining"
     ROLLING_UPDATE = "RollingUpdate"

@@ -33,6 +33,7 @@ from baton.core.crd import CRD_PATH
 from baton.core.follow import DeploymentRef
 from baton.core.kube import json_object
 from baton.core.labels import CELL_LABEL, DEPLOYMENT_LABEL, ROLE_LABEL
+from baton.core.profile import shipped_profiles
 from controller.cli import build_parser as controller_parser
 from controller.placement import DeploymentShape, plan_placement
 from controller.podspec import render_cell
@@ -150,6 +151,11 @@ def test_an_install_for_a_namespace_that_does_not_exist_fails_before_creating_an
         ("image.pullPolicy=Sometimes", "at '/image/pullPolicy'"),
         ("gateway.rayService.enable=true", "additional properties 'enable' not allowed"),
         ("gateway.rayService.head.replicas=2", "additional properties 'replicas' not allowed"),
+        ("controller.stragglers.stepSlowdown=1", "at '/controller/stragglers/stepSlowdown'"),
+        (
+            "controller.stragglers.performanceProfile=h100",
+            "at '/controller/stragglers/performanceProfile'",
+        ),
     ],
 )
 def test_the_values_schema_refuses_a_wrong_value_naming_it(value: str, message: str) -> None:
@@ -164,6 +170,27 @@ def test_the_values_schema_refuses_a_wrong_value_naming_it(value: str, message: 
     )
     assert rendered.returncode != 0
     assert message in rendered.stderr, rendered.stderr
+
+
+def test_the_straggler_watch_is_given_its_bound_and_one_of_the_shipped_profiles() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    stragglers = schema["properties"]["controller"]["properties"]["stragglers"]["properties"]
+    assert stragglers["performanceProfile"]["enum"] == shipped_profiles()
+    [controller] = [
+        o
+        for o in render(
+            "b",
+            "--set",
+            "gateway.modelDeployment=serving/dsv4,"
+            "controller.stragglers.prometheusUrl=http://prometheus:9090",
+            "--set-json",
+            "controller.stragglers.stepSlowdown=1.5",
+        )
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "b-baton-controller"
+    ]
+    args = controller["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--straggler-step-slowdown=1.5" in args
+    assert "--performance-profile=deepseek-v4.1-flash-gb300" in args
 
 
 def helm_test_pod(*values: str) -> dict[str, Any]:
@@ -1016,7 +1043,7 @@ def test_every_alerts_runbook_url_is_a_section_of_the_page_the_chart_value_names
         if o["kind"] == "PrometheusRule"
     ]
     alerts = [r for group in rule["spec"]["groups"] for r in group["rules"] if "alert" in r]
-    assert len(alerts) == 14
+    assert len(alerts) == 15
     for alert in alerts:
         assert alert["annotations"]["runbook_url"] == f"{base}#{alert['alert'].lower()}"
     # each names a section of docs/observability.md, as Markdown anchors it

@@ -2,11 +2,13 @@
 Prometheus scraping a simulated DEP32 group's dcgm-exporters whose trays are the kwok trays its
 ModelDeployment was placed on; one GPU throttled to 70% gets its tray marked degraded (Node
 annotations and an Event), and the decode group moves to the spare tray through a drained
-restart."""
+restart. A group slowed with every clock left alone (a slow CPU, NVLink replays) is reported
+slow against the performance model's prediction, with no tray marked."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,27 +20,37 @@ from baton.core.labels import (
     DEGRADED_SINCE_ANNOTATION,
     DEGRADED_SLOWDOWN_ANNOTATION,
 )
+from baton.core.model import SPECULATIVE_METHOD, SPECULATIVE_TOKENS
 from rigs.devcluster import ControlPlane, condition, install_crd, start_controller
 from rigs.processes import eventually, free_port, stop_process
 from rigs.stragglers import SimulatedGroup, simulated_group
 from tests.k8s.helpers import apply, controller_log, read, wait_ready
 
 
-@pytest.fixture
-def watched(
+@contextmanager
+def watching(
     control_plane: ControlPlane,
     api: client.ApiClient,
     namespace: str,
     rack: list[dict[str, Any]],
-    tmp_path: Path,
+    directory: Path,
+    eplb_steps: int | None = None,
 ) -> Iterator[SimulatedGroup]:
     """The simulated group's exporters under the rack's first 8 trays' names (where the
-    decode group is placed), and a controller whose straggler watch judges 4 s windows."""
+    decode group is placed), its engines labelled as the deployment ``dsv4``'s first cell, and
+    a controller whose straggler watch judges 4 s windows."""
     install_crd(api)
     metrics = free_port()
     first_tray = rack[0]["metadata"]["name"]
     name = first_tray.rsplit("-tray-", 1)[0]  # <namespace>-rack-0: trays <name>-tray-<i>
-    with simulated_group(tmp_path, name, controller=f"127.0.0.1:{metrics}") as group:
+    with simulated_group(
+        directory,
+        name,
+        controller=f"127.0.0.1:{metrics}",
+        eplb_steps=eplb_steps,
+        deployment=f"{namespace}/dsv4",
+        cell="dsv4-cell-0",
+    ) as group:
         identity = f"straggler-{namespace}"
         process = start_controller(
             control_plane,
@@ -56,6 +68,32 @@ def watched(
         finally:
             stop_process(process)
             assert "Traceback" not in controller_log(control_plane, identity)
+
+
+@pytest.fixture
+def watched(
+    control_plane: ControlPlane,
+    api: client.ApiClient,
+    namespace: str,
+    rack: list[dict[str, Any]],
+    tmp_path: Path,
+) -> Iterator[SimulatedGroup]:
+    with watching(control_plane, api, namespace, rack, tmp_path) as group:
+        yield group
+
+
+@pytest.fixture
+def watched_with_eplb(
+    control_plane: ControlPlane,
+    api: client.ApiClient,
+    namespace: str,
+    rack: list[dict[str, Any]],
+    tmp_path: Path,
+) -> Iterator[SimulatedGroup]:
+    """As ``watched``, with the group's EPLB agent followed by a ``baton eplb`` service: its
+    per-step balance is what the watch predicts the group's step with."""
+    with watching(control_plane, api, namespace, rack, tmp_path, eplb_steps=300) as group:
+        yield group
 
 
 def node_annotations(api: client.ApiClient, name: str) -> dict[str, str]:
@@ -125,3 +163,38 @@ def test_a_gpu_at_70_percent_gets_its_tray_marked_and_its_group_moved_to_the_spa
         ),
         timeout=60,
     )
+
+
+def test_a_group_slowed_with_its_clocks_untouched_is_reported_slow_against_the_model(
+    api: client.ApiClient, namespace: str, watched_with_eplb: SimulatedGroup
+) -> None:
+    group = watched_with_eplb
+    # the engines' speculative decoding, as the simulator runs it by default (the study's)
+    speculative = {"method": SPECULATIVE_METHOD, "numSpeculativeTokens": SPECULATIVE_TOKENS}
+    apply(
+        api,
+        namespace,
+        "dsv4",
+        {"cell": {"prefill": {"instances": 2}}, "speculative": speculative},
+    )
+    wait_ready(api, namespace, "dsv4")
+    series = f'{{modeldeployment="{namespace}/dsv4",cell="dsv4-cell-0"}}'
+
+    def slowdown() -> float | None:
+        found = group.prometheus.query(f"baton_decode_group_slowdown{series}")
+        return float(found[0]["value"][1]) if found else None
+
+    # healthy: the engines' steps are what the model predicts for the batch they run
+    eventually(lambda: 0.85 < (slowdown() or 0.0) < 1.15, timeout=120)
+    group.faults.inject(group.servers[0], action="slow", factor=1.6, seconds=3600)
+    eventually(lambda: group.prometheus.query(f"baton_decode_group_slow{series} == 1"), timeout=180)
+    assert 1.4 < (slowdown() or 0.0) < 1.8
+    events = client.CoreV1Api(api).list_namespaced_event(
+        namespace, field_selector="involvedObject.name=dsv4"
+    )
+    [event] = [e for e in events.items if e.reason == "DecodeGroupSlow"]
+    assert event.type == "Warning"
+    assert "no tray is marked" in str(event.message)
+    # no GPU's clock stands out: no tray is marked, and the group stays where it is
+    assert not any(DEGRADED_ANNOTATION in node_annotations(api, t) for t in group.trays)
+    assert read(api, namespace, "dsv4")["status"]["cells"][0]["decode"]["trays"] == group.trays

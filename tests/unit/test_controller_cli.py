@@ -49,3 +49,25 @@ def test_without_the_flag_the_controller_reads_the_kubeconfig_that_kubeconfig_na
     monkeypatch.setenv("KUBECONFIG", str(broken))
     assert main(["--lease-namespace", "default"]) == 2
     assert f"cannot load {broken}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--straggler-step-slowdown", "1"],
+            "--straggler-step-slowdown must be above 1 (got 1.0)",
+        ),
+        (
+            ["--performance-profile", "h100.yaml"],
+            "--performance-profile: h100.yaml: cannot read the profile",
+        ),
+    ],
+)
+def test_a_step_bound_or_profile_the_watch_cannot_use_is_refused_naming_it(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--lease-namespace", "default", *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
