@@ -21,8 +21,11 @@ running requests, their mean context from the KV cache in use, the speculative t
 per-step balance of its experts that the EPLB service measures in agent mode, or the balance
 the deployment's status reports; with neither, the step is not judged). A group whose steps
 take ``min_slowdown`` times the prediction for ``persist`` windows in a row is slow
-(``StepWatch``); with no GPU of it an outlier, no tray can be named, so the controller reports
-the group (an Event and a series) for an operator to find the tray and mark it.
+(``StepWatch``). With no GPU of it a clock outlier, the tray to blame is the one whose GPU's
+NVLinks logged the most CRC, replay and recovery errors in the window (dcgm-exporter's NVLink
+error counters), at least ``min_link_errors`` of them (``link_culprit``): it is marked with the
+group's measured slowdown. With none, no tray can be named, so the controller reports the group
+(an Event and a series) for an operator to find the tray and mark it.
 
 Action: a degraded tray is marked on its Node (``baton.dev/degraded``: why, since, slowdown;
 ``degraded_marks``) and takes no new pods. Moving the group to the spare tray restarts it (the
@@ -38,7 +41,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from baton.core.labels import (
     DEGRADED_ANNOTATION,
@@ -55,11 +58,14 @@ __all__ = [
     "CLOCK_EVENT_REASONS",
     "Degraded",
     "GpuClock",
+    "GpuLinkErrors",
     "GroupStep",
+    "LinkDegraded",
     "Move",
     "SlowGroup",
     "StepWatch",
     "StragglerWatch",
+    "Verdict",
     "clock_outliers",
     "clock_queries",
     "clocks_from",
@@ -207,7 +213,23 @@ class StragglerWatch:
         return sorted(degraded, key=lambda d: d.clock_share)
 
 
-def degraded_marks(degraded: Degraded, since: datetime) -> dict[str, str]:
+class Verdict(Protocol):
+    """A tray found holding back its decode group, whatever the cause."""
+
+    @property
+    def tray(self) -> str: ...
+
+    @property
+    def since(self) -> float: ...
+
+    @property
+    def message(self) -> str: ...
+
+    @property
+    def slowdown(self) -> float: ...
+
+
+def degraded_marks(degraded: Verdict, since: datetime) -> dict[str, str]:
     """The Node annotations that mark ``degraded``'s tray (``since``: its ``since`` on the wall
     clock, RFC 3339 in UTC)."""
     return {
@@ -406,3 +428,72 @@ class StepWatch:
         if self._run < self.persist:
             return None
         return SlowGroup(slowdown, step.step_s, expected_s, self._since)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuLinkErrors:
+    """One GPU over one window: the NVLink CRC, replay and recovery errors it logged."""
+
+    tray: str
+    gpu: str
+    errors: float
+
+
+# dcgm-exporter's NVLink error counters (a failing link's flit CRC errors are each replayed)
+LINK_ERROR_COUNTERS = tuple(
+    f"DCGM_FI_DEV_NVLINK_{kind}_ERROR_COUNT_TOTAL"
+    for kind in ("CRC_FLIT", "CRC_DATA", "REPLAY", "RECOVERY")
+)
+
+
+def link_error_queries(trays: Sequence[str], window_s: int) -> list[str]:
+    """The PromQL of each GPU of ``trays``' NVLink errors over one window, one query per
+    counter (``increase`` drops the names, so one query over all four would see each GPU four
+    times with one labelset)."""
+    hosts = "|".join(trays)
+    return [
+        f'increase({counter}{{Hostname=~"{hosts}"}}[{window_s}s])'
+        for counter in LINK_ERROR_COUNTERS
+    ]
+
+
+def link_errors_from(results: Sequence[Sequence[Mapping[str, Any]]]) -> list[GpuLinkErrors]:
+    """The queries' instant vectors as each GPU's errors, every counter summed."""
+    errors: dict[tuple[str, str], float] = {}
+    for samples in results:
+        for sample in samples:
+            gpu = (sample["metric"]["Hostname"], sample["metric"]["gpu"])
+            errors[gpu] = errors.get(gpu, 0.0) + _value(sample)
+    return [GpuLinkErrors(tray, gpu, count) for (tray, gpu), count in errors.items()]
+
+
+@dataclass(frozen=True, slots=True)
+class LinkDegraded:
+    """A tray whose GPU's NVLinks failed while its decode group's steps were slow."""
+
+    tray: str
+    gpu: str
+    errors: float
+    window_s: int
+    slowdown: float  # the group's step over the prediction
+    since: float  # when the group's run of slow windows began
+
+    @property
+    def message(self) -> str:
+        return (
+            f"GPU {self.gpu}'s NVLinks logged {self.errors:.0f} CRC, replay and recovery errors "
+            f"in {self.window_s} s while its decode group's steps took {self.slowdown:.2f}x the "
+            "performance model's prediction"
+        )
+
+
+def link_culprit(
+    slow: SlowGroup, errors: Sequence[GpuLinkErrors], window_s: int, min_errors: float = 10.0
+) -> LinkDegraded | None:
+    """The tray to blame for ``slow``: its GPU that logged the most NVLink errors in the
+    window, at least ``min_errors`` (a healthy link logs none; a stray error is not a failing
+    link); None where no GPU did."""
+    worst = max(errors, key=lambda gpu: gpu.errors, default=None)
+    if worst is None or worst.errors < min_errors:
+        return None
+    return LinkDegraded(worst.tray, worst.gpu, worst.errors, window_s, slow.slowdown, slow.since)

@@ -32,16 +32,19 @@ from baton.core.profile import Profile
 from controller.actions import Event
 from controller.observe import rfc3339
 from controller.stragglers import (
-    Degraded,
     GpuClock,
     GroupStep,
     StepWatch,
     StragglerWatch,
+    Verdict,
     clock_queries,
     clocks_from,
     degraded_marks,
     expected_step_seconds,
     group_step_from,
+    link_culprit,
+    link_error_queries,
+    link_errors_from,
     step_queries,
 )
 
@@ -56,7 +59,8 @@ GroupKey = tuple[str, str, str, tuple[str, ...]]
 
 @dataclass(frozen=True, slots=True)
 class StepReading:
-    """A decode group's last window: its step over the prediction, and the watch's verdict."""
+    """A decode group's last window: its step over the prediction, and whether the watch finds
+    it slow with no tray to blame."""
 
     slowdown: float
     slow: bool
@@ -67,7 +71,7 @@ class WindowResult:
     """What one window found: trays newly marked degraded, and per namespace the Events of
     decode groups newly found slow with no tray of theirs to blame."""
 
-    degraded: list[Degraded] = field(default_factory=list)
+    degraded: list[Verdict] = field(default_factory=list)
     slow_groups: list[tuple[str, Event]] = field(default_factory=list)
 
 
@@ -99,6 +103,8 @@ class TrayHealthMonitor:
         self._step_watches: dict[GroupKey, StepWatch] = {}
         # the last window's step per group, for /metrics (``baton_decode_group_slowdown``)
         self.steps: dict[GroupKey, StepReading] = {}
+        # trays marked here that the Node informer has not shown marked yet: not marked twice
+        self._unseen_marks: set[str] = set()
 
     def window(self) -> WindowResult:
         """Judge one window of every placed decode group; mark the trays newly found degraded
@@ -113,11 +119,13 @@ class TrayHealthMonitor:
             key: self._step_watches.get(key) or StepWatch(self.persist, self.min_slowdown)
             for key in groups
         }
-        marked = {
+        seen = {
             node["metadata"]["name"]
             for node in self.nodes()
             if DEGRADED_ANNOTATION in (node["metadata"].get("annotations") or {})
         }
+        self._unseen_marks -= seen
+        marked = seen | self._unseen_marks
         result = WindowResult()
         steps: dict[GroupKey, StepReading] = {}
         for key, deployment in groups.items():
@@ -131,17 +139,27 @@ class TrayHealthMonitor:
             step = self._step(key, deployment)
             expected = self._expected(step, deployment) if step is not None else None
             slow = self._step_watches[key].observe(now, step, expected)
+            # A marked tray of the group explains its steps (its move is under way); else the
+            # GPU whose NVLinks fail, if one does.
+            if slow is not None and marked.isdisjoint(trays):
+                queries = link_error_queries(trays, self.window_s)
+                errors = link_errors_from([self._query(query) for query in queries])
+                culprit = link_culprit(slow, errors, self.window_s)
+                if culprit is not None:
+                    self._mark(culprit, f"{key[0]}/{key[1]} {key[2]}")
+                    marked.add(culprit.tray)
+                    result.degraded.append(culprit)
+            unexplained = slow is not None and marked.isdisjoint(trays)
             if step is not None and expected:
-                steps[key] = StepReading(step.step_s / expected, slow is not None)
+                steps[key] = StepReading(step.step_s / expected, unexplained)
             was_slow = key in self.steps and self.steps[key].slow
-            # A marked tray of the group explains its steps: the move is under way.
-            if slow is not None and not was_slow and marked.isdisjoint(trays):
+            if slow is not None and unexplained and not was_slow:
                 message = (
                     f"decode group {key[2]}: {slow.message}, for {self.persist} windows of "
-                    f"{self.window_s} s; no GPU of it runs below its group's clock, so no tray "
-                    "is marked: look for a slow CPU or NVLink errors on its trays, and mark the "
-                    f"tray with kubectl annotate node TRAY {DEGRADED_ANNOTATION}=WHY to move the "
-                    "group off it"
+                    f"{self.window_s} s; no GPU of it runs below its group's clock or logs "
+                    "NVLink errors, so no tray is marked: look for a slow or busy CPU on its "
+                    f"trays, and mark the tray with kubectl annotate node TRAY "
+                    f"{DEGRADED_ANNOTATION}=WHY to move the group off it"
                 )
                 event = Event(key[1], "Warning", Reason.DECODE_GROUP_SLOW, message)
                 result.slow_groups.append((key[0], event))
@@ -190,11 +208,12 @@ class TrayHealthMonitor:
         result: list[Obj] = body["data"]["result"]
         return result
 
-    def _mark(self, verdict: Degraded, group: str) -> None:
+    def _mark(self, verdict: Verdict, group: str) -> None:
         since = datetime.fromtimestamp(verdict.since, UTC)
         marks = degraded_marks(verdict, since)
         log.warning("tray %s degraded (decode group %s): %s", verdict.tray, group, verdict.message)
         self.core.patch_node(verdict.tray, {"metadata": {"annotations": marks}})
+        self._unseen_marks.add(verdict.tray)
         node = next((n for n in self.nodes() if n["metadata"]["name"] == verdict.tray), None)
         stamp = rfc3339(datetime.now(UTC))
         body = client.CoreV1Event.model_validate(

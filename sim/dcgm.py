@@ -5,17 +5,20 @@ On a real rack NVIDIA's dcgm-exporter runs on every node and exports per-GPU ser
 server holds (one GPU each, a tray's four in hybrid LB), so that straggler detection reads what
 it reads on a rack. Names and help texts are dcgm-exporter's default counters
 (``etc/default-counters.csv``), plus ``DCGM_FI_DEV_CLOCKS_EVENT_REASONS`` (NVML's clock-event
-reasons bitmask, which dcgm-exporter exports once the counters file lists it). Labels: ``gpu``
-(the index on the node), ``UUID``, ``pci_bus_id``, ``device``, ``modelName``, ``Hostname``.
+reasons bitmask, which dcgm-exporter exports once the counters file lists it) and the four
+NVLink error counters the file lists commented out (a rack that watches its links enables
+them). Labels: ``gpu`` (the index on the node), ``UUID``, ``pci_bus_id``, ``device``,
+``modelName``, ``Hostname``.
 
 The values are the simulator's own healthy GPU under load (a round SM clock, temperature and
 power, with a little noise per scrape, as boost clocks wander), not measurements; a throttle
 fault (``sim/faults.py``) lowers one GPU's clock to its share, raises its temperature and sets
-the hardware-thermal reason bit. Detection compares a GPU with its group, so only the ratios
-matter. ``noise="rack"`` makes the healthy GPUs look less alike, as a rack's do (the
-simulator's assumption, not a measurement): each GPU sits its own 0-3% below the nominal clock
-for good (silicon and cooling), and each scrape, one GPU in fifty dips 5-15% for that moment
-with the software power-cap reason set (a power-limit event shorter than a scrape interval).
+the hardware-thermal reason bit; an NVLink fault makes one GPU's flit CRC and replay counters
+climb. Detection compares a GPU with its group, so only the ratios matter. ``noise="rack"``
+makes the healthy GPUs look less alike, as a rack's do (the simulator's assumption, not a
+measurement): each GPU sits its own 0-3% below the nominal clock for good (silicon and
+cooling), and each scrape, one GPU in fifty dips 5-15% for that moment with the software
+power-cap reason set (a power-limit event shorter than a scrape interval).
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ SW_POWER_CAP = 0x4
 GPU_IDLE = 0x1
 HW_THERMAL_SLOWDOWN = 0x40
 _LABELS = ["gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname"]
+# NVLink error counters (commented out in dcgm-exporter's default counters file: a rack that
+# watches its links enables them). A failing link's flit CRC errors are each replayed.
+_LINK_COUNTERS = {
+    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": "Total number of NVLink flow-control CRC "
+    "errors.",
+    "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": "Total number of NVLink data CRC errors.",
+    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": "Total number of NVLink retries.",
+    "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": "Total number of NVLink recovery errors.",
+}
 
 
 class _TrayCollector(Collector):
@@ -92,6 +104,8 @@ class _TrayCollector(Collector):
                 ),
             )
         }
+        # dcgm-exporter names its counters as DCGM does, with no _total added
+        links = {name: Metric(name, doc, "counter") for name, doc in _LINK_COUNTERS.items()}
         for index, dp_rank in enumerate(self.ranks):
             rank: DPRank = self.group.ranks[dp_rank]
             share = rank.clock_at(now)
@@ -121,7 +135,11 @@ class _TrayCollector(Collector):
                 ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", float(reasons)),
             ):
                 families[name].add_metric(labels, float(value))
+            errors = rank.link_errors_at(now)
+            for name, value in zip(_LINK_COUNTERS, (errors, 0.0, errors, 0.0), strict=True):
+                links[name].add_sample(name, dict(zip(_LABELS, labels, strict=True)), value)
         yield from families.values()
+        yield from links.values()
 
 
 class DcgmExporter:

@@ -8,7 +8,10 @@ that long in simulated time, then applies the step (tokens emitted, prompts adva
 Time: simulated seconds = wall seconds / ``time_scale``. Every figure the engine reports
 (metrics, usage timings) is in simulated seconds. If the host falls behind, steps stretch:
 ``overruns`` counts the steps that ended late and ``lag_s`` adds up by how much (wall seconds),
-so a benchmark can tell whether the simulator kept its timeline.
+so a benchmark can tell whether the simulator kept its timeline. Past a bound the debt is given
+up (``lag_given_up_s``): the clients see the delay, but inter-token latencies, which describe
+the modelled engine's steps, leave it out (a busy host running the simulator is not a slow
+engine; the straggler watch reads them).
 """
 
 from __future__ import annotations
@@ -81,6 +84,12 @@ class DPRank:
         # (simulated seconds); the DCGM exporter reports it
         self.clock_share = 1.0
         self.clock_until = 0.0
+        # Fault: the rank's GPU's NVLinks replay at this rate (errors a simulated second) from
+        # link_errors_from until link_errors_until, on top of link_errors_before
+        self.link_error_rate = 0.0
+        self.link_errors_from = 0.0
+        self.link_errors_until = 0.0
+        self.link_errors_before = 0.0
         # Counters with vLLM's meaning, read by the metrics collector.
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -160,10 +169,26 @@ class DPRank:
         """The share of its nominal SM clock the rank's GPU runs at, at ``now``."""
         return self.clock_share if now < self.clock_until else 1.0
 
+    def link_errors_at(self, now: float) -> float:
+        """The NVLink errors the rank's GPU has logged by ``now`` (a counter)."""
+        span = max(0.0, min(now, self.link_errors_until) - self.link_errors_from)
+        return self.link_errors_before + self.link_error_rate * span
+
+    def fail_links(self, now: float, rate: float, seconds: float) -> None:
+        """From ``now``, ``rate`` NVLink errors a second for ``seconds``."""
+        self.link_errors_before = self.link_errors_at(now)
+        self.link_error_rate, self.link_errors_from = rate, now
+        self.link_errors_until = now + seconds
+
     def apply(
-        self, now: float, speculative_tokens: int, acceptance_rate: float
+        self,
+        now: float,
+        speculative_tokens: int,
+        acceptance_rate: float,
+        lag_given_up_s: float = 0.0,
     ) -> list[SimRequest]:
-        """Advance this step's requests; returns those that finished."""
+        """Advance this step's requests; returns those that finished. ``lag_given_up_s``: the
+        group's host lag given up so far, left out of inter-token latencies."""
         finished: list[SimRequest] = []
         for request, chunk in self._batch:
             if request.finished:
@@ -181,7 +206,9 @@ class DPRank:
             if request.first_token_at is None:
                 self.ttft.observe(now - request.arrival)
             elif request.last_token_at is not None:
-                self.itl.observe(now - request.last_token_at)
+                lag = lag_given_up_s - request.lag_given_up_at_last_token
+                self.itl.observe(now - request.last_token_at - lag)
+            request.lag_given_up_at_last_token = lag_given_up_s
             self.generation_tokens -= request.output_tokens
             done = _emit(request, emitted, now)
             self.generation_tokens += request.output_tokens
@@ -276,6 +303,7 @@ class DPGroup:
         self.modelled_s = 0.0  # the steps' durations by the performance model, summed
         self.overruns = 0
         self.lag_s = 0.0
+        self.lag_given_up_s = 0.0  # simulated seconds the timeline skipped to catch up
         self.dead = False
         # Fault: every step takes ``slow_factor`` times as long until ``slow_until``.
         self.slow_factor = 1.0
@@ -413,7 +441,7 @@ class DPGroup:
         """Apply the step begun last: tokens emitted, prompts advanced, requests finished."""
         spec = self.config.speculative.num_speculative_tokens
         for rank in self.ranks.values():
-            for request in rank.apply(now, spec, self.config.acceptance_rate):
+            for request in rank.apply(now, spec, self.config.acceptance_rate, self.lag_given_up_s):
                 self._close(request)
 
     async def _run(self) -> None:
@@ -428,7 +456,9 @@ class DPGroup:
             # Back-to-back steps start at the previous step's end in simulated time, so the
             # host's own work between steps does not stretch the modelled timeline; a host that
             # falls further behind than _MAX_LAG_S gives up the debt (and counts an overrun).
-            start = max(start, self.clock.now() - _MAX_LAG_S)
+            caught_up = max(start, self.clock.now() - _MAX_LAG_S)
+            self.lag_given_up_s += caught_up - start
+            start = caught_up
             duration = self.begin_step(start)
             end = start + duration
             delay = self.sim_clock.wall_deadline(end) - loop.time()

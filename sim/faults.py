@@ -23,6 +23,11 @@ them. The body is one of:
   r's GPU runs at share c of its nominal SM clock (heat or a power cap): its compute takes 1/c
   as long and, in lockstep, so does every MoE layer of the group; the DCGM exporter
   (``--dcgm-port``) shows the lower clock and a thermal clock-event reason.
+- ``{"action": "nvlink_errors", "rank": r, "rate": n, "factor": f, "seconds": s}``: for s
+  simulated seconds rank r's GPU's NVLinks fail n times a second (CRC errors, each replayed),
+  and every step of the group takes f times as long (the MoE all-to-all waits for the replays,
+  in lockstep); the clocks stay as they are, and the DCGM exporter's NVLink error counters of
+  that GPU climb.
 - ``{"action": "late_health", "delay": d, "seconds": s}``: for s wall seconds ``/health``
   answers d seconds late, while requests and ``/metrics`` are served as before (a loaded host
   whose probes time out while the engine keeps streaming).
@@ -48,11 +53,20 @@ __all__ = ["FaultInjector"]
 
 class _Fault(BaseModel):
     action: Literal[
-        "kill", "stall", "fail_requests", "drop_kv", "freeze", "slow", "throttle", "late_health"
+        "kill",
+        "stall",
+        "fail_requests",
+        "drop_kv",
+        "freeze",
+        "slow",
+        "throttle",
+        "nvlink_errors",
+        "late_health",
     ]
     rank: int | None = None
     seconds: Annotated[float, Field(gt=0)] = 1.0
-    factor: Annotated[float, Field(ge=1)] = 10.0  # slow
+    factor: Annotated[float, Field(ge=1)] = 10.0  # slow; nvlink_errors: 1.3
+    rate: Annotated[float, Field(gt=0)] = 100.0  # nvlink_errors: errors a second
     share: Annotated[float, Field(gt=0, le=1)] = 0.7  # throttle
     delay: Annotated[float, Field(gt=0, le=60)] = 2.0  # late_health
     count: Annotated[int, Field(ge=0)] | None = None  # fail_requests: 1; drop_kv: 0
@@ -123,6 +137,13 @@ class FaultInjector:
             throttled = self.group.ranks[rank]
             throttled.clock_share = fault.share
             throttled.clock_until = self.group.clock.now() + fault.seconds
+        elif fault.action == "nvlink_errors":
+            now = self.group.clock.now()
+            self.group.ranks[rank].fail_links(now, fault.rate, fault.seconds)
+            if "factor" not in fault.model_fields_set:
+                fault.factor = 1.3
+            self.group.slow_factor = fault.factor
+            self.group.slow_until = now + fault.seconds
         elif fault.action == "late_health":
             self._late_health = (time.monotonic() + fault.seconds, fault.delay)
         elif fault.action == "fail_requests":

@@ -73,6 +73,9 @@ class SimRequest:
     holdback: int = 0  # characters kept back until a stop string can no longer start in them
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # the group's given-up lag at its last token: an inter-token latency leaves out the lag
+    # given up since (the host's delay, not the modelled engine's)
+    lag_given_up_at_last_token: float = 0.0
     scheduled_at: float | None = None
     finished_at: float | None = None
     finish_reason: FinishReason | None = None

@@ -1,5 +1,5 @@
 """``baton sim --dcgm-port``: dcgm-exporter's per-GPU series for a tray, and a throttled GPU
-that every rank of its lockstep group pays for."""
+or a GPU's failing NVLinks that every rank of its lockstep group pays for."""
 
 from __future__ import annotations
 
@@ -68,6 +68,36 @@ def test_a_throttled_gpu_shows_in_dcgm_and_slows_every_rank_of_its_group(
     # ranks 0, 1 and 3 are healthy, yet every step of the group waits for rank 2's GPU
     # (1/0.7 for the same batches; the batches' own mix moves it by some percent)
     assert mean_step(sim.url, 300) > 1.2 * before
+
+
+def test_failing_nvlinks_climb_their_gpus_error_counters_and_slow_the_group_clocks_untouched(
+    start_sim: Callable[..., SimHandle], faults: FaultInjection
+) -> None:
+    port = free_port()
+    sim = start_sim(
+        *("--data-parallel-size", "4", "--enable-expert-parallel"),
+        *("--dcgm-port", str(port), "--dcgm-hostname", "gb300-tray-7"),
+        *faults.flags,
+    )
+    keep_decoding(sim.url, requests=16, ranks=4)
+    eventually(lambda: scrape(sim.url, "vllm:num_requests_running") == 16, timeout=60)
+    replays = "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL"
+    healthy = dcgm(port)
+    for counter in (replays, "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"):
+        assert healthy[counter] == {"0": 0.0, "1": 0.0, "2": 0.0, "3": 0.0}
+    mean_step(sim.url, 100)
+    before = mean_step(sim.url, 300)
+
+    faults.inject(sim.url, action="nvlink_errors", rank=1, rate=50, factor=1.3, seconds=3600)
+    first = dcgm(port)[replays]["1"]
+    after = mean_step(sim.url, 300)
+    failing = dcgm(port)
+    assert failing[replays]["1"] > first  # a counter: it climbs while the fault lasts
+    assert failing["DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"]["1"] == failing[replays]["1"]
+    assert all(failing[replays][gpu] == 0.0 for gpu in ("0", "2", "3"))
+    clocks = failing["DCGM_FI_DEV_SM_CLOCK"]
+    assert all(clock > 0.97 * NOMINAL_SM_CLOCK_MHZ for clock in clocks.values())
+    assert after > 1.2 * before
 
 
 def test_rack_noise_keeps_each_gpu_a_few_percent_below_nominal_and_dips_a_few_scrapes(

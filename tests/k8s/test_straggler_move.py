@@ -2,8 +2,9 @@
 Prometheus scraping a simulated DEP32 group's dcgm-exporters whose trays are the kwok trays its
 ModelDeployment was placed on; one GPU throttled to 70% gets its tray marked degraded (Node
 annotations and an Event), and the decode group moves to the spare tray through a drained
-restart. A group slowed with every clock left alone (a slow CPU, NVLink replays) is reported
-slow against the performance model's prediction, with no tray marked."""
+restart. A group whose steps are slow against the performance model's prediction with every
+clock normal gets the tray of the GPU whose NVLinks fail marked and moved, or, with no GPU to
+blame (a slow CPU), is reported slow with no tray marked."""
 
 from __future__ import annotations
 
@@ -130,10 +131,14 @@ def test_a_gpu_at_70_percent_gets_its_tray_marked_and_its_group_moved_to_the_spa
     assert marks[DEGRADED_SINCE_ANNOTATION].endswith("Z")
     marked = [t for t in group.trays if t != slow]
     assert not any(DEGRADED_ANNOTATION in node_annotations(api, t) for t in marked)
-    events = client.CoreV1Api(api).list_namespaced_event(
-        "default", field_selector=f"involvedObject.name={slow}"
-    )
-    [event] = [e for e in events.items if e.reason == "TrayDegraded"]
+
+    def tray_events() -> list[client.CoreV1Event]:
+        events = client.CoreV1Api(api).list_namespaced_event(
+            "default", field_selector=f"involvedObject.name={slow}"
+        )
+        return [e for e in events.items if e.reason == "TrayDegraded"]
+
+    [event] = eventually(tray_events, timeout=30)  # written just after the mark
     assert event.type == "Warning" and event.involved_object.kind == "Node"
     assert f"holds back decode group {namespace}/dsv4 dsv4-cell-0" in str(event.message)
     # the kwok group started in seconds: the move pays at once, drained first
@@ -198,3 +203,53 @@ def test_a_group_slowed_with_its_clocks_untouched_is_reported_slow_against_the_m
     # no GPU's clock stands out: no tray is marked, and the group stays where it is
     assert not any(DEGRADED_ANNOTATION in node_annotations(api, t) for t in group.trays)
     assert read(api, namespace, "dsv4")["status"]["cells"][0]["decode"]["trays"] == group.trays
+
+
+def test_a_gpu_whose_nvlinks_fail_gets_its_tray_marked_by_the_groups_slowdown_and_moved(
+    api: client.ApiClient, namespace: str, watched_with_eplb: SimulatedGroup
+) -> None:
+    group = watched_with_eplb
+    speculative = {"method": SPECULATIVE_METHOD, "numSpeculativeTokens": SPECULATIVE_TOKENS}
+    apply(
+        api,
+        namespace,
+        "dsv4",
+        {
+            "cell": {"prefill": {"instances": 2}},
+            "rollout": {"drainSeconds": 2},
+            "speculative": speculative,
+        },
+    )
+    obj = wait_ready(api, namespace, "dsv4")
+    [spare] = obj["status"]["cells"][0]["spareTrays"]
+    series = f'{{modeldeployment="{namespace}/dsv4",cell="dsv4-cell-0"}}'
+    eventually(
+        lambda: group.prometheus.query(f"baton_decode_group_slowdown{series} < 1.15"), timeout=120
+    )
+    # rank 21: the second GPU of the sixth tray; its links fail, every step 1.4x as long
+    failing = group.trays[5]
+    group.faults.inject(
+        group.servers[5], action="nvlink_errors", rank=21, rate=50, factor=1.4, seconds=3600
+    )
+    eventually(lambda: DEGRADED_ANNOTATION in node_annotations(api, failing), timeout=180)
+    marks = node_annotations(api, failing)
+    assert marks[DEGRADED_ANNOTATION].startswith("GPU 1's NVLinks logged ")
+    assert 1.25 < float(marks[DEGRADED_SLOWDOWN_ANNOTATION]) < 1.6
+    assert not any(DEGRADED_ANNOTATION in node_annotations(api, t) for t in group.trays[:5])
+    # the mark explains the slow steps: no DecodeGroupSlow, and the group moves to the spare
+    moved = eventually(
+        lambda: (
+            (c := read(api, namespace, "dsv4")["status"]["cells"][0])["decode"]["trays"][5] == spare
+            and c
+        ),
+        timeout=180,
+    )
+    assert failing not in moved["decode"]["trays"]
+    reasons = [
+        e.reason
+        for e in client.CoreV1Api(api)
+        .list_namespaced_event(namespace, field_selector="involvedObject.name=dsv4")
+        .items
+    ]
+    assert {"TrayDegraded", "GroupMoving"} <= set(reasons)
+    assert "DecodeGroupSlow" not in reasons

@@ -1,9 +1,11 @@
 """A decode group's step against the performance model (``controller.stragglers``): the
-Prometheus answers read as the group's step, the prediction, and the slow-window runs."""
+Prometheus answers read as the group's step, the prediction, the slow-window runs, and the tray
+blamed for a slow group by its GPUs' NVLink errors."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 from hypothesis import given
@@ -12,10 +14,17 @@ from hypothesis import strategies as st
 from baton.core.perf import RankBatch, step_seconds
 from baton.core.profile import load_profile
 from controller.stragglers import (
+    LINK_ERROR_COUNTERS,
+    GpuLinkErrors,
     GroupStep,
+    SlowGroup,
     StepWatch,
+    degraded_marks,
     expected_step_seconds,
     group_step_from,
+    link_culprit,
+    link_error_queries,
+    link_errors_from,
     step_queries,
 )
 
@@ -124,3 +133,54 @@ def test_an_idle_window_judges_nothing_and_keeps_the_run() -> None:
     verdict = watch.observe(3.0, window(1.5), 0.02)
     assert verdict is not None and verdict.since == 0.0
     assert verdict.message.startswith("decode steps take 30.0 ms, 1.50x the 20.0 ms")
+
+
+SLOW = SlowGroup(1.3, 0.026, 0.02, since=7.0)
+
+
+@given(st.lists(st.floats(0.0, 9.99), max_size=32))
+def test_links_with_fewer_than_the_minimum_errors_blame_no_tray(errors: list[float]) -> None:
+    gpus = [GpuLinkErrors(f"tray-{i // 4}", str(i % 4), e) for i, e in enumerate(errors)]
+    assert link_culprit(SLOW, gpus, 60) is None
+
+
+@given(st.lists(st.floats(0.0, 1e6), min_size=1, max_size=32), st.floats(10.0, 1e7))
+def test_the_gpu_whose_links_failed_most_is_blamed_with_the_groups_slowdown(
+    others: list[float], worst: float
+) -> None:
+    gpus = [
+        GpuLinkErrors(f"tray-{i // 4}", str(i % 4), min(e, worst)) for i, e in enumerate(others)
+    ]
+    gpus.append(GpuLinkErrors("tray-9", "2", worst))
+    culprit = link_culprit(SLOW, gpus, 60)
+    assert culprit is not None and culprit.errors == worst
+    assert (culprit.slowdown, culprit.since) == (1.3, 7.0)
+    if all(e < worst for e in others):
+        assert (culprit.tray, culprit.gpu) == ("tray-9", "2")
+
+
+def test_a_link_verdict_says_what_failed_and_how_slow_the_group_ran() -> None:
+    culprit = link_culprit(SLOW, [GpuLinkErrors("rack-0-tray-3", "1", 3000.0)], 60)
+    assert culprit is not None
+    assert culprit.message == (
+        "GPU 1's NVLinks logged 3000 CRC, replay and recovery errors in 60 s while its decode "
+        "group's steps took 1.30x the performance model's prediction"
+    )
+    marks = degraded_marks(culprit, datetime(2026, 12, 6, tzinfo=UTC))
+    assert marks["baton.dev/degraded-slowdown"] == "1.300"
+
+
+def test_each_gpus_four_nvlink_error_counters_are_summed_over_the_window() -> None:
+    queries = link_error_queries(["rack-0-tray-0", "rack-0-tray-1"], 60)
+    assert queries[2] == (
+        'increase(DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL{Hostname=~"rack-0-tray-0|'
+        'rack-0-tray-1"}[60s])'
+    )
+    assert len(queries) == len(LINK_ERROR_COUNTERS) == 4
+    flits = [sample(30.0, Hostname="rack-0-tray-1", gpu="2")]
+    replays = [sample(30.0, Hostname="rack-0-tray-1", gpu="2"), sample(0.0, Hostname="t", gpu="0")]
+    errors = link_errors_from([flits, [], replays, []])
+    assert sorted(errors, key=lambda e: e.errors) == [
+        GpuLinkErrors("t", "0", 0.0),
+        GpuLinkErrors("rack-0-tray-1", "2", 60.0),
+    ]
