@@ -9,7 +9,9 @@ rack noise (``baton sim --dcgm-noise rack``: each GPU 0-3% below nominal for goo
 5-15% power-cap dips). Phases:
 
 1. Healthy: the group's tokens/s, its EPLB balance once the service has rebalanced, and no tray
-   marked.
+   marked. Tokens/s are counted per simulated second (the modelled engine's throughput: on a
+   host too busy to keep the simulated timeline, wall-clock rates measure the host); the
+   wall-clock rate is recorded beside it.
 2. Fault: rank 13 (GPU 1 of the fourth tray) throttled to 70% of its SM clock. Measured: when
    the watch marks the tray, when the controller drains the cell and restarts the group off it
    (the new decode trays in status), and the group's tokens/s meanwhile.
@@ -21,9 +23,21 @@ rack noise (``baton sim --dcgm-noise rack``: each GPU 0-3% below nominal for goo
 4. After: tokens/s against the healthy phase's, and the EPLB balance at the first decisions
    after the restart (the service restores the placement in force before) against the balance
    before the fault and the cold placement's at the start.
+5. Failing NVLinks: one GPU's links fail ``LINK_ERRORS_PER_S`` times a second and every step
+   takes ``LINK_FACTOR`` times as long, every clock normal (the simulator's ``nvlink_errors``
+   fault). Measured: when the watch, finding the group slow against the performance model's
+   prediction, marks that GPU's tray, and when the group moves off it; the group restarts again.
+6. A slow group with normal clocks and links: every step ``SLOW_FACTOR`` times as long (the
+   simulator's ``slow`` fault: a slow CPU). Measured: when the watch reports the group slow
+   (``baton_decode_group_slow``, the ``DecodeGroupSlow`` Event), the ratio it saw, and that no
+   tray was marked.
+
+Throughout, the watch's ratio of the group's measured step to the model's prediction for its
+batch (``baton_decode_group_slowdown``) is recorded.
 
 ``--noise-minutes N`` runs a healthy group alone for N minutes with the chart's default windows
-(60 s, three in a row) and counts the trays marked: the false positives.
+(60 s, three in a row), its EPLB service running, and counts the trays marked and the groups
+reported slow: the false positives.
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ import httpx
 from kubernetes import client, config
 
 from baton.core.labels import DEGRADED_ANNOTATION, DEGRADED_SLOWDOWN_ANNOTATION
-from baton.core.model import MODEL
+from baton.core.model import MODEL, SPECULATIVE_METHOD, SPECULATIVE_TOKENS
 from controller.stragglers import move_decision
 from controller.topology import Degradation
 from rigs.devcluster import (
@@ -61,6 +75,10 @@ NAMESPACE, DEPLOYMENT = "bench", "dsv4"
 THROTTLED_RANK, SHARE = 13, 0.7  # GPU 1 of the fourth tray
 EPLB_STEPS = 300  # the service's cadence here: every 300 steps from the last 300
 REAL_RESTART_S = 180.0  # what the same rule pays for a group whose weights take this long
+LINK_RANK, LINK_ERRORS_PER_S, LINK_FACTOR = 21, 50.0, 1.3  # GPU 1 of the sixth tray
+SLOW_FACTOR = 1.3  # phase 6: every step this many times as long, every clock and link normal
+# the engines' speculative decoding, as the simulator runs it (the study's)
+SPECULATIVE = {"method": SPECULATIVE_METHOD, "numSpeculativeTokens": SPECULATIVE_TOKENS}
 _FIGURES = Path(__file__).resolve().parents[1] / "docs" / "figures"
 _RESULTS = Path("bench/results")
 
@@ -114,6 +132,8 @@ def _fault_run(
         controller=f"127.0.0.1:{metrics}",
         eplb_steps=EPLB_STEPS,
         dcgm_noise="rack",
+        deployment=f"{NAMESPACE}/{DEPLOYMENT}",
+        cell=f"{DEPLOYMENT}-cell-0",
     ) as group:
         controller = start_controller(
             plane,
@@ -136,6 +156,7 @@ def _fault_run(
                     "model": MODEL,
                     "cell": {"prefill": {"instances": 2}},
                     "rollout": {"drainSeconds": 5, "minReadySeconds": 5},
+                    "speculative": SPECULATIVE,
                 },
             )
             eventually(lambda: _ready(api), timeout=120, interval=0.5)
@@ -177,7 +198,37 @@ def _fault_run(
             after_from = group.load_started[-1] + lead
             after_to = after_from + (healthy_to - healthy_from)
             time.sleep(max(0.0, after_to - time.time()) + 2.0)
-            timeline = _timeline(group, started, after_to)
+            # 5: one GPU's NVLinks fail; every step slower, every clock normal
+            linked = group.trays[LINK_RANK // 4]
+            group.faults.inject(
+                group.servers[LINK_RANK // 4],
+                action="nvlink_errors",
+                rank=LINK_RANK,
+                rate=LINK_ERRORS_PER_S,
+                factor=LINK_FACTOR,
+                seconds=3600,
+            )
+            links_failed = time.time()
+            eventually(lambda: bool(_marked(core, [linked])), timeout=20 * window_s, interval=0.25)
+            links_marked = time.time()
+            link_annotations = _annotations(core, linked)
+            eventually(
+                lambda: linked not in _status(api)["cells"][0]["decode"]["trays"],
+                timeout=300,
+                interval=0.25,
+            )
+            links_moved = time.time()
+            link_slow_event = _slow_event(core)
+            group.restart()  # the moved group's engines, on healthy links
+            eventually(lambda: _ready(api), timeout=300, interval=0.5)
+            # 6: a slow group whose clocks and links stay normal (a slow CPU)
+            group.faults.inject(group.servers[0], action="slow", factor=SLOW_FACTOR, seconds=3600)
+            slowed = time.time()
+            eventually(lambda: _reported_slow(group), timeout=20 * window_s, interval=0.25)
+            reported = time.time()
+            slow_event = _slow_event(core)
+            slow_marked = _marked(core, _status(api)["cells"][0]["decode"]["trays"])
+            timeline = _timeline(group, started, reported)
         finally:
             stop_process(controller)
         eplb_log = (group.directory / "eplb.log").read_text(errors="replace")
@@ -185,6 +236,8 @@ def _fault_run(
     healthy_tps = _mean(timeline["tokens_per_s"], healthy_from, healthy_to)
     faulted_tps = _mean(timeline["tokens_per_s"], throttled + 10, moved)
     after_tps = _mean(timeline["tokens_per_s"], after_from, after_to)
+    wall = timeline["wall_tokens_per_s"]
+    ratio = timeline["step_slowdown"]
     return {
         "benchmark": "stragglers",
         "setup": {
@@ -196,7 +249,12 @@ def _fault_run(
             "drain_s": 5,
             "dcgm_noise": "rack: each GPU 0-3% below nominal for good; 1 scrape in 50 dips 5-15%",
         },
-        "healthy": {"trays_marked": marked_healthy, "tokens_per_s": healthy_tps},
+        "healthy": {
+            "trays_marked": marked_healthy,
+            "tokens_per_s": healthy_tps,
+            "wall_tokens_per_s": _mean(wall, healthy_from, healthy_to),
+            "step_over_model": _mean(ratio, healthy_from, healthy_to),
+        },
         "fault": {
             "to_mark_s": marked - throttled,
             "mark": annotations.get(DEGRADED_ANNOTATION),
@@ -204,6 +262,8 @@ def _fault_run(
             "to_move_s": moved - throttled,
             "tokens_per_s": faulted_tps,
             "tokens_per_s_share": faulted_tps / healthy_tps if healthy_tps else None,
+            "wall_tokens_per_s": _mean(wall, throttled + 10, moved),
+            "step_over_model": _mean(ratio, throttled + window_s + 1, moved),
             # the same rule for a group whose weights take REAL_RESTART_S to load
             "real_restart_s": REAL_RESTART_S,
             "real_move_after_mark_s": _pays_after(slowdown, REAL_RESTART_S),
@@ -213,7 +273,26 @@ def _fault_run(
             "to_ready_s": ready - throttled,
             "tokens_per_s": after_tps,
             "tokens_per_s_share": after_tps / healthy_tps if healthy_tps else None,
+            "wall_tokens_per_s": _mean(wall, after_from, after_to),
             "trays_marked": _marked(core, group.trays),
+            "step_over_model": _mean(ratio, after_from, after_to),
+        },
+        "nvlink": {
+            "fault": f"rank {LINK_RANK} (GPU 1 of {linked}): {LINK_ERRORS_PER_S:.0f} NVLink "
+            f"errors a second, every step {LINK_FACTOR}x",
+            "to_mark_s": links_marked - links_failed,
+            "mark": link_annotations.get(DEGRADED_ANNOTATION),
+            "slowdown": float(link_annotations.get(DEGRADED_SLOWDOWN_ANNOTATION, "nan")),
+            "to_move_s": links_moved - links_failed,
+            "step_over_model": _mean(ratio, links_failed + window_s + 1, links_marked),
+            "decode_group_slow_event": link_slow_event,
+        },
+        "slow_group": {
+            "factor": SLOW_FACTOR,
+            "to_report_s": reported - slowed,
+            "step_over_model": _mean(ratio, slowed + window_s + 1, reported),
+            "event": slow_event,
+            "trays_marked": slow_marked,
         },
         "eplb": _eplb_recovery(eplb_log),
         "moments": {
@@ -224,6 +303,11 @@ def _fault_run(
             "restarted": restarted - started,
             "ready": ready - started,
             "after": [after_from - started, after_to - started],
+            "links_failed": links_failed - started,
+            "links_marked": links_marked - started,
+            "links_moved": links_moved - started,
+            "slowed": slowed - started,
+            "reported": reported - started,
         },
         "timeline": {
             name: [[t - started, v] for t, v in series] for name, series in timeline.items()
@@ -234,12 +318,19 @@ def _fault_run(
 def _noise_run(
     api: client.ApiClient, plane: Any, directory: Path, minutes: float
 ) -> dict[str, Any]:
-    """A healthy group for ``minutes`` under the default windows: the trays marked."""
+    """A healthy group for ``minutes`` under the default windows: the trays marked and the
+    groups reported slow."""
     core = client.CoreV1Api(api)
     add_trays(api, 1, first_rack=1, name_prefix="noise-")
     metrics = free_port()
     with simulated_group(
-        directory / "noise", "noise-rack-1", controller=f"127.0.0.1:{metrics}", dcgm_noise="rack"
+        directory / "noise",
+        "noise-rack-1",
+        controller=f"127.0.0.1:{metrics}",
+        eplb_steps=EPLB_STEPS,
+        dcgm_noise="rack",
+        deployment=f"{NAMESPACE}/noise",
+        cell="noise-cell-0",
     ) as group:
         controller = start_controller(
             plane,
@@ -250,12 +341,27 @@ def _noise_run(
         )
         try:
             create_model_deployment(
-                api, NAMESPACE, "noise", {"model": MODEL, "cell": {"prefill": {"instances": 2}}}
+                api,
+                NAMESPACE,
+                "noise",
+                {
+                    "model": MODEL,
+                    "cell": {"prefill": {"instances": 2}},
+                    "speculative": SPECULATIVE,
+                },
             )
             eventually(lambda: _ready(api, "noise"), timeout=120, interval=0.5)
             time.sleep(60 * minutes)  # the run's length: a benchmark phase, not a wait
             windows = round(minutes)  # 60 s windows
             marked = _marked(core, group.trays)
+            span = f"[{round(minutes * 60)}s:15s]"
+            ratio = {
+                name: group.prometheus.query(
+                    f"{name}_over_time(max(baton_decode_group_slowdown){span})"
+                )
+                for name in ("min", "max", "count")
+            }
+            slow_events = _slow_event(core, "noise")
             spread = group.prometheus.query("max(DCGM_FI_DEV_SM_CLOCK) / min(DCGM_FI_DEV_SM_CLOCK)")
             # the GPUs were busy throughout (an idle GPU clocks down to 345 MHz)
             busy = group.prometheus.query(
@@ -270,6 +376,10 @@ def _noise_run(
         "minutes": minutes,
         "windows": windows,
         "trays_marked": marked,
+        "groups_reported_slow": 0 if slow_events is None else 1,
+        "step_over_model": {
+            name: float(found[0]["value"][1]) if found else None for name, found in ratio.items()
+        },
         "fastest_over_slowest_gpu_at_the_end": float(spread[0]["value"][1]) if spread else None,
         "lowest_median_sm_clock_mhz": float(busy[0]["value"][1]) if busy else None,
     }
@@ -296,6 +406,17 @@ def _marked(core: client.CoreV1Api, trays: list[str]) -> list[str]:
     return [tray for tray in trays if DEGRADED_ANNOTATION in _annotations(core, tray)]
 
 
+def _reported_slow(group: SimulatedGroup) -> bool:
+    return bool(group.prometheus.query("max(baton_decode_group_slow) == 1"))
+
+
+def _slow_event(core: client.CoreV1Api, name: str = DEPLOYMENT) -> str | None:
+    """The message of the deployment's ``DecodeGroupSlow`` Event, if one was recorded."""
+    events = core.list_namespaced_event(NAMESPACE, field_selector=f"involvedObject.name={name}")
+    found = [e.message for e in events.items if e.reason == "DecodeGroupSlow"]
+    return found[-1] if found else None
+
+
 def _decisions(group: SimulatedGroup) -> int:
     """Decisions the EPLB service has taken for the target model (its decision histogram)."""
     assert group.eplb_metrics is not None
@@ -310,10 +431,16 @@ def _timeline(group: SimulatedGroup, start: float, end: float) -> dict[str, list
     """The group's tokens/s, its slowest GPU's SM clock and the target model's EPLB window
     balance, as Prometheus recorded them, one point a second."""
     queries = {
-        "tokens_per_s": 'sum(rate(vllm:generation_tokens_total{job="baton-engines"}[10s]))',
+        # per simulated second: the modelled engine's throughput, whether or not this host kept
+        # the simulated timeline (past 50 ms behind it gives the debt up, and wall-clock rates
+        # then measure the host); every server of the group reports the group's modelled time
+        "tokens_per_s": 'sum(increase(vllm:generation_tokens_total{job="baton-engines"}[10s])) '
+        '/ max(increase(baton:sim_step_seconds_total{job="baton-engines"}[10s]))',
+        "wall_tokens_per_s": 'sum(rate(vllm:generation_tokens_total{job="baton-engines"}[10s]))',
         "slowest_sm_clock_mhz": "min(DCGM_FI_DEV_SM_CLOCK)",
         "median_sm_clock_mhz": "quantile(0.5, DCGM_FI_DEV_SM_CLOCK)",
         "eplb_step_balance": 'max(baton_eplb_step_balance{model="target"})',
+        "step_slowdown": "max(baton_decode_group_slowdown)",
     }
     series: dict[str, list[list[float]]] = {}
     for name, expr in queries.items():
@@ -375,10 +502,11 @@ def _plot(result: dict[str, Any], directory: Path) -> str | None:
     except ImportError:
         return None
     timeline, moments = result["timeline"], result["moments"]
-    figure, (tokens, clocks) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    figure, (tokens, clocks, steps) = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
     for axis, names, label in (
-        (tokens, ("tokens_per_s",), "decode tokens/s (the group)"),
+        (tokens, ("tokens_per_s",), "decode tokens per simulated s"),
         (clocks, ("slowest_sm_clock_mhz", "median_sm_clock_mhz"), "SM clock, MHz"),
+        (steps, ("step_slowdown",), "step / model's step"),
     ):
         for name in names:
             points = timeline.get(name) or []
@@ -394,13 +522,18 @@ def _plot(result: dict[str, Any], directory: Path) -> str | None:
             ("marked", "orange"),
             ("moved", "purple"),
             ("ready", "green"),
+            ("links_failed", "magenta"),
+            ("links_moved", "purple"),
+            ("slowed", "brown"),
+            ("reported", "grey"),
         ):
             axis.axvline(moments[moment], color=colour, linestyle="--", linewidth=0.8)
             axis.text(moments[moment], axis.get_ylim()[1], moment, fontsize=7, rotation=90)
     clocks.legend(loc="lower right", fontsize=8)
-    clocks.set_xlabel("seconds since the deployment was Ready")
+    steps.set_xlabel("seconds since the deployment was Ready")
     figure.suptitle(
-        f"One GPU of a DEP32 group at {SHARE:.0%}: marked, drained and moved "
+        f"One GPU of a DEP32 group at {SHARE:.0%}: marked and moved; a GPU's NVLinks failing: "
+        f"marked and moved; every step {SLOW_FACTOR}x, nothing to blame: reported "
         f"({result['setup']['window_s']} s windows, three in a row)"
     )
     figure.tight_layout()
@@ -422,6 +555,15 @@ def _print(result: dict[str, Any]) -> None:
         f"after the move: restart {after['restart_s']:.1f} s, Ready {after['to_ready_s']:.1f} s "
         f"after the throttle; {after['tokens_per_s']:.0f} tokens/s "
         f"({after['tokens_per_s_share']:.2f}x healthy)",
+        f"step over the model's prediction: healthy {result['healthy']['step_over_model']:.3f}, "
+        f"throttled {fault['step_over_model']:.3f}, after the move {after['step_over_model']:.3f}",
+        f"NVLinks failing, every step {LINK_FACTOR}x: tray marked after "
+        f"{result['nvlink']['to_mark_s']:.1f} s (slowdown {result['nvlink']['slowdown']:.2f}), "
+        f"moved after {result['nvlink']['to_move_s']:.1f} s",
+        f"every step {SLOW_FACTOR}x, clocks and links normal: reported slow after "
+        f"{result['slow_group']['to_report_s']:.1f} s (step over the model "
+        f"{result['slow_group']['step_over_model']:.3f}), trays marked "
+        f"{result['slow_group']['trays_marked'] or 'none'}",
         f"EPLB: cold {eplb['cold_balance']}, before the fault {eplb['balance_before_fault']}, "
         f"after the restart {eplb['balance_after_restart']} (restored {eplb['restored']}x, first "
         f"decision {eplb['steps_to_first_decision_after_restart']} steps after the sync)",
@@ -430,7 +572,10 @@ def _print(result: dict[str, Any]) -> None:
         noise = result["noise"]
         lines.append(
             f"noise: {noise['minutes']} min, {noise['windows']} windows, trays marked "
-            f"{noise['trays_marked'] or 'none'}; the group's median SM clock never below "
+            f"{noise['trays_marked'] or 'none'}, groups reported slow "
+            f"{noise['groups_reported_slow']} (step over the model "
+            f"{noise['step_over_model']['min']}-{noise['step_over_model']['max']}); the group's "
+            "median SM clock never below "
             f"{noise['lowest_median_sm_clock_mhz']} MHz"
         )
     print("\n".join(lines))

@@ -37,9 +37,10 @@ def mean_step(url: str, steps: int) -> float:
     return (scrape(url, "baton:sim_step_seconds_total") - total) / done
 
 
-def test_a_throttled_gpu_shows_in_dcgm_and_slows_every_rank_of_its_group(
+def decoding_tray(
     start_sim: Callable[..., SimHandle], faults: FaultInjection
-) -> None:
+) -> tuple[SimHandle, int]:
+    """A tray's four ranks of a DP group, every one decoding, and its exporter's port."""
     port = free_port()
     sim = start_sim(
         *("--data-parallel-size", "4", "--enable-expert-parallel"),
@@ -48,6 +49,13 @@ def test_a_throttled_gpu_shows_in_dcgm_and_slows_every_rank_of_its_group(
     )
     keep_decoding(sim.url, requests=16, ranks=4)
     eventually(lambda: scrape(sim.url, "vllm:num_requests_running") == 16, timeout=60)
+    return sim, port
+
+
+def test_a_throttled_gpu_shows_in_dcgm_and_slows_every_rank_of_its_group(
+    start_sim: Callable[..., SimHandle], faults: FaultInjection
+) -> None:
+    sim, port = decoding_tray(start_sim, faults)
     healthy = dcgm(port)
     assert set(healthy["DCGM_FI_DEV_SM_CLOCK"]) == {"0", "1", "2", "3"}
     assert all(v > 0.97 * NOMINAL_SM_CLOCK_MHZ for v in healthy["DCGM_FI_DEV_SM_CLOCK"].values())
@@ -73,14 +81,7 @@ def test_a_throttled_gpu_shows_in_dcgm_and_slows_every_rank_of_its_group(
 def test_failing_nvlinks_climb_their_gpus_error_counters_and_slow_the_group_clocks_untouched(
     start_sim: Callable[..., SimHandle], faults: FaultInjection
 ) -> None:
-    port = free_port()
-    sim = start_sim(
-        *("--data-parallel-size", "4", "--enable-expert-parallel"),
-        *("--dcgm-port", str(port), "--dcgm-hostname", "gb300-tray-7"),
-        *faults.flags,
-    )
-    keep_decoding(sim.url, requests=16, ranks=4)
-    eventually(lambda: scrape(sim.url, "vllm:num_requests_running") == 16, timeout=60)
+    sim, port = decoding_tray(start_sim, faults)
     replays = "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL"
     healthy = dcgm(port)
     for counter in (replays, "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"):

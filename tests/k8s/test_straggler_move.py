@@ -170,19 +170,24 @@ def test_a_gpu_at_70_percent_gets_its_tray_marked_and_its_group_moved_to_the_spa
     )
 
 
-def test_a_group_slowed_with_its_clocks_untouched_is_reported_slow_against_the_model(
-    api: client.ApiClient, namespace: str, watched_with_eplb: SimulatedGroup
-) -> None:
-    group = watched_with_eplb
-    # the engines' speculative decoding, as the simulator runs it by default (the study's)
+def apply_as_the_group_runs(api: client.ApiClient, namespace: str, **spec: Any) -> dict[str, Any]:
+    """``dsv4`` with ``spec`` and the engines' speculative decoding as the simulator runs it by
+    default (the study's), which the watch predicts their steps with; once Ready."""
     speculative = {"method": SPECULATIVE_METHOD, "numSpeculativeTokens": SPECULATIVE_TOKENS}
     apply(
         api,
         namespace,
         "dsv4",
-        {"cell": {"prefill": {"instances": 2}}, "speculative": speculative},
+        {"cell": {"prefill": {"instances": 2}}, "speculative": speculative, **spec},
     )
-    wait_ready(api, namespace, "dsv4")
+    return wait_ready(api, namespace, "dsv4")
+
+
+def test_a_group_slowed_with_its_clocks_untouched_is_reported_slow_against_the_model(
+    api: client.ApiClient, namespace: str, watched_with_eplb: SimulatedGroup
+) -> None:
+    group = watched_with_eplb
+    apply_as_the_group_runs(api, namespace)
     series = f'{{modeldeployment="{namespace}/dsv4",cell="dsv4-cell-0"}}'
 
     def slowdown() -> float | None:
@@ -209,18 +214,7 @@ def test_a_gpu_whose_nvlinks_fail_gets_its_tray_marked_by_the_groups_slowdown_an
     api: client.ApiClient, namespace: str, watched_with_eplb: SimulatedGroup
 ) -> None:
     group = watched_with_eplb
-    speculative = {"method": SPECULATIVE_METHOD, "numSpeculativeTokens": SPECULATIVE_TOKENS}
-    apply(
-        api,
-        namespace,
-        "dsv4",
-        {
-            "cell": {"prefill": {"instances": 2}},
-            "rollout": {"drainSeconds": 2},
-            "speculative": speculative,
-        },
-    )
-    obj = wait_ready(api, namespace, "dsv4")
+    obj = apply_as_the_group_runs(api, namespace, rollout={"drainSeconds": 2})
     [spare] = obj["status"]["cells"][0]["spareTrays"]
     series = f'{{modeldeployment="{namespace}/dsv4",cell="dsv4-cell-0"}}'
     eventually(
