@@ -97,6 +97,18 @@ def watched_with_eplb(
         yield group
 
 
+def moved_to_spare(
+    api: client.ApiClient, namespace: str, tray_index: int, spare: str
+) -> dict[str, Any]:
+    """``dsv4``'s cell once its decode group's ``tray_index``-th tray is the spare."""
+
+    def cell() -> dict[str, Any]:  # empty until moved
+        found: dict[str, Any] = read(api, namespace, "dsv4")["status"]["cells"][0]
+        return found if found["decode"]["trays"][tray_index] == spare else {}
+
+    return eventually(cell, timeout=180)
+
+
 def node_annotations(api: client.ApiClient, name: str) -> dict[str, str]:
     meta = client.CoreV1Api(api).read_node(name).metadata
     return dict((meta.annotations if meta else None) or {})
@@ -142,13 +154,7 @@ def test_a_gpu_at_70_percent_gets_its_tray_marked_and_its_group_moved_to_the_spa
     assert event.type == "Warning" and event.involved_object.kind == "Node"
     assert f"holds back decode group {namespace}/dsv4 dsv4-cell-0" in str(event.message)
     # the kwok group started in seconds: the move pays at once, drained first
-    moved = eventually(
-        lambda: (
-            (c := read(api, namespace, "dsv4")["status"]["cells"][0])["decode"]["trays"][3] == spare
-            and c
-        ),
-        timeout=180,
-    )
+    moved = moved_to_spare(api, namespace, 3, spare)
     assert slow not in moved["decode"]["trays"]
     obj = wait_ready(api, namespace, "dsv4")
     assert condition(obj, "Degraded")["status"] == "False"
@@ -231,13 +237,7 @@ def test_a_gpu_whose_nvlinks_fail_gets_its_tray_marked_by_the_groups_slowdown_an
     assert 1.25 < float(marks[DEGRADED_SLOWDOWN_ANNOTATION]) < 1.6
     assert not any(DEGRADED_ANNOTATION in node_annotations(api, t) for t in group.trays[:5])
     # the mark explains the slow steps: no DecodeGroupSlow, and the group moves to the spare
-    moved = eventually(
-        lambda: (
-            (c := read(api, namespace, "dsv4")["status"]["cells"][0])["decode"]["trays"][5] == spare
-            and c
-        ),
-        timeout=180,
-    )
+    moved = moved_to_spare(api, namespace, 5, spare)
     assert failing not in moved["decode"]["trays"]
     reasons = [
         e.reason
