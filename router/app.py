@@ -17,8 +17,9 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
@@ -52,6 +53,7 @@ from router.prober import Prober
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.relay import SERVER_SEND, RelayResponse
 from router.settings import GatewayConfig, GatewaySettings
+from router.targets import PoolCell
 from router.upstream import UpstreamPool
 
 __all__ = ["Gateway", "create_app", "create_gateway"]
@@ -174,11 +176,10 @@ async def read_body(
     headers: Mapping[str, str],
     model: type[BaseModel],
     settings: GatewaySettings,
-    served: tuple[str, ...],
 ) -> tuple[dict[str, Any], bytes]:
-    """The body as a dict and as the client's exact bytes, validated against ``model`` and the
-    served models; every problem is a GatewayError (InvalidRequest, PayloadTooLarge,
-    RequestTimeout, ClientClosedRequest, ModelNotFound, NoHealthyTarget)."""
+    """The body as a dict and as the client's exact bytes, validated against ``model``; every
+    problem is a GatewayError (InvalidRequest, PayloadTooLarge, RequestTimeout,
+    ClientClosedRequest)."""
     max_bytes = settings.max_body_bytes
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -214,13 +215,6 @@ async def read_body(
     if "kv_transfer_params" in body:
         raise InvalidRequest(
             "kv_transfer_params is set by the gateway, not by clients", param="kv_transfer_params"
-        )
-    if not served:  # engines are configured but none is healthy: come back later
-        raise NoHealthyTarget("no healthy engine serves any model; see /ready")
-    if body["model"] not in served:
-        raise ModelNotFound(
-            f"model '{body['model']}' is not served; served: {', '.join(served)}",
-            param="model",
         )
     return body, raw
 
@@ -266,12 +260,25 @@ def _error(exc: GatewayError) -> Response:
 # --- the endpoints -------------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
+class _Route:
+    """One source of engines and what routes over it: a ModelDeployment's (``deployment``,
+    NAMESPACE/NAME) or the flags' and pool file's (``deployment`` empty). Each has a pool of
+    its own, so one model's engines in trouble (panic, the admission bound) never touch
+    another's."""
+
+    deployment: str
+    pool: Pool
+    prober: Prober
+    metrics: GatewayMetrics
+    handoff: Handoff | None = None  # built in the lifespan, on the loop
+
+
 class _Api:
-    """The gateway's collaborators and its endpoints. The pool exists from the start (targets
-    and health); the engines' client and the handoff are built in the lifespan, on the loop."""
+    """The gateway's collaborators and its endpoints. The pools exist from the start (targets
+    and health); the engines' client and the handoffs are built in the lifespan, on the loop."""
 
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics) -> None:
-        settings = config.settings
         self.config = config
         self.metrics = metrics
         self.keys = tuple(key.encode() for key in config.api_keys)
@@ -280,29 +287,78 @@ class _Api:
                 "no API keys: every client is served without authentication (give --api-key, "
                 "--api-key-file or BATON_API_KEYS)"
             )
-        self.pool = Pool(
-            config.pool.cells if config.pool is not None else (),
+        if config.model_deployments:
+            self.routes = [self._route(ref.key, ()) for ref in config.model_deployments]
+        else:
+            self.routes = [self._route("", config.pool.cells if config.pool is not None else ())]
+        self._shared: set[str] = set()  # models served by several routes, told once each
+
+    def _route(self, deployment: str, cells: Sequence[PoolCell]) -> _Route:
+        settings = self.config.settings
+        metrics = self.metrics.for_deployment(deployment)
+        pool = Pool(
+            cells,
             clock=time.monotonic,
             stall_after_s=settings.stall_after_s,
             max_requests_per_rank=settings.max_requests_per_rank,
         )
-        self.prober = Prober(
-            self.pool,
-            probe_interval_s=settings.health_interval_s,
-            on_missed_probe=lambda url: self.metrics.missed_health_checks.labels(url).inc(),
-            on_ejected=self._ejected,
-        )
-        self.handoff: Handoff | None = None
 
-    def _ejected(self, url: str, reason: str, panic: bool) -> None:
-        """An engine server left the pool: count it, and send the requests that wait on it for
+        def ejected(url: str, reason: str, panic: bool) -> None:
+            self._ejected(route, url, reason, panic)
+
+        prober = Prober(
+            pool,
+            probe_interval_s=settings.health_interval_s,
+            on_missed_probe=lambda url: metrics.child(metrics.missed_health_checks, url).inc(),
+            on_ejected=ejected,
+        )
+        route = _Route(deployment, pool, prober, metrics)
+        return route
+
+    def _ejected(self, route: _Route, url: str, reason: str, panic: bool) -> None:
+        """An engine server left a pool: count it, and send the requests that wait on it for
         an answer elsewhere now (a frozen engine would hold them to their timeouts), unless
         its pool is in panic, where every other target looks no better."""
-        self.metrics.child(self.metrics.ejections, reason).inc()
-        if self.handoff is not None and not panic:
-            given_up = self.handoff.upstream.abandon(url, reason.replace("_", " "))
+        route.metrics.child(route.metrics.ejections, reason).inc()
+        if route.handoff is not None and not panic:
+            given_up = route.handoff.upstream.abandon(url, reason.replace("_", " "))
             if given_up:
                 log.warning("%d requests waiting on %s sent elsewhere", given_up, url)
+
+    def served(self) -> tuple[str, ...]:
+        """Every model a healthy engine serves, in the order of the routes."""
+        names: dict[str, None] = {}
+        for route in self.routes:
+            names.update(dict.fromkeys(route.pool.models))
+        return tuple(names)
+
+    def route_for(self, model: str) -> _Route:
+        """The route whose pool serves ``model``: the first, when several do (a model is one
+        deployment's; two serving one name is a configuration to fix, told once).
+        ModelNotFound when none does; NoHealthyTarget when its engines are all down, or no
+        engine answers at all yet."""
+        found = [route for route in self.routes if route.pool.serves(model)]
+        if not found:
+            served = self.served()
+            if not served:  # engines are configured but none is healthy: come back later
+                raise NoHealthyTarget("no healthy engine serves any model; see /ready")
+            raise ModelNotFound(
+                f"model '{model}' is not served; served: {', '.join(served)}", param="model"
+            )
+        if len(found) > 1 and model not in self._shared:
+            self._shared.add(model)
+            log.error(
+                "model %s is served by %s; routing it to %s alone: give each ModelDeployment "
+                "a servedModelName of its own",
+                model,
+                " and ".join(route.deployment or "the pool" for route in found),
+                found[0].deployment,
+            )
+        if model not in found[0].pool.models:
+            raise NoHealthyTarget(
+                f"no healthy engine serves model '{model}' now ({found[0].deployment}); see /ready"
+            )
+        return found[0]
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
@@ -315,32 +371,33 @@ class _Api:
             connector=connector, timeout=timeout, auto_decompress=False, headers=credentials
         ) as session:
             upstream = UpstreamPool(timeouts.connect_s, credentials)
-            self.handoff = Handoff(
-                self.prober, upstream, settings.routing_policy(), self.metrics, timeouts
-            )
-            await self.prober.start(session)
+            policy = settings.routing_policy()
+            for route in self.routes:
+                route.handoff = Handoff(route.prober, upstream, policy, route.metrics, timeouts)
+            await asyncio.gather(*(route.prober.start(session) for route in self.routes))
             loop = asyncio.get_running_loop()
-            watcher = None
+            tasks = []
             if self.config.pool_file is not None:
-                watcher = loop.create_task(watch_pool_file(self.config.pool_file, self.prober))
-            deployment = None
-            if self.config.model_deployment is not None:
-                deployment = DeploymentWatch(self.config.model_deployment, self.prober, loop)
-                deployment.start()
-            publisher = None
+                prober = self.routes[0].prober
+                tasks.append(loop.create_task(watch_pool_file(self.config.pool_file, prober)))
+            watches = [
+                DeploymentWatch(ref, route.prober, loop)
+                for ref, route in zip(self.config.model_deployments, self.routes, strict=False)
+            ]
+            for watch in watches:
+                watch.start()
             if self.metrics.multiprocess:
-                # A scrape reaches one worker: each keeps its pool's gauges current in its file.
-                publisher = loop.create_task(self._publish_pool_gauges())
+                # A scrape reaches one worker: each keeps its pools' gauges current in its file.
+                tasks.append(loop.create_task(self._publish_pool_gauges()))
             try:
                 yield
             finally:
-                if publisher is not None:
-                    publisher.cancel()
-                if watcher is not None:
-                    watcher.cancel()
-                if deployment is not None:
-                    deployment.stop()
-                await self.prober.stop()
+                for task in tasks:
+                    task.cancel()
+                for watch in watches:
+                    watch.stop()
+                for route in self.routes:
+                    await route.prober.stop()
                 upstream.close()
 
     async def chat_completions(self, request: Request) -> Response:
@@ -349,42 +406,38 @@ class _Api:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, COMPLETIONS_ROUTE, CompletionRequest)
 
-    async def _generate(self, request: Request, route: str, model: type[BaseModel]) -> Response:
+    async def _generate(self, request: Request, path: str, model: type[BaseModel]) -> Response:
         headers = header_map(request.scope)
         authenticate(self.keys, headers)
-        requests = self.metrics.requests
+        metrics = self.metrics  # until the request's model names its deployment
         try:
             request_id = request_id_of(headers)
-            body, raw = await read_body(
-                request, headers, model, self.config.settings, self.pool.models
-            )
+            body, raw = await read_body(request, headers, model, self.config.settings)
+            route = self.route_for(body["model"])
+            metrics = route.metrics
+            runnable(body, route.pool.context_length(body["model"]))
         except ClientClosedRequest:
-            self.metrics.child(self.metrics.aborts, "upload", "client_disconnect").inc()
-            self.metrics.child(requests, route, "client_disconnect").inc()
+            metrics.child(metrics.aborts, "upload", "client_disconnect").inc()
+            metrics.child(metrics.requests, path, "client_disconnect").inc()
             raise
         except GatewayError as exc:
-            self.metrics.child(requests, route, _outcome(exc)).inc()
+            metrics.child(metrics.requests, path, _outcome(exc)).inc()
             raise
-        try:
-            runnable(body, self.pool.context_length(body["model"]))
-        except GatewayError as exc:
-            self.metrics.child(requests, route, _outcome(exc)).inc()
-            raise
-        assert self.handoff is not None  # built before the server takes requests
+        assert route.handoff is not None  # built before the server takes requests
         try:
             reply = await _unless_disconnected(
-                request.receive, self.handoff.serve(route, body, raw, headers, request_id)
+                request.receive, route.handoff.serve(path, body, raw, headers, request_id)
             )
         except ClientClosedRequest:
-            self.metrics.child(self.metrics.aborts, "before_first_token", "client_disconnect").inc()
-            self.metrics.child(requests, route, "client_disconnect").inc()
+            metrics.child(metrics.aborts, "before_first_token", "client_disconnect").inc()
+            metrics.child(metrics.requests, path, "client_disconnect").inc()
             raise
         except GatewayError as exc:
-            self.metrics.child(requests, route, _outcome(exc)).inc()
+            metrics.child(metrics.requests, path, _outcome(exc)).inc()
             raise
         if isinstance(reply, JsonReply):
             outcome = "ok" if reply.status == 200 else "engine_error"
-            self.metrics.child(requests, route, outcome).inc()
+            metrics.child(metrics.requests, path, outcome).inc()
             return Response(
                 reply.body,
                 status_code=reply.status,
@@ -395,7 +448,7 @@ class _Api:
 
     async def models(self, request: Request) -> Response:
         authenticate(self.keys, request.headers)
-        data = [{"id": name, "object": "model", "owned_by": "baton"} for name in self.pool.models]
+        data = [{"id": name, "object": "model", "owned_by": "baton"} for name in self.served()]
         return Response(
             orjson.dumps({"object": "list", "data": data}), media_type="application/json"
         )
@@ -404,9 +457,12 @@ class _Api:
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     async def ready(self) -> Response:
-        """Ready while a healthy decode target serves known models: with no healthy prefill
-        instance decode serves alone, so the gateway still takes requests (and says so)."""
-        if not self.pool.ready():
+        """Ready while a healthy decode target serves known models, in any pool: one model's
+        engines down must not take the others' out of the gateway Service. With no healthy
+        prefill instance decode serves alone, so the gateway still takes requests (and says
+        so); pools that cannot serve are named."""
+        ready = [route for route in self.routes if route.pool.ready()]
+        if not ready:
             return _error(
                 _NotReady(
                     "not ready: no healthy decode target serves a known model; check the pool "
@@ -414,19 +470,28 @@ class _Api:
                 )
             )
         status: dict[str, str] = {"status": "ready"}
-        healthy, total = self.pool.prefill_health()
+        healthy = total = 0
+        for route in ready:
+            up, configured = route.pool.prefill_health()
+            healthy, total = healthy + up, total + configured
         if total and not healthy:
             status["prefill"] = f"0 of {total} healthy; decode serves alone"
+        down = [route.deployment for route in self.routes if route not in ready]
+        if down:
+            status["not_serving"] = ", ".join(down)
         return Response(orjson.dumps(status), media_type="application/json")
+
+    def _set_pool_gauges(self) -> None:
+        self.metrics.set_pool_gauges({route.deployment: route.pool for route in self.routes})
 
     async def _publish_pool_gauges(self) -> None:
         while True:
-            self.metrics.set_pool_gauges(self.pool)
+            self._set_pool_gauges()
             await asyncio.sleep(self.config.settings.health_interval_s)
 
     async def prometheus(self) -> Response:
-        # set per scrape, so targets that left the pool leave the gauges too
-        self.metrics.set_pool_gauges(self.pool)
+        # set per scrape, so targets that left a pool leave the gauges too
+        self._set_pool_gauges()
         return Response(generate_latest(self.metrics.exposed), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -1,7 +1,8 @@
 """``baton gateway``: the OpenAI-compatible gateway on uvicorn (uvloop, httptools).
 
 Targets come from ``--prefill``/``--decode`` flags (one cell, "default"), a ``--pool`` file, or
-the status of a ModelDeployment (``--model-deployment NAMESPACE/NAME``, watched).
+the status of ModelDeployments (``--model-deployment NAMESPACE/NAME``, repeated for several,
+each watched and routed to by the model it serves).
 API keys come from ``--api-key`` (repeatable), ``BATON_API_KEYS`` (comma-separated) and
 ``--api-key-file`` (one per line); they are never logged. The engines' own key (vLLM's
 ``--api-key``) comes from ``--engine-api-key-file``, a mounted Secret, and goes with every call
@@ -58,8 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pool", type=Path, help="YAML pool file (cells); reloaded on change")
     parser.add_argument(
         "--model-deployment",
+        action="append",
+        default=[],
         metavar="NAMESPACE/NAME",
-        help="route to the endpoints this ModelDeployment's status publishes (watched)",
+        help="route to the endpoints this ModelDeployment's status publishes (watched); "
+        "repeat for several, each request going to the one serving its model",
     )
     parser.add_argument(
         "--kubeconfig",
@@ -112,16 +116,16 @@ def _engine_api_key(path: Path | None) -> str | None:
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    sources = [args.pool is not None, bool(args.decode), args.model_deployment is not None]
+    sources = [args.pool is not None, bool(args.decode), bool(args.model_deployment)]
     if sum(sources) > 1:
         raise ValueError(
             "give one source of engines: --pool FILE, --prefill/--decode URLs or "
             "--model-deployment NAMESPACE/NAME"
         )
-    deployment = None
+    deployments = tuple(DeploymentRef.parse(v, args.kubeconfig) for v in args.model_deployment)
     pool: PoolSpec | None = None
-    if args.model_deployment is not None:
-        deployment = DeploymentRef.parse(args.model_deployment, args.kubeconfig)
+    if deployments:
+        _distinct(deployments)
     elif args.pool is not None:
         pool = load_pool_file(args.pool)
     elif args.decode:
@@ -139,9 +143,16 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         _api_keys(args),
         GatewaySettings.from_flags(args),
         pool_file=args.pool,
-        model_deployment=deployment,
+        model_deployments=deployments,
         engine_api_key=_engine_api_key(args.engine_api_key_file),
     )
+
+
+def _distinct(deployments: Sequence[DeploymentRef]) -> None:
+    keys = [ref.key for ref in deployments]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"--model-deployment {', '.join(twice)} given twice: give each once")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

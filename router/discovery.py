@@ -5,6 +5,9 @@ before they take traffic.
 
 The controller publishes only ready pods, by cell, so the gateway's two legs of a request stay
 in one cell; a cell whose decode group is not ready has no decode endpoints and is left out.
+A gateway may follow several ModelDeployments, one pool each: the model a deployment's spec
+serves (``servedModelName``, else ``model``) is declared to its pool, so a request for it finds
+its pool even while none of its engines answers.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from baton.core.follow import DeploymentRef, StatusFollower
 from router.prober import Prober
 from router.targets import DecodeServerSpec, PoolCell, load_pool_file
 
-__all__ = ["DeploymentWatch", "cells_from_deployment", "watch_pool_file"]
+__all__ = ["DeploymentWatch", "cells_from_deployment", "served_model", "watch_pool_file"]
 
 log = logging.getLogger("baton.gateway.discovery")
 
@@ -72,14 +75,26 @@ def cells_from_deployment(obj: Mapping[str, Any]) -> tuple[PoolCell, ...]:
     )
 
 
+def served_model(obj: Mapping[str, Any]) -> str:
+    """The model name clients ask a ModelDeployment for: its ``servedModelName``, else
+    ``model`` (the name its engines' ``--served-model-name`` gives). Read alone: the rest of
+    the spec is the controller's to judge, and the pool follows the status whatever it says."""
+    spec = obj.get("spec") or {}
+    return str(spec.get("servedModelName") or spec.get("model") or "")
+
+
+def _read(obj: Mapping[str, Any]) -> tuple[str, tuple[PoolCell, ...]]:
+    return served_model(obj), cells_from_deployment(obj)
+
+
 class DeploymentWatch:
-    """Hands each changed set of a ModelDeployment's ready cells to the pool, on the gateway's
-    event loop."""
+    """Hands each changed set of a ModelDeployment's ready cells to its pool, and the model it
+    serves, on the gateway's event loop."""
 
     def __init__(self, ref: DeploymentRef, prober: Prober, loop: asyncio.AbstractEventLoop) -> None:
         self.ref, self.prober, self.loop = ref, prober, loop
         self._change: asyncio.Task[None] | None = None  # the newest pool change
-        self._follower = StatusFollower(ref, loop, cells_from_deployment, self._apply)
+        self._follower = StatusFollower(ref, loop, _read, self._take)
 
     def start(self) -> None:
         self._follower.start()
@@ -87,12 +102,15 @@ class DeploymentWatch:
     def stop(self) -> None:
         self._follower.stop()
 
-    def _apply(self, cells: tuple[PoolCell, ...]) -> None:
+    def _take(self, reading: tuple[str, tuple[PoolCell, ...]]) -> None:
+        model, cells = reading
+        self.prober.pool.declared = (model,) if model else ()
         self._change = self.loop.create_task(self.prober.apply(cells))
         log.info(
-            "pool from ModelDeployment %s/%s: %d cells, %d prefill, %d decode servers",
+            "pool from ModelDeployment %s/%s (model %s): %d cells, %d prefill, %d decode servers",
             self.ref.namespace,
             self.ref.name,
+            model,
             len(cells),
             sum(len(c.prefill) for c in cells),
             sum(len(c.decode) for c in cells),

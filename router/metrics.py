@@ -1,7 +1,10 @@
 """The gateway's Prometheus metrics (prefix ``baton_gateway_``, units in the names).
 
-No per-request or per-session labels. Per-target gauges are labelled by target and role only
-(a cell has a few dozen targets). Handlers bind label children once per request, never per chunk.
+No per-request or per-session labels. Every series names the ModelDeployment whose engines it
+measures (``modeldeployment``, NAMESPACE/NAME; empty for engines given by flags or a pool file,
+and for requests refused before their model was known), since one gateway may serve several;
+per-target gauges are labelled by target and role besides (a cell has a few dozen targets).
+Handlers bind label children once per request, never per chunk.
 
 Under ``baton gateway --workers N`` each worker records into prometheus_client's multiprocess
 files (``router/workers.py``) and a scrape answered by any worker reads them all: counters and
@@ -12,6 +15,7 @@ worker sees, so every worker writes them on the pool's interval as well as when 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +38,7 @@ OUTCOMES = ("ok", "rejected", "error", "engine_error", "stream_error", "client_d
 UPSTREAM_REASONS = ("error", "status", "timeout", "connection")  # router.errors' UpstreamErrors
 EJECTION_REASONS = ("failed_health_check", "unanswered_health_checks")  # router.pool's
 ADMISSION_WAITS = ("waited", "saturated")  # router.prober's decode_place, past "free"
+_DEPLOYMENT = "modeldeployment"
 FALLBACK_REASONS = (
     *UPSTREAM_REASONS,
     "malformed",
@@ -118,7 +123,11 @@ PHASE_BUCKETS = (
 
 class GatewayMetrics:
     """Every metric the gateway exports, in its own registry; ``multiprocess``: a worker's, whose
-    values prometheus_client keeps in ``PROMETHEUS_MULTIPROC_DIR`` with every other worker's."""
+    values prometheus_client keeps in ``PROMETHEUS_MULTIPROC_DIR`` with every other worker's.
+
+    An instance records for one ModelDeployment (``deployment``; :meth:`for_deployment` gives
+    another's view of the same families): its bound children and :meth:`child` fill the
+    ``modeldeployment`` label."""
 
     def __init__(
         self, registry: CollectorRegistry | None = None, *, multiprocess: bool = False
@@ -134,24 +143,27 @@ class GatewayMetrics:
         self.requests = Counter(
             "baton_gateway_requests",
             "Requests by route and outcome.",
-            ["route", "outcome"],
+            [_DEPLOYMENT, "route", "outcome"],
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft_histogram = Histogram(
             "baton_gateway_time_to_first_token_seconds",
             "Time from request arrival to the first generated token.",
+            [_DEPLOYMENT],
             buckets=TTFT_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
+        self.itl_histogram = Histogram(
             "baton_gateway_inter_token_latency_seconds",
             "Mean time between tokens of one request after the first.",
+            [_DEPLOYMENT],
             buckets=ITL_BUCKETS,
             registry=r,
         )
-        self.e2e = Histogram(
+        self.e2e_histogram = Histogram(
             "baton_gateway_e2e_request_latency_seconds",
             "Time from request arrival to its last byte.",
+            [_DEPLOYMENT],
             buckets=E2E_BUCKETS,
             registry=r,
         )
@@ -159,42 +171,45 @@ class GatewayMetrics:
             "baton_gateway_phase_seconds",
             "Time per phase: prefill (call), handoff (prefill done to first "
             "decode byte), decode (first to last decode byte).",
-            ["phase"],
+            [_DEPLOYMENT, "phase"],
             buckets=PHASE_BUCKETS,
             registry=r,
         )
         self.retries = Counter(
-            "baton_gateway_retries", "Retries on another target.", ["phase", "reason"], registry=r
+            "baton_gateway_retries",
+            "Retries on another target.",
+            [_DEPLOYMENT, "phase", "reason"],
+            registry=r,
         )
         self.fallbacks = Counter(
             "baton_gateway_fallbacks",
             "Requests served by decode alone after a prefill failure.",
-            ["reason"],
+            [_DEPLOYMENT, "reason"],
             registry=r,
         )
         self.aborts = Counter(
             "baton_gateway_aborts",
             "Requests ended early, by phase and reason.",
-            ["phase", "reason"],
+            [_DEPLOYMENT, "phase", "reason"],
             registry=r,
         )
         self.routes = Counter(
             "baton_gateway_routing_decisions",
             "P/D routing paths taken: pd (prefill then decode) or decode_only.",
-            ["path"],
+            [_DEPLOYMENT, "path"],
             registry=r,
         )
         self.affinity = Counter(
             "baton_gateway_affinity",
             "Prefill choices that stayed where the affinity key's cache is, else on its "
             "first choice (hit), or spilled over to the other candidate (miss), by key source.",
-            ["source", "result"],
+            [_DEPLOYMENT, "source", "result"],
             registry=r,
         )
         self.prompt_tokens = Counter(
             "baton_gateway_prompt_tokens",
             "Prompt tokens by whether prefill found them cached.",
-            ["kind"],
+            [_DEPLOYMENT, "kind"],
             registry=r,
         )
         self.not_reused = Counter(
@@ -203,18 +218,18 @@ class GatewayMetrics:
             "by cause: routed_away (the prefill went to a rank holding less of the prompt "
             "than another), absent (the chosen rank had been sent them: evicted, or still "
             "being computed for an earlier request).",
-            ["cause"],
+            [_DEPLOYMENT, "cause"],
             registry=r,
         )
-        self.output_tokens = Counter(
-            "baton_gateway_output_tokens", "Generated tokens returned.", registry=r
+        self.output_tokens_counter = Counter(
+            "baton_gateway_output_tokens", "Generated tokens returned.", [_DEPLOYMENT], registry=r
         )
         # Workers: the gateway's requests are the sum of each worker's exact count; those of a
         # worker that died went with it.
         self.in_flight = Gauge(
             "baton_gateway_in_flight_requests",
             "Requests this gateway has in flight per target.",
-            ["role", "target"],
+            [_DEPLOYMENT, "role", "target"],
             registry=r,
             multiprocess_mode="livesum",
         )
@@ -224,7 +239,7 @@ class GatewayMetrics:
             "baton_gateway_peer_in_flight_requests",
             "Requests other gateway replicas hold per decode rank, estimated from the engines'"
             " metrics at the last load sync.",
-            ["target"],
+            [_DEPLOYMENT, "target"],
             registry=r,
             multiprocess_mode="livemin",
         )
@@ -232,7 +247,7 @@ class GatewayMetrics:
             "baton_gateway_health_checks_missed",
             "Health checks an engine API server left unanswered (timed out); three in a row "
             "with no other sign of life eject it.",
-            ["server"],
+            [_DEPLOYMENT, "server"],
             registry=r,
         )
         self.ejections = Counter(
@@ -240,7 +255,7 @@ class GatewayMetrics:
             "Engine API servers ejected by their health checks: failed_health_check (refused, "
             "reset or an error answer: dead), unanswered_health_checks (three in a row with no "
             "other sign of life).",
-            ["reason"],
+            [_DEPLOYMENT, "reason"],
             registry=r,
         )
         self.admission_waits = Counter(
@@ -248,12 +263,13 @@ class GatewayMetrics:
             "Requests that found every decode rank at --max-requests-per-rank: placed after a "
             "wait (waited), or answered 429 when none freed a place in --queue-timeout "
             "(saturated).",
-            ["result"],
+            [_DEPLOYMENT, "result"],
             registry=r,
         )
         self.waiting_requests = Gauge(
             "baton_gateway_waiting_requests",
             "Requests waiting now for a decode rank below --max-requests-per-rank.",
+            [_DEPLOYMENT],
             registry=r,
             multiprocess_mode="livesum",
         )
@@ -262,7 +278,7 @@ class GatewayMetrics:
             "baton_gateway_panic",
             "1 while fewer than half of a role's targets are healthy and the gateway routes to "
             "every target of that role not known dead (Envoy's panic threshold).",
-            ["role"],
+            [_DEPLOYMENT, "role"],
             registry=r,
             multiprocess_mode="livemax",
         )
@@ -271,7 +287,7 @@ class GatewayMetrics:
             "Uncached prompt tokens other gateway replicas have in flight per prefill instance, "
             "estimated at the last load sync: the engine's requests less this replica's, at this "
             "replica's mean uncached tokens per prefill.",
-            ["target"],
+            [_DEPLOYMENT, "target"],
             registry=r,
             multiprocess_mode="livemin",
         )
@@ -279,7 +295,7 @@ class GatewayMetrics:
             "baton_gateway_prefill_dp_ranks",
             "DP ranks each prefill instance reports (its metrics' engine labels) at the last load "
             "sync; a key's prefills go to one of them by X-data-parallel-rank, none while 0.",
-            ["target"],
+            [_DEPLOYMENT, "target"],
             registry=r,
             multiprocess_mode="livemax",
         )
@@ -289,25 +305,40 @@ class GatewayMetrics:
             "baton_gateway_healthy_targets",
             "Targets this gateway would route to now (health check passed, circuit closed) per "
             "role and cell; 0 for a cell whose targets are all down.",
-            ["role", "cell"],
+            [_DEPLOYMENT, "role", "cell"],
             registry=r,
             multiprocess_mode="livemax",
         )
         # label values set on the pool gauges so far (workers only: see set_pool_gauges)
         self._pool_series: dict[Gauge, set[tuple[str, ...]]] = {}
+        self.deployment = ""
+        self._bind()
+
+    def for_deployment(self, deployment: str) -> GatewayMetrics:
+        """The same families, recording for ``deployment`` (NAMESPACE/NAME)."""
+        view = copy.copy(self)
+        view.deployment = deployment
+        view._bind()
+        return view
+
+    def _bind(self) -> None:
         # children bound once: handlers never look labels up on the hot path
-        self.cached_tokens = self.prompt_tokens.labels("cached")
-        self.uncached_tokens = self.prompt_tokens.labels("uncached")
-        # both causes served from the start, at 0: a share of them is a ratio from the first scrape
-        self.routed_away_tokens = self.not_reused.labels("routed_away")
-        self.absent_tokens = self.not_reused.labels("absent")
-        self.prefill_seconds = self.phase.labels("prefill")
-        self.handoff_seconds = self.phase.labels("handoff")
-        self.decode_seconds = self.phase.labels("decode")
-        self.pd_routes = self.routes.labels("pd")
-        self.decode_only_routes = self.routes.labels("decode_only")
-        # labels known only per request (route, outcome, key source) are looked up once each
         self._children: dict[tuple[object, ...], Any] = {}
+        self.ttft = self.child(self.ttft_histogram)
+        self.itl = self.child(self.itl_histogram)
+        self.e2e = self.child(self.e2e_histogram)
+        self.output_tokens = self.child(self.output_tokens_counter)
+        self.cached_tokens = self.child(self.prompt_tokens, "cached")
+        self.uncached_tokens = self.child(self.prompt_tokens, "uncached")
+        # both causes served from the start, at 0: a share of them is a ratio from the first scrape
+        self.routed_away_tokens = self.child(self.not_reused, "routed_away")
+        self.absent_tokens = self.child(self.not_reused, "absent")
+        self.prefill_seconds = self.child(self.phase, "prefill")
+        self.handoff_seconds = self.child(self.phase, "handoff")
+        self.decode_seconds = self.child(self.phase, "decode")
+        self.pd_routes = self.child(self.routes, "pd")
+        self.decode_only_routes = self.child(self.routes, "decode_only")
+        # labels known only per request (route, outcome, key source) are looked up once each
         for route in (CHAT_ROUTE, COMPLETIONS_ROUTE):
             for outcome in OUTCOMES:
                 self.child(self.requests, route, outcome)
@@ -321,40 +352,32 @@ class GatewayMetrics:
             self.child(self.admission_waits, result)
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
-        """``metric.labels(*labels)``, remembered: prometheus_client's lookup costs microseconds
-        per call, and every request makes a few."""
+        """``metric.labels(deployment, *labels)``, remembered: prometheus_client's lookup costs
+        microseconds per call, and every request makes a few."""
         key = (metric, *labels)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = metric.labels(*labels)
+            child = self._children[key] = metric.labels(self.deployment, *labels)
         return child
 
-    def set_pool_gauges(self, pool: Pool) -> None:
-        """The per-target gauges as ``pool`` has them now. One process: rebuilt, so targets that
-        left the pool leave the gauges. A worker: prometheus_client cannot delete a series from
-        its file, so a target that left is set to 0 instead."""
+    def set_pool_gauges(self, pools: Mapping[str, Pool]) -> None:
+        """The per-target gauges as each ModelDeployment's pool (``pools``, by NAMESPACE/NAME)
+        has them now. One process: rebuilt, so targets that left a pool leave the gauges. A
+        worker: prometheus_client cannot delete a series from its file, so a target that left is
+        set to 0 instead."""
         series: dict[Gauge, dict[tuple[str, ...], float]] = {
-            self.in_flight: {
-                ("prefill" if name in pool.prefill else "decode", name): count
-                for name, count in pool.in_flight().items()
-            },
-            self.peer_in_flight: {(name,): count for name, count in pool.peer_in_flight().items()},
-            self.peer_outstanding_tokens: {
-                (name,): tokens for name, tokens in pool.peer_outstanding_tokens().items()
-            },
-            self.prefill_dp_ranks: {
-                (name,): ranks for name, ranks in pool.prefill_dp_ranks().items()
-            },
-            self.healthy_targets: {
-                labels: count for labels, count in pool.healthy_targets().items()
-            },
-            self.panic: {(role,): float(panic) for role, panic in pool.panic.items()},
+            gauge: {} for gauge in (*self._per_target, self.waiting_requests)
         }
-        # Every server's missed-check count exists from the start, at 0: a scrape shows the
-        # family and rate() has a first point before the first miss.
-        for url in pool.server_urls():
-            self.missed_health_checks.labels(url)
-        self.waiting_requests.set(pool.waiting_for_place)
+        for deployment, pool in pools.items():
+            for name, values in _pool_values(pool).items():
+                series[getattr(self, name)].update(
+                    {(deployment, *labels): v for labels, v in values.items()}
+                )
+            series[self.waiting_requests][(deployment,)] = pool.waiting_for_place
+            # Every server's missed-check count exists from the start, at 0: a scrape shows
+            # the family and rate() has a first point before the first miss.
+            for url in pool.server_urls():
+                self.missed_health_checks.labels(deployment, url)
         for gauge, values in series.items():
             if self.multiprocess:
                 seen = self._pool_series.setdefault(gauge, set())
@@ -365,6 +388,17 @@ class GatewayMetrics:
                 gauge.clear()
             for labels, value in values.items():
                 gauge.labels(*labels).set(value)
+
+    @property
+    def _per_target(self) -> tuple[Gauge, ...]:
+        return (
+            self.in_flight,
+            self.peer_in_flight,
+            self.peer_outstanding_tokens,
+            self.prefill_dp_ranks,
+            self.healthy_targets,
+            self.panic,
+        )
 
     def stream_ended(
         self,
@@ -392,3 +426,20 @@ class GatewayMetrics:
             self.output_tokens.inc(tokens)
             if tokens > 1:
                 self.itl.observe((now - first_token) / (tokens - 1))
+
+
+def _pool_values(pool: Pool) -> dict[str, dict[tuple[str, ...], float]]:
+    """One pool's per-target gauge values by gauge attribute, without the deployment label."""
+    return {
+        "in_flight": {
+            ("prefill" if name in pool.prefill else "decode", name): count
+            for name, count in pool.in_flight().items()
+        },
+        "peer_in_flight": {(name,): count for name, count in pool.peer_in_flight().items()},
+        "peer_outstanding_tokens": {
+            (name,): tokens for name, tokens in pool.peer_outstanding_tokens().items()
+        },
+        "prefill_dp_ranks": {(name,): ranks for name, ranks in pool.prefill_dp_ranks().items()},
+        "healthy_targets": {labels: n for labels, n in pool.healthy_targets().items()},
+        "panic": {(role,): float(panic) for role, panic in pool.panic.items()},
+    }

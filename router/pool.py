@@ -189,6 +189,9 @@ class Pool:
         self.decode: dict[str, _Target] = {}
         self._servers: dict[str, Server] = {}
         self._models: tuple[str, ...] = ()
+        # what the pool's source says its engines serve (a ModelDeployment's served model):
+        # a request for it belongs here even while no engine answers
+        self.declared: tuple[str, ...] = ()
         self._context: dict[str, int] = {}
         self.update(cells)
 
@@ -291,6 +294,11 @@ class Pool:
         """Model names the healthy engines serve (from their ``/v1/models``), as of the last
         health check or target update: every request checks its model against them."""
         return self._models
+
+    def serves(self, model: str) -> bool:
+        """Whether a request for ``model`` belongs to this pool: a healthy engine serves it, or
+        the pool's source declares it."""
+        return model in self._models or model in self.declared
 
     def context_length(self, model: str) -> int | None:
         """The longest context every healthy engine serving ``model`` takes (prompt plus

@@ -8,8 +8,9 @@ pool-file reloads), so the request path is the same code as ``baton gateway``'s.
 application is built (``serve run``, or the controller for a config file), reads the pool file
 named by the ``pool_file`` argument or else by ``BATON_POOL_FILE``, and ships the parsed pool to the
 replicas; each replica also watches that path for changes, so it must be readable there too.
-With ``model_deployment=NAMESPACE/NAME`` instead, each replica follows that ModelDeployment's
-status (KubeRay: the replica's service account, or ``kubeconfig=PATH``). API keys come from
+With ``model_deployment=NAMESPACE/NAME`` instead (comma-separated for several), each replica
+follows those ModelDeployments' status (KubeRay: the replica's service account, or
+``kubeconfig=PATH``). API keys come from
 ``BATON_API_KEYS`` (comma-separated), never from arguments, which Serve logs.
 """
 
@@ -46,7 +47,8 @@ class ServeArgs(GatewaySettings):
     the gateway's settings plus where its pool comes from."""
 
     pool_file: Path | None = None  # default: $BATON_POOL_FILE
-    model_deployment: str | None = None  # NAMESPACE/NAME: the pool from its status instead
+    # NAMESPACE/NAME, comma-separated for several: the pools from their status instead
+    model_deployment: str | None = None
     kubeconfig: Path | None = None  # with model_deployment; default: the service account
     engine_api_key_file: Path | None = None  # the engines' API key, a mounted Secret
 
@@ -59,11 +61,14 @@ def config_from_serve_args(args: Mapping[str, object], environ: Mapping[str, str
         raise ValueError(f"router.serve:app: {describe_errors(exc, 'argument')}") from exc
     from_env = environ.get(POOL_FILE_ENV)
     pool_file = parsed.pool_file or (Path(from_env) if from_env else None)
-    deployment = None
+    deployments: tuple[DeploymentRef, ...] = ()
     if parsed.model_deployment is not None:
         if parsed.pool_file is not None:
             raise ValueError("router.serve:app: pass pool_file or model_deployment, not both")
-        deployment = DeploymentRef.parse(parsed.model_deployment, parsed.kubeconfig)
+        deployments = tuple(
+            DeploymentRef.parse(value.strip(), parsed.kubeconfig)
+            for value in parsed.model_deployment.split(",")
+        )
         pool_file = None
     elif pool_file is None:
         raise ValueError(
@@ -83,7 +88,7 @@ def config_from_serve_args(args: Mapping[str, object], environ: Mapping[str, str
         keys,
         settings,
         pool_file=pool_file,
-        model_deployment=deployment,
+        model_deployments=deployments,
         engine_api_key=engine_key,
     )
 

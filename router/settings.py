@@ -143,11 +143,12 @@ class GatewaySettings(BaseModel):
 class GatewayConfig:
     """Where the engines come from, who may call, and the tunables."""
 
-    pool: PoolSpec | None  # None: the pool comes from model_deployment's status
+    pool: PoolSpec | None  # None: the pools come from model_deployments' status
     api_keys: tuple[str, ...] = ()
     settings: GatewaySettings = field(default_factory=GatewaySettings)
     pool_file: Path | None = None  # reloaded when it changes
-    model_deployment: DeploymentRef | None = None
+    # each a pool of its own, routed to by the model its spec serves
+    model_deployments: tuple[DeploymentRef, ...] = ()
     # The engines' API key (vLLM's --api-key): sent on every call to an engine.
     engine_api_key: str | None = field(default=None, repr=False)
 

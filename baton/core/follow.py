@@ -47,6 +47,11 @@ class DeploymentRef:
             )
         return cls(namespace, name, kubeconfig)
 
+    @property
+    def key(self) -> str:
+        """NAMESPACE/NAME, as the flag gives it and metrics label it."""
+        return f"{self.namespace}/{self.name}"
+
 
 def custom_objects_api(ref: DeploymentRef) -> client.CustomObjectsApi:
     return client.CustomObjectsApi(api_client(ref.kubeconfig))

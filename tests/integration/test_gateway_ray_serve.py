@@ -133,13 +133,17 @@ def test_serve_args_without_a_pool_name_every_way_to_give_one() -> None:
         config_from_serve_args({}, {})
 
 
-def test_serve_args_can_follow_a_model_deployment_instead_of_a_pool_file(tmp_path: Path) -> None:
+def test_serve_args_can_follow_model_deployments_instead_of_a_pool_file(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
     config = config_from_serve_args(
-        {"model_deployment": "serving/dsv4", "kubeconfig": str(tmp_path / "kubeconfig")},
+        {"model_deployment": "serving/dsv4, small/tiny", "kubeconfig": str(kubeconfig)},
         {POOL_FILE_ENV: str(tmp_path / "ignored.yaml")},
     )
     assert config.pool is None and config.pool_file is None
-    assert config.model_deployment == DeploymentRef("serving", "dsv4", tmp_path / "kubeconfig")
+    assert config.model_deployments == (
+        DeploymentRef("serving", "dsv4", kubeconfig),
+        DeploymentRef("small", "tiny", kubeconfig),
+    )
     with pytest.raises(ValueError, match="expected NAMESPACE/NAME"):
         config_from_serve_args({"model_deployment": "dsv4"}, {})
 

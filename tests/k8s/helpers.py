@@ -123,16 +123,17 @@ def compute_domains_served(api: client.ApiClient) -> Iterator[None]:
 
 
 def start_gateway_following(
-    plane: ControlPlane, namespace: str, name: str, log: Path
+    plane: ControlPlane, namespace: str, name: str, log: Path, *more: str
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """``baton gateway --model-deployment NAMESPACE/NAME`` on a free port, every request a P/D
-    handoff and health checked every 0.5 s; the process and its URL, once it answers."""
+    """``baton gateway --model-deployment NAMESPACE/NAME`` (one flag for ``name`` and each of
+    ``more``) on a free port, every request a P/D handoff and health checked every 0.5 s; the
+    process and its URL, once it answers."""
     port = free_port()
+    followed = [f"--model-deployment={namespace}/{each}" for each in (name, *more)]
     gateway = subprocess.Popen(
         baton_command(
             "gateway",
-            "--model-deployment",
-            f"{namespace}/{name}",
+            *followed,
             f"--kubeconfig={plane.kubeconfig}",
             f"--port={port}",
             "--health-interval=0.5",

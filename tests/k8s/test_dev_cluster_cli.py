@@ -128,7 +128,7 @@ def test_start_add_a_rack_fail_a_tray_and_stop(tmp_path: Path) -> None:
                 "baton-system",
                 "--create-namespace",
                 "--set",
-                "gateway.modelDeployment=serving/dsv4",
+                "gateway.modelDeployments={serving/dsv4}",
             ],
             capture_output=True,
             text=True,

@@ -17,6 +17,7 @@ import openai
 import pytest
 from kubernetes import client
 
+from baton.core.labels import DEPLOYMENT_LABEL
 from controller.podspec import EPLB_TOKEN_DIR
 from rigs.devcluster import ControlPlane, patch_model_deployment_spec, pods
 from rigs.processes import baton_command, eventually, stop_process, wait_healthy
@@ -30,6 +31,45 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
     yield started
     stop_process(*started)
+
+
+def run_engine_pods(
+    api: client.ApiClient,
+    namespace: str,
+    logs: Path,
+    mounted: dict[str, str] | None = None,
+    deployment: str | None = None,
+) -> list[subprocess.Popen[bytes]]:
+    """Each engine pod of ``namespace`` (of one ModelDeployment, or all) run as its own command
+    line at its pod IP, a mounted file's path in it replaced as ``mounted`` says; once each
+    answers."""
+    mounted = mounted or {}
+    selector = f"{DEPLOYMENT_LABEL}={deployment}" if deployment else DEPLOYMENT_LABEL
+    listed: list[Any] = (
+        client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector).items
+    )
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        for pod in listed:
+            name = pod.metadata.name
+            ip = pod.status.pod_ip
+            assert ip.startswith("127.64.")  # kwok's loopback pod range: servable here
+            container = pod.spec.containers[0]
+            env = {e.name: e.value for e in container.env if e.value is not None}
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = ip  # what the fieldRef gives a real pod
+            log = logs / f"{name}.log"
+            engine = subprocess.Popen(
+                [mounted.get(arg, arg) for arg in container.command] + ["--host", ip],
+                env={**os.environ, **env},
+                stdout=log.open("wb"),
+                stderr=subprocess.STDOUT,
+            )
+            started.append(engine)
+            wait_healthy(f"http://{ip}:8000", engine, log)
+    except BaseException:
+        stop_process(*started)
+        raise
+    return started
 
 
 def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
@@ -64,22 +104,7 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
     # what the Secret would hold, where each engine and the service read it here
     token = tmp_path / "eplb-token"
     token.write_text("agent-secret")
-    mounted = f"{EPLB_TOKEN_DIR}/token"
-    for name, pod in pods(api, namespace).items():
-        ip = pod.status.pod_ip
-        assert ip.startswith("127.64.")  # kwok's loopback pod range: servable here
-        container = pod.spec.containers[0]
-        env = {e.name: e.value for e in container.env if e.value is not None}
-        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = ip  # what the fieldRef gives a real pod
-        log = tmp_path / f"{name}.log"
-        engine = subprocess.Popen(
-            [str(token) if arg == mounted else arg for arg in container.command] + ["--host", ip],
-            env={**os.environ, **env},
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-        )
-        processes.append(engine)
-        wait_healthy(f"http://{ip}:8000", engine, log)
+    processes += run_engine_pods(api, namespace, tmp_path, {f"{EPLB_TOKEN_DIR}/token": str(token)})
 
     gateway_log = tmp_path / "gateway.log"
     gateway, url = start_gateway_following(control_plane, namespace, "dsv4", gateway_log)
@@ -147,3 +172,116 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
     after = read(api, namespace, "dsv4")["status"]
     assert "target" in after["eplb"] and after["balance"]
     assert after["prefillReady"].endswith("/2")
+
+
+def _served_requests(url: str) -> float:
+    """Requests an engine API server finished, as its vLLM metrics count them."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total")
+    )
+
+
+def _gateway_series(url: str, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return {
+        frozenset(sample.labels.items()): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+@pytest.mark.racks(2)
+def test_one_gateway_serves_two_deployments_each_request_by_its_model_and_one_down_spares_the_other(
+    api: client.ApiClient,
+    namespace: str,
+    rack: list[dict[str, Any]],
+    control_plane: ControlPlane,
+    processes: list[subprocess.Popen[bytes]],
+    tmp_path: Path,
+) -> None:
+    # Two models, one cell each (a cell per NVLink domain: two racks), one gateway for both.
+    for name in ("alpha", "beta"):
+        apply(
+            api,
+            namespace,
+            name,
+            {
+                "servedModelName": name,
+                "engine": {"command": baton_command("sim"), "args": ["--profile", "instant"]},
+                "cell": {"decode": {"dep": 4, "spareTrays": 0}, "prefill": {"instances": 1}},
+                "eplb": {"enabled": False},
+            },
+        )
+    engines: dict[str, list[subprocess.Popen[bytes]]] = {}
+    for name in ("alpha", "beta"):
+        wait_ready(api, namespace, name)
+        engines[name] = run_engine_pods(api, namespace, tmp_path, deployment=name)
+        processes += engines[name]
+    prefill = {
+        name: f"http://{pod.status.pod_ip}:8000"
+        for pod in pods(api, namespace, "prefill").values()
+        for name in [pod.metadata.labels[DEPLOYMENT_LABEL]]
+    }
+    gateway_log = tmp_path / "gateway.log"
+    gateway, url = start_gateway_following(control_plane, namespace, "alpha", gateway_log, "beta")
+    processes.append(gateway)
+    openai_client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    eventually(lambda: [m.id for m in openai_client.models.list().data] == ["alpha", "beta"], 30)
+
+    def ask(model: str) -> str:
+        stream = openai_client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": f"A question for {model}."}],
+            max_tokens=8,
+            stream=True,
+        )
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    for _ in range(3):
+        assert ask("alpha")
+    # alpha's requests went to alpha's engines alone
+    assert _served_requests(prefill["alpha"]) >= 3
+    assert _served_requests(prefill["beta"]) == 0
+    assert ask("beta")
+    assert _served_requests(prefill["beta"]) >= 1
+    requests = _gateway_series(url, "baton_gateway_requests_total")
+    ok = {
+        deployment: sum(
+            v
+            for labels, v in requests.items()
+            if ("modeldeployment", deployment) in labels and ("outcome", "ok") in labels
+        )
+        for deployment in (f"{namespace}/alpha", f"{namespace}/beta")
+    }
+    assert ok == {f"{namespace}/alpha": 3, f"{namespace}/beta": 1}
+
+    # beta's engines all gone: its requests get 503 naming it, alpha's are served as before,
+    # and only beta's pool is in panic.
+    stop_process(*engines["beta"])
+
+    def beta_refused() -> openai.APIStatusError | None:
+        try:
+            ask("beta")
+        except openai.APIStatusError as exc:
+            return exc if exc.status_code == 503 else None
+        return None
+
+    refused = eventually(beta_refused, timeout=30, interval=0.5)
+    assert refused is not None
+    assert f"no healthy engine serves model 'beta' now ({namespace}/beta)" in refused.message
+    assert ask("alpha")
+    ready = httpx.get(f"{url}/ready", timeout=5)
+    assert ready.status_code == 200
+    assert ready.json()["not_serving"] == f"{namespace}/beta"
+    panic = _gateway_series(url, "baton_gateway_panic")
+    assert panic[frozenset({("modeldeployment", f"{namespace}/beta"), ("role", "decode")})] == 1
+    assert panic[frozenset({("modeldeployment", f"{namespace}/alpha"), ("role", "decode")})] == 0
+    with pytest.raises(openai.NotFoundError, match="model 'gamma' is not served; served: alpha"):
+        ask("gamma")
+    assert "Traceback" not in gateway_log.read_text()

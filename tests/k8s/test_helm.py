@@ -94,11 +94,11 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_chart_lints_and_names_its_required_value() -> None:
-    linted = helm("lint", str(CHART), "--set", "gateway.modelDeployment=serving/dsv4")
+    linted = helm("lint", str(CHART), "--set", "gateway.modelDeployments={serving/dsv4}")
     assert linted.returncode == 0, linted.stdout + linted.stderr
     missing = helm("template", "baton", str(CHART))
     assert missing.returncode != 0
-    assert "gateway.modelDeployment: set it to NAMESPACE/NAME" in missing.stderr
+    assert "gateway.modelDeployments: list the NAMESPACE/NAME of each" in missing.stderr
 
 
 def test_an_install_for_a_namespace_that_does_not_exist_fails_before_creating_anything(
@@ -118,11 +118,12 @@ def test_an_install_for_a_namespace_that_does_not_exist_fails_before_creating_an
         "--kubeconfig",
         kubeconfig,
         "--set",
-        "gateway.modelDeployment=not-created/dsv4,crds.install=false",
+        "gateway.modelDeployments={not-created/dsv4},crds.install=false",
     )
     assert installed.returncode != 0
     assert (
-        "namespace not-created (gateway.modelDeployment) does not exist: create it first "
+        "namespace not-created (of a ModelDeployment the gateway serves) does not exist: create "
+        "it first "
         "(kubectl create namespace not-created)" in installed.stderr
     ), installed.stderr
     listed = helm("list", "--all", "--namespace", namespace, "--kubeconfig", kubeconfig, "-q")
@@ -130,7 +131,7 @@ def test_an_install_for_a_namespace_that_does_not_exist_fails_before_creating_an
     assert not client.AppsV1Api(api).list_namespaced_deployment(namespace).items
     # without a cluster (helm template, lint) the chart renders as before
     assert (
-        helm("template", "baton", str(CHART), "--set", "gateway.modelDeployment=x/y").returncode
+        helm("template", "baton", str(CHART), "--set", "gateway.modelDeployments={x/y}").returncode
         == 0
     )
 
@@ -146,7 +147,8 @@ def test_an_install_for_a_namespace_that_does_not_exist_fails_before_creating_an
             "additional properties 'prefill_timeout' not allowed",
         ),
         ("gateway.workers=0", "at '/gateway/workers'"),
-        ("gateway.modelDeployment=dsv4", "at '/gateway/modelDeployment'"),
+        ("gateway.modelDeployments={dsv4}", "at '/gateway/modelDeployments/0'"),
+        ("gateway.modelDeployment=serving/dsv4", "additional properties 'modelDeployment' not"),
         ("eplb.reportPort=70000", "at '/eplb/reportPort'"),
         ("image.pullPolicy=Sometimes", "at '/image/pullPolicy'"),
         ("gateway.rayService.enable=true", "additional properties 'enable' not allowed"),
@@ -164,7 +166,7 @@ def test_the_values_schema_refuses_a_wrong_value_naming_it(value: str, message: 
         "baton",
         str(CHART),
         "--set",
-        "gateway.modelDeployment=serving/dsv4",
+        "gateway.modelDeployments={serving/dsv4}",
         "--set",
         value,
     )
@@ -181,7 +183,7 @@ def test_the_straggler_watch_is_given_its_bound_and_one_of_the_shipped_profiles(
         for o in render(
             "b",
             "--set",
-            "gateway.modelDeployment=serving/dsv4,"
+            "gateway.modelDeployments={serving/dsv4},"
             "controller.stragglers.prometheusUrl=http://prometheus:9090",
             "--set-json",
             "controller.stragglers.stepSlowdown=1.5",
@@ -201,7 +203,7 @@ def helm_test_pod(*values: str) -> dict[str, Any]:
         "b",
         str(CHART),
         "--set",
-        "gateway.modelDeployment=serving/dsv4",
+        "gateway.modelDeployments={serving/dsv4}",
         *sets,
         "--show-only",
         "templates/tests/gateway.yaml",
@@ -274,8 +276,72 @@ def render(*args: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
 
 
+def _args(objects: list[dict[str, Any]], name: str) -> list[str]:
+    [deployment] = [
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == name
+    ]
+    return list(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_one_release_serves_several_model_deployments_each_with_its_own_monitors() -> None:
+    served = "gateway.modelDeployments={serving/dsv4,small/tiny}"
+    objects = render("b", "--set", f"{served},networkPolicy.enabled=true,{MONITORING_ON}")
+    gateway = _args(objects, "b-baton-gateway")
+    follows = [a for a in gateway if a.startswith("--model-deployment")]
+    assert follows == ["--model-deployment=serving/dsv4", "--model-deployment=small/tiny"]
+    # the EPLB service balances the first unless told which
+    assert "--model-deployment=serving/dsv4" in _args(objects, "b-baton-eplb")
+    roles = {
+        (o["metadata"]["namespace"], o["metadata"]["name"]) for o in objects if o["kind"] == "Role"
+    }
+    assert {("serving", "b-baton-gateway"), ("small", "b-baton-gateway")} <= roles
+    assert ("serving", "b-baton-eplb") in roles and ("small", "b-baton-eplb") not in roles
+    bound = {
+        (o["metadata"]["namespace"], o["metadata"]["name"])
+        for o in objects
+        if o["kind"] == "RoleBinding"
+    }
+    assert {("serving", "b-baton-gateway"), ("small", "b-baton-gateway")} <= bound
+    monitors = {
+        o["metadata"]["name"]: (o["spec"]["namespaceSelector"]["matchNames"], o["spec"]["selector"])
+        for o in objects
+        if o["kind"] == "PodMonitor"
+    }
+    assert monitors == {
+        "b-baton-engines-serving-dsv4": (["serving"], {"matchLabels": {DEPLOYMENT_LABEL: "dsv4"}}),
+        "b-baton-engines-small-tiny": (["small"], {"matchLabels": {DEPLOYMENT_LABEL: "tiny"}}),
+    }
+    engine_policies = {
+        (o["metadata"]["namespace"], o["metadata"]["name"]): o["spec"]["podSelector"]
+        for o in objects
+        if o["kind"] == "NetworkPolicy" and "-engines-" in o["metadata"]["name"]
+    }
+    assert engine_policies == {
+        ("serving", "b-baton-engines-dsv4"): {"matchLabels": {DEPLOYMENT_LABEL: "dsv4"}},
+        ("small", "b-baton-engines-tiny"): {"matchLabels": {DEPLOYMENT_LABEL: "tiny"}},
+    }
+
+    chosen = render("b", "--set", f"{served},eplb.modelDeployment=small/tiny")
+    assert "--model-deployment=small/tiny" in _args(chosen, "b-baton-eplb")
+    roles = {
+        (o["metadata"]["namespace"], o["metadata"]["name"]) for o in chosen if o["kind"] == "Role"
+    }
+    assert ("small", "b-baton-eplb") in roles and ("serving", "b-baton-eplb") not in roles
+    # the second deployment's EPLB service: a release of its own with the gateway off
+    alone = render(
+        "e",
+        "--set",
+        "gateway.enabled=false,controller.replicas=0,crds.install=false,"
+        "eplb.modelDeployment=small/tiny",
+    )
+    assert "--model-deployment=small/tiny" in _args(alone, "e-baton-eplb")
+    assert "e-baton-gateway" not in {
+        o["metadata"]["name"] for o in alone if o["kind"] == "Deployment"
+    }
+
+
 def test_the_gateways_workers_value_is_its_workers_flag() -> None:
-    objects = render("b", "--set", "gateway.modelDeployment=serving/dsv4,gateway.workers=4")
+    objects = render("b", "--set", "gateway.modelDeployments={serving/dsv4},gateway.workers=4")
     [gateway] = [
         o
         for o in objects
@@ -334,7 +400,7 @@ def release(api: client.ApiClient, namespace: str) -> Iterator[list[dict[str, An
         "--namespace",
         namespace,
         "--set",
-        f"gateway.modelDeployment={namespace}/dsv4,controller.replicas=0,gateway.replicas=0",
+        f"gateway.modelDeployments={{{namespace}/dsv4}},controller.replicas=0,gateway.replicas=0",
         "--set",
         "crds.install=false",  # the session's CRD; test_helm_upgrade_* installs one by Helm
         "--skip-tests",
@@ -574,7 +640,7 @@ def test_helm_upgrade_updates_the_crd_and_uninstall_keeps_it_and_the_deployments
         "--kubeconfig",
         kubeconfig,
         "--set",
-        f"gateway.modelDeployment={namespace}/dsv4,controller.replicas=0,gateway.replicas=0",
+        f"gateway.modelDeployments={{{namespace}/dsv4}},controller.replicas=0,gateway.replicas=0",
     ]
     try:
         installed = helm("install", release, str(chart), *values)
@@ -629,7 +695,7 @@ def test_the_charts_pods_wait_for_a_cpu_node_and_run_there_never_on_a_tray(
         "--kubeconfig",
         str(control_plane.kubeconfig),
         "--set",
-        f"gateway.modelDeployment={namespace}/dsv4",
+        f"gateway.modelDeployments={{{namespace}/dsv4}}",
         "--set",
         "crds.install=false",  # the session's CRD, which no release owns
     )
@@ -686,7 +752,7 @@ def test_drains_keep_a_controller_and_a_gateway_and_every_pod_runs_under_runtime
         "--namespace",
         namespace,
         "--set",
-        f"gateway.modelDeployment={namespace}/dsv4",
+        f"gateway.modelDeployments={{{namespace}/dsv4}}",
         "--skip-tests",
     )
     assert rendered.returncode == 0, rendered.stderr
@@ -726,7 +792,7 @@ def test_the_notes_give_a_modeldeployment_that_reports_to_the_releases_eplb_serv
         "--kubeconfig",
         str(control_plane.kubeconfig),
         "--set",
-        "gateway.modelDeployment=serving/dsv4",
+        "gateway.modelDeployments={serving/dsv4}",
         "--set",
         "eplb.tokenSecret.name=eplb-token",
         "--set",
@@ -751,7 +817,7 @@ def test_the_charts_commands_are_entry_points_of_the_image_it_names() -> None:
     """Every chart container runs `baton COMMAND` with arguments that command accepts (or the
     image's python), and the Containerfile installs the whole project, as the non-root user
     the chart runs as, so `baton` and every package it dispatches to are in the image."""
-    rendered = helm("template", "b", str(CHART), "--set", "gateway.modelDeployment=serving/dsv4")
+    rendered = helm("template", "b", str(CHART), "--set", "gateway.modelDeployments={serving/dsv4}")
     assert rendered.returncode == 0, rendered.stderr
     objects = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
     specs = [o["spec"]["template"]["spec"] for o in objects if o["kind"] == "Deployment"]
@@ -813,7 +879,7 @@ def test_with_the_network_policy_engines_take_traffic_from_baton_and_each_other_
         "--namespace",
         "baton-system",
         "--set",
-        f"gateway.modelDeployment={namespace}/dsv4,networkPolicy.enabled=true",
+        f"gateway.modelDeployments={{{namespace}/dsv4}},networkPolicy.enabled=true",
         "--skip-tests",
     )
     assert rendered.returncode == 0, rendered.stderr
@@ -821,7 +887,7 @@ def test_with_the_network_policy_engines_take_traffic_from_baton_and_each_other_
     [policy] = [
         o
         for o in objects
-        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"].endswith("-engines")
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"].endswith("-engines-dsv4")
     ]
     utils.create_from_dict(api, policy, namespace=namespace)  # the API server accepts it
     assert policy["metadata"]["namespace"] == namespace
@@ -865,12 +931,12 @@ def test_with_the_network_policy_only_prometheus_scrapes_the_controller_and_eplb
         "--namespace",
         namespace,
         "--set",
-        f"gateway.modelDeployment={namespace}/dsv4,networkPolicy.enabled=true",
+        f"gateway.modelDeployments={{{namespace}/dsv4}},networkPolicy.enabled=true",
     )
     policies = {
         o["metadata"]["name"]: o
         for o in objects
-        if o["kind"] == "NetworkPolicy" and not o["metadata"]["name"].endswith("-engines")
+        if o["kind"] == "NetworkPolicy" and "-engines-" not in o["metadata"]["name"]
     }
     assert set(policies) == {"np-baton-controller", "np-baton-eplb"}
     pods = {
@@ -907,7 +973,7 @@ def test_the_gateways_settings_are_its_flags_and_its_serve_arguments_unset_ones_
     None
 ):
     settings = "gateway.settings.policy=least_loaded,gateway.settings.prefill_timeout_s=600"
-    objects = render("b", "--set", f"gateway.modelDeployment=serving/dsv4,{settings}")
+    objects = render("b", "--set", f"gateway.modelDeployments={{serving/dsv4}},{settings}")
     [gateway] = [
         o
         for o in objects
@@ -980,7 +1046,7 @@ def test_the_ray_serve_example_runs_router_serve_app_on_a_rayservice_instead_of_
     (tmp_path / "api-key").write_text("engine-secret\n")
     args = {**application.args, "engine_api_key_file": str(tmp_path / "api-key")}
     config = router.serve.config_from_serve_args(args, {router.serve.API_KEYS_ENV: "k1,k2"})
-    assert config.model_deployment == DeploymentRef("serving", "dsv4")
+    assert config.model_deployments == (DeploymentRef("serving", "dsv4"),)
     assert config.pool is None and config.api_keys == ("k1", "k2")
     assert config.engine_api_key == "engine-secret"
     assert config.settings.policy.value == "affinity"
@@ -1025,9 +1091,9 @@ def monitoring_crds(api: client.ApiClient) -> None:
 
 
 def test_monitoring_is_off_by_default() -> None:
-    kinds = {o["kind"] for o in render("b", "--set", "gateway.modelDeployment=serving/dsv4")}
+    kinds = {o["kind"] for o in render("b", "--set", "gateway.modelDeployments={serving/dsv4}")}
     assert not kinds & set(MONITORING_PLURALS)
-    names = {o["metadata"]["name"] for o in render("b", "--set", "gateway.modelDeployment=s/d")}
+    names = {o["metadata"]["name"] for o in render("b", "--set", "gateway.modelDeployments={s/d}")}
     assert not any("dashboard" in name for name in names)
 
 
@@ -1038,7 +1104,7 @@ def test_every_alerts_runbook_url_is_a_section_of_the_page_the_chart_value_names
         for o in render(
             "b",
             "--set",
-            f"gateway.modelDeployment=serving/dsv4,{MONITORING_ON},monitoring.runbookBaseUrl={base}",
+            f"gateway.modelDeployments={{serving/dsv4}},{MONITORING_ON},monitoring.runbookBaseUrl={base}",
         )
         if o["kind"] == "PrometheusRule"
     ]
@@ -1059,7 +1125,7 @@ def test_the_monitors_rules_and_dashboards_are_accepted_and_select_what_they_mon
         "--namespace",
         namespace,
         "--set",
-        f"gateway.modelDeployment={namespace}/dsv4,crds.install=false,{MONITORING_ON}",
+        f"gateway.modelDeployments={{{namespace}/dsv4}},crds.install=false,{MONITORING_ON}",
         "--skip-tests",
     )
     by_kind: dict[str, list[dict[str, Any]]] = {}
@@ -1092,19 +1158,21 @@ def test_the_monitors_rules_and_dashboards_are_accepted_and_select_what_they_mon
         f"{release}-controller-metrics",
     }
     assert all(names & ports for names in selected.values())
-    # The gateway's and the EPLB service's series name the ModelDeployment they serve, as the
-    # engines' do; the controller's keep the namespace each of its series names.
-    for endpoint in monitor["spec"]["endpoints"]:
-        [served] = endpoint["relabelings"]
-        assert served["targetLabel"] == "modeldeployment"
-        assert served["replacement"] == f"{namespace}/dsv4"
-        components = {
-            service["metadata"]["labels"]["app.kubernetes.io/component"]
-            for service in by_kind["Service"]
-            if _selects(monitor["spec"]["selector"], service["metadata"]["labels"])
-        }
-        assert {c for c in components if re.fullmatch(served["regex"], c)} == {"gateway", "eplb"}
-    assert [e.get("honorLabels", False) for e in monitor["spec"]["endpoints"]] == [False, True]
+    # The EPLB service's series name the ModelDeployment it balances, as the engines' do; the
+    # gateway's name their own (it may serve several), and the controller's keep the
+    # namespace each of its series names.
+    gateway_endpoint, metrics_endpoint = monitor["spec"]["endpoints"]
+    assert "relabelings" not in gateway_endpoint
+    [served] = metrics_endpoint["relabelings"]
+    assert served["targetLabel"] == "modeldeployment"
+    assert served["replacement"] == f"{namespace}/dsv4"
+    components = {
+        service["metadata"]["labels"]["app.kubernetes.io/component"]
+        for service in by_kind["Service"]
+        if _selects(monitor["spec"]["selector"], service["metadata"]["labels"])
+    }
+    assert {c for c in components if re.fullmatch(served["regex"], c)} == {"eplb"}
+    assert [e.get("honorLabels", False) for e in monitor["spec"]["endpoints"]] == [True, True]
 
     # The PodMonitor selects the deployment's engine pods, on their http port, in their
     # namespace, and labels each series with its pod's cell and role.
@@ -1162,7 +1230,7 @@ def test_in_ray_serve_mode_the_api_server_takes_the_rayservice_and_its_pods_foll
         "-f",
         str(RAY_SERVE_EXAMPLE),
         "--set",
-        f"gateway.modelDeployment={namespace}/dsv4,crds.install=false",
+        f"gateway.modelDeployments={{{namespace}/dsv4}},crds.install=false",
         "--skip-tests",
     )
     with created(api, namespace, objects):

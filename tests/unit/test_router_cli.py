@@ -94,3 +94,20 @@ def test_a_gateway_with_no_api_keys_says_it_serves_everyone(
     with caplog.at_level("WARNING", logger="baton.gateway"):
         create_app(config)
     assert "no API keys: every client is served without authentication" in caplog.text
+
+
+def test_model_deployment_repeats_for_one_pool_per_deployment() -> None:
+    args = build_parser().parse_args(
+        ["--model-deployment=serving/dsv4", "--model-deployment", "small/tiny"]
+    )
+    config = config_from_args(args)
+    assert config.pool is None
+    assert [ref.key for ref in config.model_deployments] == ["serving/dsv4", "small/tiny"]
+
+
+def test_a_model_deployment_given_twice_is_refused_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["--model-deployment=serving/dsv4", "--model-deployment=serving/dsv4"])
+    assert code == 2
+    assert "--model-deployment serving/dsv4 given twice" in capsys.readouterr().err

@@ -42,15 +42,34 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/*
-The gateway and the EPLB service serve gateway.modelDeployment: their series carry it as the
-engines' do (modeldeployment="NAMESPACE/NAME"), so that the dashboards select one deployment.
+NAMESPACE/NAME of the ModelDeployment the EPLB service balances: eplb.modelDeployment, else the
+first the gateway serves.
 */}}
-{{- define "baton.servedDeploymentRelabeling" -}}
-{{- with .Values.gateway.modelDeployment -}}
+{{- define "baton.eplbDeployment" -}}
+{{- .Values.eplb.modelDeployment | default (first (.Values.gateway.modelDeployments | default list)) | default "" -}}
+{{- end }}
+
+{{/*
+Every ModelDeployment this release serves (the gateway's and the EPLB service's), as a JSON list
+of NAMESPACE/NAME: their engines' PodMonitors and NetworkPolicies.
+*/}}
+{{- define "baton.servedDeployments" -}}
+{{- $all := .Values.gateway.modelDeployments | default list -}}
+{{- with include "baton.eplbDeployment" . }}{{ $all = append $all . }}{{ end -}}
+{{- $all | uniq | toJson -}}
+{{- end }}
+
+{{/*
+The EPLB service's series carry the deployment it balances as the engines' do
+(modeldeployment="NAMESPACE/NAME"), so that the dashboards select one deployment; the gateway
+labels its own series by the deployment each request went to (it may serve several).
+*/}}
+{{- define "baton.eplbDeploymentRelabeling" -}}
+{{- with include "baton.eplbDeployment" . -}}
 relabelings:
   - action: replace
     sourceLabels: [__meta_kubernetes_service_label_app_kubernetes_io_component]
-    regex: gateway|eplb
+    regex: eplb
     targetLabel: modeldeployment
     replacement: {{ . | quote }}
 {{- end }}
