@@ -15,7 +15,8 @@ eligible, has exactly ``gpusPerPod`` GPUs, none of them held by anyone. A *prefi
 
 Algorithm (``plan_placement``), in three steps:
 
-1. Keep. Each cell of the current placement that is still wanted is repaired in its domain, in
+1. Keep. Each cell of the current placement that is still wanted first claims the trays its
+   pods are on (so that no other cell grows into them), then is repaired in its domain, in
    name order:
    a. a pod running on a tray that still keeps pods (Ready, not quarantined, not evicting, same
       domain, enough GPUs) stays where it is, on the same GPUs; a pod that is not running there
@@ -34,10 +35,14 @@ Algorithm (``plan_placement``), in three steps:
       fit" when none is given), take free slots: half-used trays first (fewest free GPUs
       first), then whole trays, in slot order. A running cell that finds too few slots keeps
       running with fewer instances; only admission is all-or-nothing.
-2. Admit. Every other wanted cell goes to a domain hosting no cell, whole or not at all. A
-   domain fits a shape when it has ``D + S`` whole trays and, on its other eligible trays,
-   ``N`` prefill slots (at least 1 when N is "as many as fit"). Cells are taken in deployment
-   order, then cell index; each takes the first free domain in its shape's preference order:
+2. Admit. Every other wanted cell goes, whole or not at all, to a domain hosting no cell, or,
+   when its deployment shares domains (``spec.topology.exclusiveDomain: false``), to a domain
+   whose cells' deployments all do, on trays no other cell holds: those first (packing leaves
+   free domains to cells that need one alone), then free domains, then again domains to share
+   (two new sharing cells in one free domain). A domain fits a shape when it has ``D + S``
+   whole trays and, on its other eligible trays, ``N`` prefill slots (at least 1 when N is "as
+   many as fit"). Cells are taken in deployment order, then cell index; each takes the first
+   fitting domain in its shape's preference order:
    tightest fit for a fixed N (fewest slots left over), the most prefill slots for "as many as
    fit", ties by rack and domain order. A cell that finds none looks for an augmenting path
    (Kuhn's matching) through domains that other newly admitted cells hold, so as many new cells
@@ -45,17 +50,21 @@ Algorithm (``plan_placement``), in three steps:
    group takes the first D whole trays in slot order, its spares the next S, and its prefill
    fills slots as in 1d.
 3. Explain. A wanted cell left out gets ``InsufficientCapacity`` and, for every domain free of
-   cells, what it lacked ("domain X: 6 of 9 whole trays free (8 decode + 1 spare), 3 of 18
-   prefill slots").
+   cells (and every domain it could share), what it lacked ("domain X: 6 of 9 whole trays free
+   (8 decode + 1 spare), 3 of 18 prefill slots").
 
-One cell per NVLink domain: IMEX ComputeDomains of two cells in one clique conflict
-(k8s-dra-driver-gpu#892), a fabric fault can take down a whole rack, and a DEP32 cell with its
-prefill fills an NVL72 rack anyway.
+One cell per NVLink domain by default: IMEX ComputeDomains of two cells in one clique can fail
+at the fabric (``cuMemSetAccess`` returning CUDA_ERROR_NOT_SUPPORTED, NVIDIA/k8s-dra-driver-gpu
+#892), a fabric fault takes every cell of its rack down, and a DEP32 cell with its prefill fills
+an NVL72 rack anyway. Smaller cells may share one when their deployments say so; no tray ever
+holds pods of two cells (a node joins one ComputeDomain, NVIDIA/k8s-dra-driver-gpu#353).
 
 Invariants (each checked in tests/unit/test_placement.py):
 
-- A cell lies in one NVLink domain. An admitted cell has its whole decode group, its S spares
-  and its N prefill instances; a cell that does not fit has no pod anywhere.
+- A cell lies in one NVLink domain; a domain hosts several cells only if all their
+  deployments share domains, and no tray holds pods of two cells. An admitted cell has its
+  whole decode group, its S spares and its N prefill instances; a cell that does not fit has
+  no pod anywhere.
 - No tray holds more GPUs than it has, counting those held by others; decode pods and spares
   take whole trays; no pod is placed on a tray that is not eligible.
 - Re-planning moves no running pod whose tray keeps pods and no unbound pod whose tray is
@@ -71,7 +80,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 
 from baton.core.api import ModelDeployment, Reason, Toleration, decode_trays_problem
@@ -195,6 +204,9 @@ class DeploymentShape:
     decode: DecodeShape = field(default_factory=DecodeShape)
     prefill: PrefillShape = field(default_factory=PrefillShape)
     trays: TraySelector = field(default_factory=TraySelector)
+    # its cells may share an NVLink domain with other cells that may, each on trays of its own
+    # (spec.topology.exclusiveDomain false)
+    shares_domain: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or self.cells < 0:
@@ -212,6 +224,7 @@ class DeploymentShape:
             trays=TraySelector.of(
                 deployment.spec.engine.node_selector, deployment.spec.engine.tolerations
             ),
+            shares_domain=not deployment.spec.topology.exclusive_domain,
         )
 
 
@@ -280,24 +293,51 @@ class Plan:
 
 
 class _Ledger:
-    """GPU indices Baton holds on each tray during one planning pass (never leaves it)."""
+    """GPU indices Baton holds on each tray during one planning pass (never leaves it), and the
+    cell each tray's pods belong to: a tray's pods are one cell's (a node joins one IMEX
+    ComputeDomain), so a tray another cell holds or claims offers a cell nothing."""
 
-    __slots__ = ("_held",)
+    __slots__ = ("_cell", "_held")
 
     def __init__(self) -> None:
         self._held: dict[str, int] = {}  # tray name -> bit mask of held GPU indices
+        self._cell: dict[str, str] = {}  # tray name -> the cell holding or claiming it
 
-    def is_empty(self, tray: Tray) -> bool:
-        return tray.name not in self._held
+    def _ours(self, tray: Tray, cell: str) -> bool:
+        return self._cell.get(tray.name, cell) == cell
 
-    def free(self, tray: Tray) -> int:
+    def claim(self, tray: Tray, cell: str) -> None:
+        """Keep ``tray`` for ``cell`` (its pods run there) before it holds any GPU again."""
+        self._cell.setdefault(tray.name, cell)
+
+    def release_claims(self, cell: str) -> None:
+        """``cell``'s claims on trays where it holds no GPU end: others may take them."""
+        for name in [n for n, c in self._cell.items() if c == cell and n not in self._held]:
+            del self._cell[name]
+
+    def release_cell(self, cell: str) -> None:
+        """Everything ``cell`` holds or claims goes back."""
+        for name in [n for n, c in self._cell.items() if c == cell]:
+            del self._cell[name]
+            self._held.pop(name, None)
+
+    def is_empty(self, tray: Tray, cell: str) -> bool:
+        return tray.name not in self._held and self._ours(tray, cell)
+
+    def free(self, tray: Tray, cell: str) -> int:
+        if not self._ours(tray, cell):
+            return 0
         return tray.free_gpus - self._held.get(tray.name, 0).bit_count()
 
-    def take_whole(self, tray: Tray) -> None:
+    def take_whole(self, tray: Tray, cell: str) -> None:
         self._held[tray.name] = (1 << tray.gpus) - 1
+        self._cell[tray.name] = cell
 
-    def take(self, tray: Tray, gpus: tuple[int, ...]) -> bool:
-        """Hold these GPUs if they exist, are distinct, not held, and fit next to others'."""
+    def take(self, tray: Tray, gpus: tuple[int, ...], cell: str) -> bool:
+        """Hold these GPUs for ``cell`` if they exist, are distinct, not held, fit next to
+        others', and no other cell holds the tray."""
+        if not self._ours(tray, cell):
+            return False
         mask = 0
         for gpu in gpus:
             mask |= 1 << gpu
@@ -311,16 +351,14 @@ class _Ledger:
         ):
             return False
         self._held[tray.name] = held | mask
+        self._cell[tray.name] = cell
         return True
 
-    def take_lowest(self, tray: Tray, count: int) -> tuple[int, ...]:
+    def take_lowest(self, tray: Tray, count: int, cell: str) -> tuple[int, ...]:
         held = self._held.get(tray.name, 0)
         gpus = tuple(gpu for gpu in range(tray.gpus) if not held >> gpu & 1)[:count]
-        self.take(tray, gpus)
+        self.take(tray, gpus, cell)
         return gpus
-
-    def release(self, tray: Tray) -> None:
-        self._held.pop(tray.name, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,25 +386,26 @@ class _Pass:
         self.unbound = unbound
         self.ledger = _Ledger()
 
-    def is_whole(self, tray: Tray, shape: DeploymentShape) -> bool:
+    def is_whole(self, tray: Tray, shape: DeploymentShape, cell: str) -> bool:
         return (
             shape.trays.eligible(tray)
             and tray.gpus == shape.decode.gpus_per_pod
             and tray.used_by_others == 0
-            and self.ledger.is_empty(tray)
+            and self.ledger.is_empty(tray, cell)
         )
 
-    def free_in(self, domain: NVLinkDomain, shape: DeploymentShape) -> tuple[int, int]:
-        """The whole trays and prefill slots of ``domain`` no pod of this plan holds."""
+    def free_in(self, domain: NVLinkDomain, shape: DeploymentShape, cell: str) -> tuple[int, int]:
+        """The whole trays and prefill slots of ``domain`` that ``cell`` may take: none that a
+        pod of this plan holds, nor on a tray another cell holds."""
         whole = slots = 0
         for tray in domain.trays:
             if shape.trays.eligible(tray):
-                slots += self.ledger.free(tray) // shape.prefill.dep
-                whole += self.is_whole(tray, shape)
+                slots += self.ledger.free(tray, cell) // shape.prefill.dep
+                whole += self.is_whole(tray, shape, cell)
         return whole, slots
 
-    def fit(self, domain: NVLinkDomain, position: int, shape: DeploymentShape) -> _Fit:
-        whole, slots = self.free_in(domain, shape)
+    def fit(self, domain: NVLinkDomain, position: int, shape: DeploymentShape, cell: str) -> _Fit:
+        whole, slots = self.free_in(domain, shape, cell)
         needed = shape.decode.trays + shape.decode.spare_trays
         per_whole = shape.decode.gpus_per_pod // shape.prefill.dep
         excluded = sum(map(shape.trays.excludes, domain.trays))
@@ -389,17 +428,17 @@ class _Pass:
                 tray is not None
                 and tray.gpus == shape.decode.gpus_per_pod
                 and tray.used_by_others == 0
-                and ledger.is_empty(tray)
+                and ledger.is_empty(tray, old.name)
             ):
-                ledger.take_whole(tray)
+                ledger.take_whole(tray, old.name)
                 decode.append(tray)
             else:
                 decode.append(None)  # a lost rank, re-placed by _complete_decode
         spares: list[Tray] = []
         for name in old.spare_trays[: shape.decode.spare_trays]:
             tray = self._keepable(name, domain, None, shape)
-            if tray is not None and self.is_whole(tray, shape):
-                ledger.take_whole(tray)
+            if tray is not None and self.is_whole(tray, shape, old.name):
+                ledger.take_whole(tray, old.name)
                 spares.append(tray)
         limit = shape.prefill.instances
         prefill: dict[int, PrefillInstance] = {}
@@ -409,14 +448,13 @@ class _Pass:
             tray = self._keepable(
                 instance.tray, domain, prefill_pod_name(old.name, instance.index), shape
             )
-            if tray is not None and ledger.take(tray, instance.gpus):
+            if tray is not None and ledger.take(tray, instance.gpus, old.name):
                 prefill[instance.index] = instance
-        if not self._complete_decode(decode, spares, prefill, domain, shape):
-            for tray in domain.trays:
-                ledger.release(tray)
+        if not self._complete_decode(decode, spares, prefill, domain, shape, old.name):
+            ledger.release_cell(old.name)
             return None
-        self._top_up_spares(spares, domain, shape)
-        free_slots = self._fill_prefill(prefill, domain, shape)
+        self._top_up_spares(spares, domain, shape, old.name)
+        free_slots = self._fill_prefill(prefill, domain, shape, old.name)
         cell = CellPlacement(
             name=old.name,
             deployment=old.deployment,
@@ -430,13 +468,13 @@ class _Pass:
 
     def admit(self, name: str, shape: DeploymentShape, domain: NVLinkDomain) -> CellPlacement:
         """Step 2: the whole cell in a domain known to fit it."""
-        whole = [tray for tray in domain.trays if self.is_whole(tray, shape)]
+        whole = [tray for tray in domain.trays if self.is_whole(tray, shape, name)]
         decode = whole[: shape.decode.trays]
         spares = whole[shape.decode.trays : shape.decode.trays + shape.decode.spare_trays]
         for tray in decode + spares:
-            self.ledger.take_whole(tray)
+            self.ledger.take_whole(tray, name)
         prefill: dict[int, PrefillInstance] = {}
-        free_slots = self._fill_prefill(prefill, domain, shape)
+        free_slots = self._fill_prefill(prefill, domain, shape, name)
         return CellPlacement(
             name=name,
             deployment=shape.name,
@@ -445,6 +483,23 @@ class _Pass:
             prefill=tuple(prefill.values()),
             spare_trays=tuple(tray.name for tray in spares),
             max_prefill_instances=len(prefill) + free_slots,
+        )
+
+    def headroom(self, cell: CellPlacement, shape: DeploymentShape) -> CellPlacement:
+        """``cell`` with the prefill instances it could have now: its own and every slot of
+        its domain's trays that no other cell holds."""
+        domain = self.topology.domain(cell.domain)
+        dep = shape.prefill.dep
+        free = sum(
+            self.ledger.free(tray, cell.name) // dep
+            for tray in (domain.trays if domain else ())
+            if shape.trays.eligible(tray)
+        )
+        most = len(cell.prefill) + free
+        return (
+            cell
+            if most == cell.max_prefill_instances
+            else replace(cell, max_prefill_instances=most)
         )
 
     def _keepable(
@@ -465,12 +520,13 @@ class _Pass:
         prefill: dict[int, PrefillInstance],
         domain: NVLinkDomain,
         shape: DeploymentShape,
+        cell: str,
     ) -> bool:
         """Fill lost decode ranks: spares, then free whole trays, then the cell's prefill trays."""
         lost = [rank for rank, tray in enumerate(decode) if tray is None]
         if not lost:
             return True
-        candidates = spares + [tray for tray in domain.trays if self.is_whole(tray, shape)]
+        candidates = spares + [t for t in domain.trays if self.is_whole(t, shape, cell)]
         if len(candidates) < len(lost):
             candidates += self._reclaimable(prefill, domain, shape)
         if len(candidates) < len(lost):
@@ -480,7 +536,7 @@ class _Pass:
             # Instances on a reclaimed tray are placed again, like any that lost its tray.
             for index in [i for i, instance in prefill.items() if instance.tray == tray.name]:
                 del prefill[index]
-            self.ledger.take_whole(tray)
+            self.ledger.take_whole(tray, cell)
             decode[rank] = tray
         spares[:] = [tray for tray in spares if tray not in chosen]
         return True
@@ -503,17 +559,21 @@ class _Pass:
         return sorted(candidates, key=lambda tray: (instances_on[tray.name], tray.slot))
 
     def _top_up_spares(
-        self, spares: list[Tray], domain: NVLinkDomain, shape: DeploymentShape
+        self, spares: list[Tray], domain: NVLinkDomain, shape: DeploymentShape, cell: str
     ) -> None:
         for tray in domain.trays:
             if len(spares) >= shape.decode.spare_trays:
                 return
-            if self.is_whole(tray, shape):
-                self.ledger.take_whole(tray)
+            if self.is_whole(tray, shape, cell):
+                self.ledger.take_whole(tray, cell)
                 spares.append(tray)
 
     def _fill_prefill(
-        self, prefill: dict[int, PrefillInstance], domain: NVLinkDomain, shape: DeploymentShape
+        self,
+        prefill: dict[int, PrefillInstance],
+        domain: NVLinkDomain,
+        shape: DeploymentShape,
+        cell: str,
     ) -> int:
         """Give missing instance indices free slots, half-used trays first; return slots left."""
         dep, ledger = shape.prefill.dep, self.ledger
@@ -525,21 +585,26 @@ class _Pass:
             (
                 tray
                 for tray in domain.trays
-                if shape.trays.eligible(tray) and ledger.free(tray) >= dep
+                if shape.trays.eligible(tray) and ledger.free(tray, cell) >= dep
             ),
-            key=lambda tray: (ledger.free(tray) == tray.gpus, ledger.free(tray), tray.slot),
+            key=lambda tray: (
+                ledger.free(tray, cell) == tray.gpus,
+                ledger.free(tray, cell),
+                tray.slot,
+            ),
         )
         # Sorted by free GPUs, a tray keeps fewer free GPUs than any later one once it takes an
         # instance, so filling each tray before moving on is best fit.
         position = 0
         for index in missing:
-            while position < len(trays) and ledger.free(trays[position]) < dep:
+            while position < len(trays) and ledger.free(trays[position], cell) < dep:
                 position += 1
             if position == len(trays):
                 break
             tray = trays[position]
-            prefill[index] = PrefillInstance(index, tray.name, ledger.take_lowest(tray, dep))
-        return sum(ledger.free(tray) // dep for tray in trays[position:])
+            instance = PrefillInstance(index, tray.name, ledger.take_lowest(tray, dep, cell))
+            prefill[index] = instance
+        return sum(ledger.free(tray, cell) // dep for tray in trays[position:])
 
 
 _ShapeKey = tuple[DecodeShape, PrefillShape, TraySelector]
@@ -627,10 +692,12 @@ def _explanation(
     free: Sequence[_Fit],
     domains: int,
     hosting: Sequence[tuple[str, int, int]],
+    joinable: Sequence[_Fit] = (),
 ) -> tuple[str, tuple[str, ...]]:
-    """Why no cell of this shape fits: one sentence, then what each free domain lacked and
-    what each domain hosting a cell has left (``hosting``: its name, whole trays and prefill
-    slots no pod holds), which only its own cell's prefill can take."""
+    """Why no cell of this shape fits: one sentence, then what each free domain lacked, what
+    each domain it could share lacked (``joinable``), and what each domain hosting a cell it
+    may not join has left (``hosting``: its name, whole trays and prefill slots no pod holds),
+    which only the cells there can take."""
     needed = shape.decode.trays + shape.decode.spare_trays
     instances = shape.prefill.instances
     slot = f"DEP{shape.prefill.dep} prefill slot"
@@ -661,12 +728,14 @@ def _explanation(
         f"spare) and {prefill} in one NVLink domain; {why}"
     )
     left = tuple(
-        f"domain {name} hosts a cell (one cell per NVLink domain): {whole} whole trays and "
-        f"{slots} DEP{shape.prefill.dep} prefill slots free there, for that cell's prefill only"
+        f"domain {name} hosts a cell (one cell per NVLink domain unless every deployment in it "
+        f"sets topology.exclusiveDomain: false): {whole} whole trays and "
+        f"{slots} DEP{shape.prefill.dep} prefill slots free there, for its cells' prefill only"
         for name, whole, slots in hosting
         if slots
     )
-    return summary, (*(_shortfall(fit, shape) for fit in free), *left)
+    shared = tuple(f"{_shortfall(fit, shape)}, beside the cells it hosts" for fit in joinable)
+    return summary, (*(_shortfall(fit, shape) for fit in free), *shared, *left)
 
 
 def _changes(
@@ -715,54 +784,78 @@ def plan_placement(
             wanted[cell_name(shape.name, index)] = shape
     step = _Pass(topology, unbound)
     placed: dict[str, CellPlacement] = {}
-    hosted: set[str] = set()
+    hosts: dict[str, list[DeploymentShape]] = {}  # domain -> the shapes of its cells
     previous = {cell.name: cell for cell in current.cells} if current else {}
+    # Every kept cell's trays are its own before any cell grows into free GPUs.
+    for name, old in previous.items():
+        if name in wanted:
+            for tray_name in (*old.decode_trays, *old.spare_trays, *(i.tray for i in old.prefill)):
+                tray = topology.tray(tray_name)
+                if tray is not None:
+                    step.ledger.claim(tray, name)
     for name in sorted(previous):
-        old = previous[name]
-        wanted_shape = wanted.get(name)
-        if wanted_shape is None or old.domain in hosted:
+        old, kept = previous[name], wanted.get(name)
+        cell = None
+        if kept is not None and _may_join(hosts.get(old.domain, ()), kept):
+            cell = step.repair(old, kept)
+        if cell is None or kept is None:
+            step.ledger.release_cell(name)
             continue
-        cell = step.repair(old, wanted_shape)
-        if cell is not None:
-            placed[name] = cell
-            hosted.add(cell.domain)
+        placed[name] = cell
+        hosts.setdefault(cell.domain, []).append(kept)
+        step.ledger.release_claims(name)  # trays it kept no pod on go back to the domain
 
-    # Step 2: the rest, one cell per free domain.
-    free = [
-        (position, domain)
-        for position, domain in enumerate(topology.domains)
-        if domain.name not in hosted
-    ]
+    # Step 2: the rest. Cells that may share a domain join one whose cells all may; the others
+    # take a domain free of cells each; cells that may share join those too.
     newcomers = [
         (name, (shape.decode, shape.prefill, shape.trays))
         for name, shape in wanted.items()
         if name not in placed
     ]
+    _join_shared(step, [name for name, _ in newcomers], wanted, hosts, placed)
+    free = [
+        (position, domain)
+        for position, domain in enumerate(topology.domains)
+        if domain.name not in hosts
+    ]
     fits: dict[_ShapeKey, list[_Fit]] = {}
     options: dict[_ShapeKey, list[str]] = {}
     for name, key in newcomers:
         if key not in fits:
-            fits[key] = [step.fit(domain, position, wanted[name]) for position, domain in free]
+            fits[key] = [
+                step.fit(domain, position, wanted[name], name) for position, domain in free
+            ]
             options[key] = _preferred(fits[key], wanted[name])
     domains = {domain.name: domain for _, domain in free}
-    for name, domain_name in _assign(newcomers, options).items():
+    alone = [(name, key) for name, key in newcomers if name not in placed]
+    for name, domain_name in _assign(alone, options).items():
         placed[name] = step.admit(name, wanted[name], domains[domain_name])
-        hosted.add(domain_name)
+        hosts[domain_name] = [wanted[name]]
+    _join_shared(step, [name for name, _ in newcomers], wanted, hosts, placed)
 
-    # Step 3: explain every cell left out, against the domains still free of cells.
+    # Step 3: explain every cell left out, against the domains still free of cells and those
+    # it could have shared.
     explanations: dict[_ShapeKey, tuple[str, tuple[str, ...]]] = {}
     unplaced: list[UnplacedCell] = []
     for name, key in newcomers:
         if name in placed:
             continue
         if key not in explanations:
-            free_now = [fit for fit in fits[key] if fit.domain.name not in hosted]
-            hosting = [
-                (domain.name, *step.free_in(domain, wanted[name]))
-                for domain in topology.domains
-                if domain.name in hosted
+            shape = wanted[name]
+            free_now = [fit for fit in fits[key] if fit.domain.name not in hosts]
+            joinable = [
+                step.fit(domain, position, shape, name)
+                for position, domain in enumerate(topology.domains)
+                if domain.name in hosts and _may_join(hosts[domain.name], shape)
             ]
-            explanations[key] = _explanation(wanted[name], free_now, len(topology.domains), hosting)
+            hosting = [
+                (domain.name, *step.free_in(domain, shape, ""))
+                for domain in topology.domains
+                if domain.name in hosts and not _may_join(hosts[domain.name], shape)
+            ]
+            explanations[key] = _explanation(
+                shape, free_now, len(topology.domains), hosting, joinable
+            )
         summary, lines = explanations[key]
         unplaced.append(
             UnplacedCell(
@@ -773,9 +866,44 @@ def plan_placement(
                 lines,
             )
         )
+    for name, cell in placed.items():
+        if len(hosts[cell.domain]) > 1:  # its slots as they are once its neighbours are placed
+            placed[name] = step.headroom(cell, wanted[name])
     cells = tuple(placed[name] for name in wanted if name in placed)
     moved, restarted = _changes(previous, cells)
     return Plan(cells, tuple(unplaced), moved, restarted)
+
+
+def _may_join(cells: Sequence[DeploymentShape], shape: DeploymentShape) -> bool:
+    """Whether a cell of ``shape`` may go to a domain hosting cells of ``cells``: a free one,
+    or one whose cells all share, as it does."""
+    return not cells or (shape.shares_domain and all(other.shares_domain for other in cells))
+
+
+def _join_shared(
+    step: _Pass,
+    names: Sequence[str],
+    wanted: Mapping[str, DeploymentShape],
+    hosts: dict[str, list[DeploymentShape]],
+    placed: dict[str, CellPlacement],
+) -> None:
+    """Each cell of ``names`` not yet placed whose deployment shares domains goes, whole, to
+    the domain it fits best among those hosting only such cells, on trays no cell holds."""
+    positions = {domain.name: position for position, domain in enumerate(step.topology.domains)}
+    for name in names:
+        shape = wanted[name]
+        if name in placed or not shape.shares_domain:
+            continue
+        fits = [
+            step.fit(domain, positions[domain.name], shape, name)
+            for domain in step.topology.domains
+            if domain.name in hosts and _may_join(hosts[domain.name], shape)
+        ]
+        best = _preferred(fits, shape)
+        if best:
+            domain = next(fit.domain for fit in fits if fit.domain.name == best[0])
+            placed[name] = step.admit(name, shape, domain)
+            hosts[domain.name].append(shape)
 
 
 def _preferred(fits: Sequence[_Fit], shape: DeploymentShape) -> list[str]:

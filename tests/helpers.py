@@ -263,3 +263,20 @@ def eplb_reports_service(
     finally:
         stop_process(process)
     assert process.returncode == 0, log_path.read_text()
+
+
+def clean_checkout(into: Path) -> Path:
+    """The repository's files as a clone has them (tracked, and new files not ignored), copied
+    into ``into``: nothing built or cached in this checkout comes along."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    )
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / name)
+    return into

@@ -205,6 +205,12 @@ class TopologySpec(_Resource):
     gpus_per_tray: int = Field(
         default=DEFAULT_GPUS_PER_TRAY, ge=1, le=8, description="GPUs of one tray (node)"
     )
+    exclusive_domain: bool = Field(
+        default=True,
+        description="each cell takes an NVLink domain alone; false: a cell may share one with "
+        "cells of deployments that also set false, each on trays of its own (two IMEX "
+        "ComputeDomains in one clique can fail at the fabric: NVIDIA/k8s-dra-driver-gpu#892)",
+    )
 
 
 def _climbs(path: str) -> bool:

@@ -57,14 +57,10 @@ def namespace(api: client.ApiClient) -> Iterator[str]:
 
 
 @pytest.fixture
-def rack(
-    api: client.ApiClient, namespace: str, request: pytest.FixtureRequest
-) -> Iterator[list[dict[str, Any]]]:
-    """One NVL72 rack of 18 kwok trays (``@pytest.mark.racks(n)``: n racks); removed after
-    the test's deployments are gone."""
+def rack(api: client.ApiClient, namespace: str) -> Iterator[list[dict[str, Any]]]:
+    """One NVL72 rack of 18 kwok trays; removed after the test's deployments are gone."""
     install_crd(api)
-    marker = request.node.get_closest_marker("racks")
-    nodes = add_trays(api, marker.args[0] if marker else 1, name_prefix=f"{namespace}-")
+    nodes = add_trays(api, 1, name_prefix=f"{namespace}-")
     yield nodes
     custom = client.CustomObjectsApi(api)
     core = client.CoreV1Api(api)

@@ -6,7 +6,6 @@ must succeed. A block that needs what this machine has not (a GPU, a real rack) 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,11 +16,14 @@ import pytest
 
 from rigs.devcluster import binaries_dir
 from rigs.docs import Block, command_blocks
-from tests.helpers import ROOT
+from tests.helpers import ROOT, clean_checkout
 
 # Each guide, and whether it starts from a cluster of trays, as its reader has one, or builds its
 # own (docs/dev-cluster.md).
 GUIDES = {"docs/dev-cluster.md": False, "docs/operator.md": True, "docs/operations.md": True}
+# Pages whose every block is only read: the README's install and `make` lines (run by CI itself
+# and by tests/integration/test_install.py).
+READ_ONLY = ("README.md",)
 MARK = ">>> block "
 # The cluster a reader has: a dev cluster with kube-prometheus-stack's CRDs, whose pods run
 # (the chart's controller among them, once the guide installs the chart).
@@ -38,23 +40,6 @@ def _script(blocks: list[Block], cluster: bool) -> str:
         if block.no_run is None:
             lines += [f"echo '{MARK}{block.where}' >&2", block.text]
     return "\n".join(lines) + "\n"
-
-
-def _checkout(into: Path) -> Path:
-    """The repository's files as a clone has them, for the walk to run in: a block that writes
-    a file (``helm get values ... > values.yaml``) writes it there, not into this checkout."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    )
-    for name in filter(None, listed.stdout.decode().split("\0")):
-        source = ROOT / name
-        if source.is_file():
-            (into / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, into / name)
-    return into
 
 
 def _read_only(block: Block) -> None:
@@ -80,7 +65,7 @@ def test_every_command_of_the_guide_runs_as_written(guide: str, tmp_path: Path) 
         "BATON_DEV_BIN": str(binaries_dir()),  # built by `make dev-bin` before the tests
         "LANG": "C.UTF-8",
     }
-    checkout = _checkout(tmp_path / "baton")
+    checkout = clean_checkout(tmp_path / "baton")
     log = tmp_path / "walk.log"
     with log.open("w") as out:
         shell = subprocess.Popen(
@@ -107,3 +92,12 @@ def test_every_command_of_the_guide_runs_as_written(guide: str, tmp_path: Path) 
     output = log.read_text(errors="replace")
     last = output.rsplit(MARK, 1)[-1].split("\n", 1)[0] if MARK in output else guide
     assert code == 0, f"{last} failed (exit {code}); the walk's output ends:\n{output[-4000:]}"
+
+
+@pytest.mark.parametrize("page", READ_ONLY)
+def test_every_command_of_the_page_is_marked_not_run_and_parses(page: str) -> None:
+    blocks = command_blocks(ROOT / page)
+    assert blocks, f"{page} has no sh blocks"
+    for block in blocks:
+        assert block.no_run, f"{block.where}: a block of {page} is never run; say why"
+        _read_only(block)

@@ -17,7 +17,7 @@ import openai
 import pytest
 from kubernetes import client
 
-from baton.core.labels import DEPLOYMENT_LABEL
+from baton.core.labels import CLIQUE_LABEL, DEPLOYMENT_LABEL
 from controller.podspec import EPLB_TOKEN_DIR
 from rigs.devcluster import ControlPlane, patch_model_deployment_spec, pods
 from rigs.processes import baton_command, eventually, stop_process, wait_healthy
@@ -196,7 +196,6 @@ def _gateway_series(url: str, name: str) -> dict[frozenset[tuple[str, str]], flo
     }
 
 
-@pytest.mark.racks(2)
 def test_one_gateway_serves_two_deployments_each_request_by_its_model_and_one_down_spares_the_other(
     api: client.ApiClient,
     namespace: str,
@@ -205,7 +204,7 @@ def test_one_gateway_serves_two_deployments_each_request_by_its_model_and_one_do
     processes: list[subprocess.Popen[bytes]],
     tmp_path: Path,
 ) -> None:
-    # Two models, one cell each (a cell per NVLink domain: two racks), one gateway for both.
+    # Two small models sharing one rack, a cell each on trays of its own, one gateway for both.
     for name in ("alpha", "beta"):
         apply(
             api,
@@ -216,11 +215,23 @@ def test_one_gateway_serves_two_deployments_each_request_by_its_model_and_one_do
                 "engine": {"command": baton_command("sim"), "args": ["--profile", "instant"]},
                 "cell": {"decode": {"dep": 4, "spareTrays": 0}, "prefill": {"instances": 1}},
                 "eplb": {"enabled": False},
+                "topology": {"exclusiveDomain": False},
             },
         )
     engines: dict[str, list[subprocess.Popen[bytes]]] = {}
     for name in ("alpha", "beta"):
         wait_ready(api, namespace, name)
+    trays = {
+        name: {
+            pod.spec.node_name for pod in pods(api, namespace).values() if name in pod.metadata.name
+        }
+        for name in ("alpha", "beta")
+    }
+    assert trays["alpha"] and trays["beta"] and not trays["alpha"] & trays["beta"]
+    assert {node["metadata"]["labels"][CLIQUE_LABEL] for node in rack} == {
+        read(api, namespace, name)["status"]["cells"][0]["domain"] for name in ("alpha", "beta")
+    }
+    for name in ("alpha", "beta"):
         engines[name] = run_engine_pods(api, namespace, tmp_path, deployment=name)
         processes += engines[name]
     prefill = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -408,7 +409,9 @@ def trays_in(draw: st.DrawFn, domain: str | None, count: int, gpus: int) -> list
 
 
 @st.composite
-def shapes_for(draw: st.DrawFn, name: str, gpus: int, max_cells: int) -> DeploymentShape:
+def shapes_for(
+    draw: st.DrawFn, name: str, gpus: int, max_cells: int, sharing: bool = False
+) -> DeploymentShape:
     return DeploymentShape(
         name,
         draw(st.integers(1, max_cells)),
@@ -417,11 +420,15 @@ def shapes_for(draw: st.DrawFn, name: str, gpus: int, max_cells: int) -> Deploym
             draw(st.sampled_from([dep for dep in (1, 2, 4) if dep <= gpus])),
             draw(st.none() | st.integers(0, 6)),
         ),
+        shares_domain=sharing and draw(st.booleans()),
     )
 
 
 @st.composite
-def clusters(draw: st.DrawFn, max_domains: int = 3, max_trays: int = 10) -> Cluster:
+def clusters(
+    draw: st.DrawFn, max_domains: int = 3, max_trays: int = 10, sharing: bool = False
+) -> Cluster:
+    """``sharing``: deployments may share NVLink domains (each at random)."""
     gpus = draw(st.sampled_from([2, 4]))
     trays: list[Tray] = []
     for index in range(draw(st.integers(1, max_domains))):
@@ -429,7 +436,7 @@ def clusters(draw: st.DrawFn, max_domains: int = 3, max_trays: int = 10) -> Clus
         trays += draw(trays_in(domain, draw(st.integers(1, max_trays)), gpus))
     trays += draw(trays_in(None, draw(st.integers(0, 2)), gpus))
     names = draw(st.sampled_from([("a",), ("a", "b")]))
-    shapes = tuple(draw(shapes_for(name, gpus, 4 - len(names))) for name in names)
+    shapes = tuple(draw(shapes_for(name, gpus, 4 - len(names), sharing)) for name in names)
     return Cluster(tuple(trays), shapes)
 
 
@@ -474,8 +481,16 @@ def assert_sound(plan: Plan, topology: Topology, shapes: Sequence[DeploymentShap
     """Invariants of every plan, fresh or re-planned."""
     shape_of = {shape.name: shape for shape in shapes}
     held: dict[str, set[int]] = {}
-    domains = [cell.domain for cell in plan.cells]
-    assert len(domains) == len(set(domains)), "one cell per NVLink domain"
+    in_domain: dict[str, list[str]] = {}
+    for cell in plan.cells:
+        in_domain.setdefault(cell.domain, []).append(cell.deployment)
+    for deployments in in_domain.values():
+        if len(deployments) > 1:
+            assert all(shape_of[d].shares_domain for d in deployments), "a domain shared unasked"
+    cell_of: dict[str, str] = {}
+    for cell in plan.cells:
+        for name in (*cell.decode_trays, *cell.spare_trays, *(i.tray for i in cell.prefill)):
+            assert cell_of.setdefault(name, cell.name) == cell.name, f"{name}: pods of two cells"
     for cell in plan.cells:
         shape = shape_of[cell.deployment]
         assert len(cell.decode_trays) == shape.decode.trays
@@ -531,7 +546,7 @@ def assert_admitted_whole(
 
 
 @PROPERTY
-@given(clusters())
+@given(clusters(sharing=True))
 def test_no_partial_cell_and_never_more_gpus_than_a_tray_has(cluster: Cluster) -> None:
     topology = cluster.topology
     plan = plan_placement(cluster.shapes, topology)
@@ -540,7 +555,7 @@ def test_no_partial_cell_and_never_more_gpus_than_a_tray_has(cluster: Cluster) -
 
 
 @PROPERTY
-@given(clusters(), st.randoms(use_true_random=False))
+@given(clusters(sharing=True), st.randoms(use_true_random=False))
 def test_same_inputs_give_the_same_plan_whatever_the_node_order(
     cluster: Cluster, rng: random.Random
 ) -> None:
@@ -567,7 +582,7 @@ def eligible_in(topology: Topology, name: str, domain: str) -> bool:
 @PROPERTY
 @given(st.data())
 def test_replanning_moves_nothing_healthy(data: st.DataObject) -> None:
-    cluster = data.draw(clusters())
+    cluster = data.draw(clusters(sharing=True))
     before = plan_placement(cluster.shapes, cluster.topology)
     later = topology_from_trays(data.draw(failures(cluster.trays)))
     pods = sorted(
@@ -591,12 +606,20 @@ def test_replanning_moves_nothing_healthy(data: st.DataObject) -> None:
             for name, bound in zip(old.decode_trays, decode_bound, strict=True)
         ]
         if new is None or new.domain != old.domain:
-            # Released only when the domain cannot hold the decode group any more.
+            # Released only when the domain cannot hold the decode group any more, on trays
+            # no other cell there holds.
             domain = later.domain(old.domain)
+            others = {
+                name
+                for cell in before.cells
+                if cell.name != old.name
+                for name in (*cell.decode_trays, *cell.spare_trays, *(i.tray for i in cell.prefill))
+            }
             usable = [
                 tray
                 for tray in (domain.trays if domain else ())
-                if tray.gpus == shape.decode.gpus_per_pod
+                if tray.name not in others
+                and tray.gpus == shape.decode.gpus_per_pod
                 and tray.used_by_others == 0
                 and (
                     tray.eligible
@@ -634,7 +657,7 @@ def test_replanning_moves_nothing_healthy(data: st.DataObject) -> None:
 
 
 @PROPERTY
-@given(clusters(), st.integers(0, 8))
+@given(clusters(sharing=True), st.integers(0, 8))
 def test_prefill_scale_up_never_consumes_spare_trays(cluster: Cluster, more: int) -> None:
     before = plan_placement(cluster.shapes, cluster.topology)
     grown = tuple(
@@ -652,8 +675,10 @@ def test_prefill_scale_up_never_consumes_spare_trays(cluster: Cluster, more: int
         assert (new.decode_trays, new.spare_trays) == (old.decode_trays, old.spare_trays)
         assert new.prefill[: len(old.prefill)] == old.prefill
         wanted = asked[old.deployment]
-        if wanted is not None:
-            # The count reported as fitting is exactly what a scale-up gets.
+        alone = [cell.domain for cell in before.cells].count(old.domain) == 1
+        if wanted is not None and alone:
+            # The count reported as fitting is exactly what a scale-up gets (cells sharing a
+            # domain share its free slots).
             assert len(new.prefill) == min(wanted, old.max_prefill_instances)
     assert after.moved == () and after.restarted == ()
 
@@ -745,6 +770,70 @@ def test_a_cell_refused_because_every_domain_hosts_one_says_what_the_free_trays_
     assert len(unplaced.domains) == 2
     for line in unplaced.domains:
         assert line.endswith(
-            "hosts a cell (one cell per NVLink domain): 7 whole trays and 14 DEP2 prefill slots "
-            "free there, for that cell's prefill only"
+            "hosts a cell (one cell per NVLink domain unless every deployment in it sets "
+            "topology.exclusiveDomain: false): 7 whole trays and 14 DEP2 prefill slots "
+            "free there, for its cells' prefill only"
         )
+    # Sharing would not help here: a third cell needs 11 trays in one domain, which says so.
+    sharing = replace(flash(cells=3, instances=4), shares_domain=True)
+    [unplaced] = plan_placement([sharing], synthetic_topology(2)).unplaced
+    assert unplaced.domains == tuple(
+        f"domain {domain}: 7 of 9 whole trays free (8 decode + 1 spare), 0 of 4 prefill "
+        "slots, beside the cells it hosts"
+        for domain in (d.name for d in synthetic_topology(2).domains)
+    )
+
+
+def dep16(name: str, cells: int, instances: int | None = 2, shares: bool = True) -> DeploymentShape:
+    """A DEP16 cell: 4 decode trays and a spare, and its prefill."""
+    return DeploymentShape(
+        name, cells, DecodeShape(16, 4, 1), PrefillShape(2, instances), shares_domain=shares
+    )
+
+
+def test_cells_that_share_domains_fill_each_rack_on_trays_of_their_own() -> None:
+    topology = synthetic_topology(2)
+    shapes = [dep16("small", 6)]  # 6 trays a cell: three to a rack
+    plan = plan_placement(shapes, topology)
+    assert plan.feasible and len(plan.cells) == 6
+    assert sorted(Counter(cell.domain for cell in plan.cells).values()) == [3, 3]
+    assert_sound(plan, topology, shapes)
+    assert plan_placement(shapes, topology, plan) == plan
+    # Left exclusive, the same deployment gets a rack per cell and says why the rest wait.
+    alone = plan_placement([dep16("small", 6, shares=False)], topology)
+    assert len(alone.cells) == 2 and len(alone.unplaced) == 4
+    assert all(
+        "unless every deployment in it sets topology.exclusiveDomain: false" in line
+        for line in alone.unplaced[0].domains
+    )
+
+
+def test_a_cell_that_shares_packs_and_leaves_the_free_domain_to_one_that_cannot() -> None:
+    topology = synthetic_topology(2)
+    first = plan_placement([dep16("a", 1)], topology)
+    shapes = [dep16("a", 1), dep16("b", 1), dep16("c", 1, shares=False)]
+    plan = plan_placement(shapes, topology, first)
+    assert plan.feasible
+    a, b, c = (plan.cell(cell_name(name, 0)) for name in "abc")
+    assert a is not None and b is not None and c is not None
+    assert b.domain == a.domain != c.domain
+    trays = (first.cells[0].decode_trays, first.cells[0].spare_trays, first.cells[0].prefill)
+    assert (a.decode_trays, a.spare_trays, a.prefill) == trays and plan.moved == ()
+    assert_sound(plan, topology, shapes)
+
+
+def test_a_sharing_cell_growing_its_prefill_never_takes_a_neighbours_trays() -> None:
+    # b first with two instances, then a with as many as fit: a's prefill fills the rack's rest
+    topology = synthetic_topology(1)
+    shapes = [dep16("b", 1), dep16("a", 1, instances=None)]
+    plan = plan_placement(shapes, topology)
+    assert plan.feasible
+    assert_sound(plan, topology, shapes)
+    # a is repaired before b (name order) and may not grow into b's trays
+    assert plan_placement(shapes, topology, plan) == plan
+    grown = [dep16("b", 1, instances=6), dep16("a", 1, instances=None)]
+    after = plan_placement(grown, topology, plan)
+    assert after.cell(cell_name("a", 0)) == plan.cell(cell_name("a", 0))
+    b = after.cell(cell_name("b", 0))
+    assert b is not None and len(b.prefill) == 2 == b.max_prefill_instances
+    assert after.moved == () and after.restarted == ()
