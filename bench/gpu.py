@@ -27,6 +27,10 @@ benchmark runs in steps (``--step``), each a command:
   NIXL pulls of several sizes, from the engines' own histograms, one shape at a time; the
   simulator's profile fitted to them (``sim.fit``), written beside the JSON as
   ``gpu-profile.yaml``. ``fit`` (here) fits a saved ``gpu-profile.json``'s samples again.
+- ``startup`` (there): the engines started as a restart meets the compile caches (``--cases``):
+  all empty (a new tray), all kept (caches on a volume that outlives the pod), and only vLLM's
+  own kept (``VLLM_CACHE_ROOT`` on a volume, Triton's and Inductor's empty); each engine's
+  seconds to ready and the compile lines of its log.
 - ``stop``: the engines' processes.
 
 ``--engines cpu`` runs the same steps on the CPU build of vLLM with a tiny model, so that the
@@ -420,6 +424,64 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
         "argv": {name: e.argv for name, e in cells.items()},
         "env": {name: e.env for name, e in cells.items()},
     }
+
+
+# The caches a restarted engine may find its compiled kernels in: vLLM's (torch.compile's
+# artifacts), Triton's and Inductor's.
+COMPILE_CACHES = ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+# Which caches each startup case keeps from the first start ("kept") or finds empty ("fresh").
+STARTUP_CASES = {
+    "cold": ("fresh", "fresh", "fresh"),
+    "warm": ("kept", "kept", "kept"),
+    "vllm_cache_only": ("kept", "fresh", "fresh"),
+}
+# What vLLM logs of its start: weights, compiles (or loads from the cache), CUDA graphs, the rest
+_START_LINE = re.compile(
+    r"Loading weights took|Model loading took|torch\.compile takes|Compiling a graph|"
+    r"Directly load the compiled graph|Graph capturing finished|init engine"
+)
+
+
+def startup(args: argparse.Namespace) -> dict[str, Any]:
+    """The engines started once per case of ``args.cases`` (``STARTUP_CASES``), in order, each
+    stopped before the next; each engine's seconds from launch to ready and its start lines.
+    The caches of the first start are the ones later cases keep."""
+    caches = args.state / "caches"
+    shutil.rmtree(caches, ignore_errors=True)
+    stop(args.state)
+    cases = [case for case in args.cases.split(",") if case]
+    unknown = sorted(set(cases) - set(STARTUP_CASES))
+    if unknown or not cases:
+        raise SystemExit(f"baton bench gpu --cases: unknown {unknown}; from {list(STARTUP_CASES)}")
+    runs = []
+    for number, case in enumerate(cases):
+        dirs = {}
+        for variable, keep in zip(COMPILE_CACHES, STARTUP_CASES[case], strict=True):
+            # the first start finds every cache empty, and fills the ones later cases keep
+            fresh = keep == "fresh" and number > 0
+            where = caches / (f"fresh-{number}" if fresh else "kept") / variable.lower()
+            where.mkdir(parents=True, exist_ok=True)
+            os.environ[variable] = dirs[variable] = str(where)  # the engines inherit it
+        started = start(args)
+        lines = {
+            engine["name"]: [
+                line.strip()
+                for line in Path(engine["log"]).read_text(errors="replace").splitlines()
+                if _START_LINE.search(line)
+            ]
+            for engine in started["engines"]
+        }
+        stop(args.state)
+        runs.append(
+            {
+                "case": case,
+                "caches": dirs,
+                "ready_s": started["ready_s"],
+                "warm_s": started["warm_s"],
+                "start_lines": lines,
+            }
+        )
+    return {"benchmark": "gpu-startup", "card": started["card"], "runs": runs}
 
 
 def _healthy(engine: LiveEngine) -> bool:
@@ -1053,7 +1115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("gpu")
     group.add_argument(
         "--step",
-        choices=["prepare", "start", "points", "overhead", "profile", "fit", "stop"],
+        choices=["prepare", "start", "startup", "points", "overhead", "profile", "fit", "stop"],
         help="prepare the carry (here), start the engines, run the points, or stop them "
         "(there); the module's docstring says which device calls run them",
     )
@@ -1096,6 +1158,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--samples", type=Path, help="fit: a gpu-profile.json whose samples to fit again (here)"
     )
+    group.add_argument(
+        "--cases",
+        default=",".join(STARTUP_CASES),
+        help=f"startup: the starts, in order, from {','.join(STARTUP_CASES)}",
+    )
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -1129,7 +1196,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str, object]:
     if args is None or args.step is None:
         raise SystemExit(
-            "baton bench gpu: give --step prepare|start|points|overhead|profile|fit|stop "
+            "baton bench gpu: give --step prepare|start|startup|points|overhead|profile|fit|stop "
             "(bench/gpu.py says how)"
         )
     args.state.mkdir(parents=True, exist_ok=True)
@@ -1139,6 +1206,8 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
         return prepare(args.trace)
     if args.step == "start":
         return start(args)
+    if args.step == "startup":
+        return startup(args)
     if args.step == "overhead":
         return overhead(args.state, args.requests)
     if args.step == "profile":

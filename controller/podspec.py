@@ -57,6 +57,8 @@ from controller.placement import CellPlacement
 
 __all__ = [
     "API_PORT",
+    "COMPILE_CACHE_DIR",
+    "COMPILE_CACHE_ENV",
     "COMPUTE_DOMAIN_API",
     "DP_RPC_PORT",
     "EPLB_AGENT_PORT",
@@ -82,6 +84,15 @@ RESOURCE_CLAIM_API = ("resource.k8s.io", "v1", "resourceclaims")
 _CHANNEL_CLAIM = "imex-channel"
 _SHM = "dshm"
 _MODEL_VOLUME = "model"  # spec.modelSource's volume, at MODEL_DIR
+_COMPILE_CACHE = "compile-cache"  # spec.engine.compileCache's volume, at COMPILE_CACHE_DIR
+COMPILE_CACHE_DIR = "/var/cache/baton-compile"
+# Each compile cache's directory in that volume: vLLM's own (torch.compile's graphs) keeps too
+# little alone, Inductor's and Triton's kernels must be kept too (docs/vllm.md, "Startup").
+COMPILE_CACHE_ENV = {
+    "VLLM_CACHE_ROOT": "vllm",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TRITON_CACHE_DIR": "triton",
+}
 PLUGIN_DIR = "/opt/baton/vllm-plugin"
 _PLUGIN_VOLUME = "baton-eplb-plugin"
 _EPLB_TOKEN_VOLUME = "baton-eplb-token"
@@ -280,8 +291,13 @@ def _pod(
             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
         },
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_PORT)},
-        *(_env_var(e) for e in spec.engine.env),
     ]
+    if spec.engine.compile_cache is not None:
+        env += [
+            {"name": name, "value": f"{COMPILE_CACHE_DIR}/{directory}"}
+            for name, directory in COMPILE_CACHE_ENV.items()
+        ]
+    env += [_env_var(e) for e in spec.engine.env]
     # Secrets as env vars from their keys: a command line shows in `ps` and events.
     secret = spec.engine.api_key_secret
     if secret is not None:
@@ -296,6 +312,9 @@ def _pod(
     if source is not None:
         volumes.append({"name": _MODEL_VOLUME, **source})
         mounts.append({"name": _MODEL_VOLUME, "mountPath": MODEL_DIR, "readOnly": True})
+    if engine.compile_cache is not None:
+        volumes.append({"name": _COMPILE_CACHE, **engine.compile_cache.volume})
+        mounts.append({"name": _COMPILE_CACHE, "mountPath": COMPILE_CACHE_DIR})
     volumes += [volume.model_dump(by_alias=True) for volume in engine.volumes]
     mounts += [
         mount.model_dump(by_alias=True, exclude_defaults=True) for mount in engine.volume_mounts

@@ -70,7 +70,9 @@ VLLM_IMAGE: Final = "vllm/vllm-openai:v0.33.0"
 # Where the engine container mounts spec.modelSource's volume; vLLM serves the directory in it.
 MODEL_DIR: Final = "/models"
 # The engine pods' own volumes (controller/podspec.py): engine.volumes may not reuse the names.
-RESERVED_VOLUMES: Final = frozenset({"dshm", "model", "baton-eplb-plugin", "baton-eplb-token"})
+RESERVED_VOLUMES: Final = frozenset(
+    {"dshm", "model", "compile-cache", "baton-eplb-plugin", "baton-eplb-token"}
+)
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Kubernetes' resource.Quantity and resource names, as the API server checks them.
 _QUANTITY = (
@@ -400,6 +402,44 @@ _REPOSITORY = (
 )
 
 
+class CompileCacheSpec(_Resource):
+    """Where the engines keep what they compile at start (torch.compile's graphs, Inductor's
+    and Triton's kernels), so that a restart loads it instead: a directory on each tray, or a
+    claim every engine pod shares. On one H100, four engines kept it and were ready in 57 s
+    instead of 82 s (docs/vllm.md, "Startup")."""
+
+    model_config = _admission(
+        (
+            "has(self.hostPath) != has(self.pvc)",
+            "'engine.compileCache: give hostPath or pvc, one of them'",
+        ),
+    )
+
+    host_path: str | None = Field(
+        default=None,
+        pattern=r"^/",
+        description="an absolute directory on each tray (created when missing): a restart on "
+        "the same tray finds its kernels",
+    )
+    pvc: PvcModelSource | None = Field(
+        default=None,
+        description="a ReadWriteMany claim every engine pod of the deployment shares",
+    )
+
+    @property
+    def volume(self) -> dict[str, object]:
+        """The pod volume's source (a Kubernetes VolumeSource)."""
+        if self.pvc is not None:
+            return {"persistentVolumeClaim": {"claimName": self.pvc.claim_name}}
+        return {"hostPath": {"path": self.host_path, "type": "DirectoryOrCreate"}}
+
+    @model_validator(mode="after")
+    def _one_source(self) -> CompileCacheSpec:
+        if (self.host_path is None) == (self.pvc is None):
+            raise ValueError("engine.compileCache: give hostPath or pvc, one of them")
+        return self
+
+
 class EngineSpec(_Resource):
     """What runs in the pods: vLLM in production, ``baton sim`` anywhere else."""
 
@@ -470,6 +510,11 @@ class EngineSpec(_Resource):
         default_factory=list,
         max_length=64,
         description="where the engine container mounts engine.volumes",
+    )
+    compile_cache: CompileCacheSpec | None = Field(
+        default=None,
+        description="keep what vLLM compiles at start on a volume, for restarts (none: every "
+        "start compiles again)",
     )
 
     @model_validator(mode="after")

@@ -58,3 +58,22 @@ def test_the_simulator_runs_the_gpu_points_with_the_profile_fitted_on_a_gpu(tmp_
         assert "--engines gpu|cpu" in refused.stderr
     finally:
         _step(state, "--step", "stop")
+
+
+def test_startup_starts_the_engines_once_per_case_keeping_the_caches_each_case_names(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    _step(state, "--step", "startup", "--cases", "cold,warm,vllm_cache_only")
+    runs = _saved(state, "gpu-startup")["runs"]
+    assert [run["case"] for run in runs] == ["cold", "warm", "vllm_cache_only"]
+    for run in runs:
+        assert len(run["ready_s"]) == 4 and all(s > 0 for s in run["ready_s"].values())
+    cold, warm, vllm_only = (run["caches"] for run in runs)
+    assert warm == cold
+    assert vllm_only["VLLM_CACHE_ROOT"] == cold["VLLM_CACHE_ROOT"]
+    for variable in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        assert vllm_only[variable] != cold[variable]
+    assert not (state / "engines.json").exists()  # every start stopped
+    refused = _step(state, "--step", "startup", "--cases", "lukewarm", check=False)
+    assert refused.returncode != 0 and "unknown ['lukewarm']" in refused.stderr

@@ -53,6 +53,10 @@ REFUSED: dict[str, dict[str, Any]] = {
             ]
         }
     },
+    "a compile cache in two places": {
+        "engine": {"compileCache": {"hostPath": "/c", "pvc": {"claimName": "c"}}}
+    },
+    "a compile cache in none": {"engine": {"compileCache": {}}},
     "an Exists toleration with a value": {
         "engine": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}
     },

@@ -9,12 +9,20 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from baton.core.api import BATON_IMAGE, ModelDeployment, ModelDeploymentSpec
 from baton.core.eplb_report import REPORT_URL_ENV, TOKEN_ENV, WHERE_ENV
 from baton.core.labels import CELL_GATE, CELL_LABEL, DEPLOYMENT_LABEL, RANK_LABEL, ROLE_LABEL
 from controller.placement import DeploymentShape, plan_placement
-from controller.podspec import PLUGIN_DIR, compute_domain, decode_command, render_cell
+from controller.podspec import (
+    COMPILE_CACHE_DIR,
+    COMPILE_CACHE_ENV,
+    PLUGIN_DIR,
+    compute_domain,
+    decode_command,
+    render_cell,
+)
 from controller.topology import synthetic_topology
 from sim.cli import build_parser, config_from_args, split_unknown_flags
 
@@ -320,6 +328,48 @@ def test_the_model_volume_is_mounted_read_only_and_vllm_serves_its_directory(
         assert mount["readOnly"] is True
         [model] = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
         assert {k: v for k, v in model.items() if k != "name"} == volume
+
+
+@pytest.mark.parametrize(
+    ("cache", "volume"),
+    [
+        (
+            {"hostPath": "/var/lib/baton/compile"},
+            {"hostPath": {"path": "/var/lib/baton/compile", "type": "DirectoryOrCreate"}},
+        ),
+        ({"pvc": {"claimName": "compiled"}}, {"persistentVolumeClaim": {"claimName": "compiled"}}),
+    ],
+    ids=["host-path", "pvc"],
+)
+def test_the_compile_cache_keeps_vllms_inductors_and_tritons_kernels_on_its_volume(
+    cache: dict[str, Any], volume: dict[str, Any]
+) -> None:
+    # the user's own env comes after Baton's, so it can point one cache elsewhere
+    mine = {"name": "TRITON_CACHE_DIR", "value": "/elsewhere"}
+    manifests, _ = rendered(engine={"compileCache": cache, "env": [mine]})
+    for pod in pods(manifests, "decode") + pods(manifests, "prefill"):
+        engine = pod["spec"]["containers"][0]
+        [mount] = [m for m in engine["volumeMounts"] if m["name"] == "compile-cache"]
+        assert mount == {"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR}
+        [kept] = [v for v in pod["spec"]["volumes"] if v["name"] == "compile-cache"]
+        assert {k: v for k, v in kept.items() if k != "name"} == volume
+        env = [e for e in engine["env"] if e["name"] in COMPILE_CACHE_ENV]
+        assert env == [
+            *(
+                {"name": name, "value": f"{COMPILE_CACHE_DIR}/{directory}"}
+                for name, directory in COMPILE_CACHE_ENV.items()
+            ),
+            mine,
+        ]
+    plain, _ = rendered()
+    for pod in pods(plain, "decode"):
+        assert all(v["name"] != "compile-cache" for v in pod["spec"]["volumes"])
+
+
+@pytest.mark.parametrize("cache", [{}, {"hostPath": "/c", "pvc": {"claimName": "c"}}])
+def test_a_compile_cache_names_one_place(cache: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError, match=r"engine\.compileCache: give hostPath or pvc"):
+        rendered(engine={"compileCache": cache})
 
 
 def test_without_a_volume_vllm_downloads_the_model_by_its_hub_id_with_the_token() -> None:
