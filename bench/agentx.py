@@ -60,8 +60,10 @@ from tqdm import tqdm
 
 from bench.procstat import pin
 from bench.workload import (
+    SHAPE,
     Request,
     Session,
+    WorkloadShape,
     lane_sessions,
     new_messages,
     requests_of,
@@ -140,8 +142,8 @@ class _Load:
 # ---- the load: lanes of sessions
 
 
-async def _lane(load: _Load, seed: int, lane: int) -> None:
-    for number, session in enumerate(lane_sessions(seed, lane)):
+async def _lane(load: _Load, seed: int, lane: int, shape: WorkloadShape) -> None:
+    for number, session in enumerate(lane_sessions(seed, lane, shape)):
         start = start_turn(seed, lane, session) if number == 0 else 0
         if not await _session(load, session, start):
             return
@@ -234,17 +236,19 @@ async def stream_into(
     return True
 
 
-async def _drive(
+async def drive_sessions(
     url: str,
     model: str,
     settings: Settings,
     concurrency: int,
     label: str,
     balance_of: str | None = None,
+    shape: WorkloadShape = SHAPE,
 ) -> tuple[list[Record], list[Request], float, list[dict[str, float]]]:
-    """Run ``concurrency`` lanes for the warmup and the measurement; drain what is in flight.
-    With ``balance_of`` (a decode API server) the decode group's expert balance is sampled
-    every simulated second: the mean of each model's steps since the last sample."""
+    """Run ``concurrency`` lanes of ``shape``'s sessions for the warmup and the measurement;
+    drain what is in flight. With ``balance_of`` (a decode API server) the decode group's
+    expert balance is sampled every simulated second: the mean of each model's steps since the
+    last sample."""
     scale = settings.time_scale
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300 * scale)
     connector = aiohttp.TCPConnector(limit=0)
@@ -266,7 +270,10 @@ async def _drive(
             else None
         )
         try:
-            lanes = [asyncio.create_task(_lane(load, settings.seed, i)) for i in range(concurrency)]
+            lanes = [
+                asyncio.create_task(_lane(load, settings.seed, i, shape))
+                for i in range(concurrency)
+            ]
             # In flight at the end: drained, within a bound (a stuck request must not hang).
             drain_s = 120 * scale
             done, pending = await asyncio.wait(
@@ -621,7 +628,9 @@ def _point(
         router(name, rack, directory) as url,
     ):
         records, requests, wall_s, timeline = asyncio.run(
-            _drive(url, served_model(url), settings, concurrency, label, balance_of=rack.decode[0])
+            drive_sessions(
+                url, served_model(url), settings, concurrency, label, balance_of=rack.decode[0]
+            )
         )
         counters = engine_counters(rack)
         affinity = gateway_affinity(rack.gateway) if name == "baton" else None
@@ -668,7 +677,7 @@ def _external(settings: Settings, concurrency: int) -> dict[str, Any]:
     assert settings.url is not None
     url = settings.url.rstrip("/").removesuffix("/v1")
     records, requests, wall_s, _ = asyncio.run(
-        _drive(url, served_model(url), settings, concurrency, f"{url} c={concurrency}")
+        drive_sessions(url, served_model(url), settings, concurrency, f"{url} c={concurrency}")
     )
     figures = summarize(
         records,

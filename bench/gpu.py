@@ -21,6 +21,10 @@ benchmark runs in steps (``--step``), each a command:
   their start times, and warms them unmeasured (prompts of several lengths on each, one
   handoff per prefill and decode pair).
 - ``points`` (there): the points that fit in ``--budget-s``, the result saved after each one.
+- ``agentx`` (there): ``baton bench agentx``'s agentic sessions (each request naming its
+  session, chat completions) on ``--concurrency`` lanes through each router in turn, on the
+  same engines with their prefix caches reset before each point, contexts capped below the
+  model's positions.
 - ``overhead`` (there): what the gateway adds to a request against a client doing the handoff
   itself, on the same two engines, one request at a time.
 - ``profile`` (there): a prefill and a decode engine's step times over a grid of shapes, and
@@ -55,9 +59,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +74,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from baton.core.profile import load_profile
 from bench.agentx import (
     Record,
+    drive_sessions,
     fmt,
     gateway_affinity,
     gateway_not_reused,
@@ -78,9 +83,10 @@ from bench.agentx import (
     summarize,
     vllm_router,
 )
+from bench.agentx import Settings as AgentxSettings
 from bench.procstat import pin
 from bench.trace import TraceError, TraceRequest, load_trace, replay, reusable_tokens
-from bench.workload import text
+from bench.workload import SHAPE, text, theoretical_reuse
 from rigs.processes import ProcessExited, baton_command, eventually, free_port, stop_process
 from rigs.vllm_live import (
     KV_CACHE_BYTES,
@@ -604,18 +610,15 @@ def _router(name: str, engines: Sequence[Engine], directory: Path) -> Iterator[s
         yield url
 
 
-def _point(
-    settings: Settings,
-    engines: Sequence[Engine],
-    requests: Sequence[TraceRequest],
-    theoretical: float,
-    name: str,
-    speedup: float,
-    directory: Path,
-) -> dict[str, Any]:
-    _reset_caches(engines)
-    before = {e.name: _sources(e.url) for e in engines}
-    with _router(name, engines, directory) as url:
+# One point's load through a router's URL: the records, the theoretical reuse of what was sent,
+# the wall seconds, and the seconds at its start not measured.
+Load = Callable[[str], tuple[list[Record], float, float, float]]
+
+
+def _trace_load(
+    requests: Sequence[TraceRequest], theoretical: float, speedup: float, warmup_s: float, name: str
+) -> Load:
+    def load(url: str) -> tuple[list[Record], float, float, float]:
         records, wall_s = asyncio.run(
             replay(
                 url,
@@ -627,6 +630,29 @@ def _point(
                 label=f"{name} x{speedup:g}",
             )
         )
+        return records, theoretical, wall_s, warmup_s / speedup
+
+    return load
+
+
+def _agentx_load(settings: AgentxSettings, concurrency: int, name: str) -> Load:
+    """agentx's sessions (each request naming its session) on ``concurrency`` lanes, in sessions
+    of ``GPU_SESSIONS`` whose context fits the model."""
+
+    def load(url: str) -> tuple[list[Record], float, float, float]:
+        records, sent, wall_s, _ = asyncio.run(
+            drive_sessions(url, served_model(url), settings, concurrency, name, shape=GPU_SESSIONS)
+        )
+        return records, theoretical_reuse(sent), wall_s, settings.warmup_s
+
+    return load
+
+
+def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) -> dict[str, Any]:
+    _reset_caches(engines)
+    before = {e.name: _sources(e.url) for e in engines}
+    with _router(name, engines, directory) as url:
+        records, theoretical, wall_s, unmeasured_s = load(url)
         affinity = gateway_affinity(url) if name == "baton" else None
         not_reused = gateway_not_reused(url) if name == "baton" else None
     after = {e.name: _sources(e.url) for e in engines}
@@ -640,7 +666,7 @@ def _point(
         records,
         theoretical,
         time_scale=1.0,
-        warmup_s=settings.warmup_s / speedup,
+        warmup_s=unmeasured_s,
         gpus=1,
         computed_prompt_tokens=computed,
         usd_per_gpu_hour=3.0,
@@ -652,8 +678,6 @@ def _point(
     answered = sum(r.prompt_tokens for r in records if r.error is None and r.end is not None)
     return {
         "router": name,
-        "speedup": speedup,
-        "offered_requests_per_s": len(requests) / (settings.window_s / speedup),
         "wall_s": wall_s,
         "affinity": affinity,
         # the gateway's own count, warmup included, of tokens a rank held and prefill computed
@@ -714,11 +738,68 @@ def points(settings: Settings, out: Path, state: Path) -> dict[str, Any]:
         if time.monotonic() - started + expected > settings.budget_s:
             result["left_out"].append({"router": name, "speedup": speedup})
             continue
-        point = _point(settings, engines, requests, theoretical, name, speedup, directory)
+        load = _trace_load(requests, theoretical, speedup, settings.warmup_s, name)
+        point = _point(engines, load, name, directory)
+        point["speedup"] = speedup
+        point["offered_requests_per_s"] = len(requests) / (settings.window_s / speedup)
         print(_row(point), file=sys.stderr)
         result["points"].append(point)
         (out / "gpu-partial.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+# agentx's sessions with their context capped below the GPU model's 131,072 positions (the
+# rack's sessions grow to 160,000 tokens)
+GPU_SESSIONS = replace(SHAPE, context_cap_range=(40_000, 100_000))
+
+
+def agentx_points(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """agentx's agentic sessions through each router on the running engines, the routers
+    alternating ``--repeats`` rounds, prefix caches reset before each point."""
+    engines = _load_engines(args.state) if (args.state / "engines.json").exists() else []
+    if not engines or not _running(engines):
+        raise SystemExit("baton bench gpu: the engines are not up; run --step start first")
+    routers = _routers(args)
+    settings = AgentxSettings(
+        routers=routers,
+        concurrency=(args.concurrency,),
+        duration_s=args.agentx_duration,
+        warmup_s=args.agentx_warmup,
+        time_scale=1.0,
+        seed=args.seed,
+        usd_per_gpu_hour=3.0,
+        gpus=1,
+    )
+    result: dict[str, Any] = {
+        "benchmark": "gpu-agentx",
+        "settings": asdict(settings),
+        "sessions": asdict(GPU_SESSIONS),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "engines": [asdict(e) for e in engines],
+        "points": [],
+    }
+    directory = args.state / "routers"
+    directory.mkdir(parents=True, exist_ok=True)
+    for _ in range(args.repeats):
+        for name in routers:
+            load = _agentx_load(settings, args.concurrency, name)
+            point = {**_point(engines, load, name, directory), "concurrency": args.concurrency}
+            print(_agentx_row(point), file=sys.stderr)
+            result["points"].append(point)
+            (out / "gpu-agentx-partial.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _agentx_row(point: dict[str, Any]) -> str:
+    ttft = point.get("ttft_ms", {})
+    reuse = point.get("prefix_reuse_achieved")
+    return (
+        f"| {point['router']} | {point['concurrency']} | {point['requests']} "
+        f"| {fmt(ttft.get('p50'), ',.0f')} / {fmt(ttft.get('p90'), ',.0f')} "
+        f"| {fmt(point.get('output_per_s_per_gpu'), ',.0f')} "
+        f"| {fmt(reuse * 100 if reuse is not None else None, '.1f')}% of "
+        f"{point['prefix_reuse_theoretical'] * 100:.1f}% | {point['errors']} |"
+    )
 
 
 def _row(point: dict[str, Any]) -> str:
@@ -1115,7 +1196,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("gpu")
     group.add_argument(
         "--step",
-        choices=["prepare", "start", "startup", "points", "overhead", "profile", "fit", "stop"],
+        choices=[
+            "prepare",
+            "start",
+            "startup",
+            "points",
+            "agentx",
+            "overhead",
+            "profile",
+            "fit",
+            "stop",
+        ],
         help="prepare the carry (here), start the engines, run the points, or stop them "
         "(there); the module's docstring says which device calls run them",
     )
@@ -1158,11 +1249,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--samples", type=Path, help="fit: a gpu-profile.json whose samples to fit again (here)"
     )
+    group.add_argument("--concurrency", type=int, default=16, help="agentx: session lanes at once")
+    group.add_argument(
+        "--agentx-duration", type=float, default=90.0, help="agentx: seconds measured a point"
+    )
+    group.add_argument(
+        "--agentx-warmup", type=float, default=30.0, help="agentx: seconds before, not measured"
+    )
+    group.add_argument("--seed", type=int, default=7, help="agentx: the sessions' seed")
     group.add_argument(
         "--cases",
         default=",".join(STARTUP_CASES),
         help=f"startup: the starts, in order, from {','.join(STARTUP_CASES)}",
     )
+
+
+def _routers(args: argparse.Namespace) -> tuple[str, ...]:
+    routers = tuple(r for r in args.trace_routers.split(",") if r)
+    unknown = sorted(set(routers) - set(ROUTERS))
+    if unknown or not routers:
+        raise SystemExit(f"baton bench gpu: --trace-routers: unknown {unknown}; from {ROUTERS}")
+    return routers
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -1176,10 +1283,7 @@ def _settings(args: argparse.Namespace) -> Settings:
             f"baton bench gpu: --window {args.window!r} / --speedups {args.speedups!r}: give "
             "START:SECONDS and numbers like 1,2"
         ) from None
-    routers = tuple(r for r in args.trace_routers.split(",") if r)
-    unknown = sorted(set(routers) - set(ROUTERS))
-    if unknown or not routers:
-        raise SystemExit(f"baton bench gpu: --trace-routers: unknown {unknown}; from {ROUTERS}")
+    routers = _routers(args)
     return Settings(
         str(args.trace),
         start_s,
@@ -1196,10 +1300,12 @@ def _settings(args: argparse.Namespace) -> Settings:
 def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str, object]:
     if args is None or args.step is None:
         raise SystemExit(
-            "baton bench gpu: give --step prepare|start|startup|points|overhead|profile|fit|stop "
+            "baton bench gpu: give --step "
+            "prepare|start|startup|points|agentx|overhead|profile|fit|stop "
             "(bench/gpu.py says how)"
         )
     args.state.mkdir(parents=True, exist_ok=True)
+    out: Path = args.out or Path("bench/results")
     if args.engines == "gpu":  # vllm-router's binary, where install.sh put it
         os.environ["PATH"] = f"{args.site / 'bin'}{os.pathsep}{os.environ['PATH']}"
     if args.step == "prepare":
@@ -1208,6 +1314,9 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
         return start(args)
     if args.step == "startup":
         return startup(args)
+    if args.step == "agentx":
+        out.mkdir(parents=True, exist_ok=True)
+        return agentx_points(args, out)
     if args.step == "overhead":
         return overhead(args.state, args.requests)
     if args.step == "profile":
@@ -1223,7 +1332,6 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
     if args.step == "stop":
         return stop(args.state)
     settings = _settings(args)
-    out: Path = args.out or Path("bench/results")
     out.mkdir(parents=True, exist_ok=True)
     try:
         result = points(settings, out, args.state)

@@ -77,3 +77,34 @@ def test_startup_starts_the_engines_once_per_case_keeping_the_caches_each_case_n
     assert not (state / "engines.json").exists()  # every start stopped
     refused = _step(state, "--step", "startup", "--cases", "lukewarm", check=False)
     assert refused.returncode != 0 and "unknown ['lukewarm']" in refused.stderr
+
+
+def test_agentx_sessions_run_through_each_router_on_the_same_engines(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    _step(state, "--step", "start", "--profile", "deepseek-v2-lite-12l-h200")
+    try:
+        _step(
+            state,
+            "--step",
+            "agentx",
+            "--concurrency",
+            "2",
+            "--agentx-warmup",
+            "2",
+            "--agentx-duration",
+            "8",
+            "--repeats",
+            "1",
+        )
+        result = _saved(state, "gpu-agentx")
+        assert result["sessions"]["context_cap_range"] == [40_000, 100_000]
+        points = result["points"]
+        assert [p["router"] for p in points] == ["baton", "vllm-router"]
+        for point in points:
+            assert point["errors"] == 0, point["error_kinds"]
+            assert point["requests"] > 0
+            assert 0 < point["prefix_reuse_theoretical"] < 1
+            assert point["handoff"]["decode_computed_tokens"] == 0  # every prompt handed off
+            assert point["handoff"]["decode_pulled_tokens"] > 0
+    finally:
+        _step(state, "--step", "stop")

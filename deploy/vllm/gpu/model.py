@@ -116,6 +116,9 @@ def tokenizer(size: int, max_length: int) -> PreTrainedTokenizerFast:
         pad_token="<|pad|>",
         unk_token="<|unk|>",
         model_max_length=max_length,
+        # chat requests (baton bench gpu --step agentx): the messages' words in order, so a
+        # conversation's prompt is the earlier turn's prompt extended, as a chat template makes it
+        chat_template="{% for message in messages %}{{ message['content'] }}{% endfor %}",
     )
 
 
