@@ -784,31 +784,21 @@ def agentx_points(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         for name in routers:
             load = _agentx_load(settings, args.concurrency, name)
             point = {**_point(engines, load, name, directory), "concurrency": args.concurrency}
-            print(_agentx_row(point), file=sys.stderr)
+            print(_row(point), file=sys.stderr)
             result["points"].append(point)
             (out / "gpu-agentx-partial.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def _agentx_row(point: dict[str, Any]) -> str:
-    ttft = point.get("ttft_ms", {})
-    reuse = point.get("prefix_reuse_achieved")
-    return (
-        f"| {point['router']} | {point['concurrency']} | {point['requests']} "
-        f"| {fmt(ttft.get('p50'), ',.0f')} / {fmt(ttft.get('p90'), ',.0f')} "
-        f"| {fmt(point.get('output_per_s_per_gpu'), ',.0f')} "
-        f"| {fmt(reuse * 100 if reuse is not None else None, '.1f')}% of "
-        f"{point['prefix_reuse_theoretical'] * 100:.1f}% | {point['errors']} |"
-    )
-
-
 def _row(point: dict[str, Any]) -> str:
     ttft = point.get("ttft_ms", {})
     reuse = point.get("prefix_reuse_achieved")
+    load = f"x{point['speedup']:g}" if "speedup" in point else f"{point['concurrency']} lanes"
     return (
-        f"| {point['router']} | x{point['speedup']:g} | {point['requests']} "
+        f"| {point['router']} | {load} | {point['requests']} "
         f"| {fmt(ttft.get('p50'), ',.0f')} / {fmt(ttft.get('p90'), ',.0f')} / "
         f"{fmt(ttft.get('p99'), ',.0f')} | {fmt(point.get('tokens_per_s'), ',.0f')} "
+        f"| {fmt(point.get('output_per_s_per_gpu'), ',.0f')} "
         f"| {fmt(reuse * 100 if reuse is not None else None, '.1f')}% of "
         f"{point['prefix_reuse_theoretical'] * 100:.1f}% "
         f"| {point['handoff']['decode_computed_tokens']:.0f} | {point['errors']} |"
@@ -816,8 +806,9 @@ def _row(point: dict[str, Any]) -> str:
 
 
 HEADER = (
-    "| router | speedup | requests | TTFT p50 / p90 / p99 ms | tokens/s | prefix reuse "
-    "(theoretical) | prompt tokens computed on decode | errors |\n|---|---|---|---|---|---|---|---|"
+    "| router | load | requests | TTFT p50 / p90 / p99 ms | tokens/s | output tokens/s | prefix "
+    "reuse (theoretical) | prompt tokens computed on decode | errors |\n"
+    "|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -1314,9 +1305,6 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
         return start(args)
     if args.step == "startup":
         return startup(args)
-    if args.step == "agentx":
-        out.mkdir(parents=True, exist_ok=True)
-        return agentx_points(args, out)
     if args.step == "overhead":
         return overhead(args.state, args.requests)
     if args.step == "profile":
@@ -1331,12 +1319,14 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
         return fitted_profile(record, args.out or Path("bench/results"))
     if args.step == "stop":
         return stop(args.state)
-    settings = _settings(args)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        result = points(settings, out, args.state)
-    except TraceError as exc:
-        raise SystemExit(f"baton bench gpu: {exc}") from None
+    if args.step == "agentx":
+        result = agentx_points(args, out)
+    else:
+        try:
+            result = points(_settings(args), out, args.state)
+        except TraceError as exc:
+            raise SystemExit(f"baton bench gpu: {exc}") from None
     print(HEADER)
     for point in result["points"]:
         print(_row(point))
