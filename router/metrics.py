@@ -369,10 +369,8 @@ class GatewayMetrics:
             gauge: {} for gauge in (*self._per_target, self.waiting_requests)
         }
         for deployment, pool in pools.items():
-            for name, values in _pool_values(pool).items():
-                series[getattr(self, name)].update(
-                    {(deployment, *labels): v for labels, v in values.items()}
-                )
+            for gauge, values in self._pool_values(pool).items():
+                series[gauge].update({(deployment, *labels): v for labels, v in values.items()})
             series[self.waiting_requests][(deployment,)] = pool.waiting_for_place
             # Every server's missed-check count exists from the start, at 0: a scrape shows
             # the family and rate() has a first point before the first miss.
@@ -388,6 +386,22 @@ class GatewayMetrics:
                 gauge.clear()
             for labels, value in values.items():
                 gauge.labels(*labels).set(value)
+
+    def _pool_values(self, pool: Pool) -> dict[Gauge, dict[tuple[str, ...], float]]:
+        """One pool's per-target gauge values, without the deployment label."""
+        return {
+            self.in_flight: {
+                ("prefill" if name in pool.prefill else "decode", name): count
+                for name, count in pool.in_flight().items()
+            },
+            self.peer_in_flight: {(name,): n for name, n in pool.peer_in_flight().items()},
+            self.peer_outstanding_tokens: {
+                (name,): tokens for name, tokens in pool.peer_outstanding_tokens().items()
+            },
+            self.prefill_dp_ranks: {(name,): n for name, n in pool.prefill_dp_ranks().items()},
+            self.healthy_targets: {labels: n for labels, n in pool.healthy_targets().items()},
+            self.panic: {(role,): float(panic) for role, panic in pool.panic.items()},
+        }
 
     @property
     def _per_target(self) -> tuple[Gauge, ...]:
@@ -426,20 +440,3 @@ class GatewayMetrics:
             self.output_tokens.inc(tokens)
             if tokens > 1:
                 self.itl.observe((now - first_token) / (tokens - 1))
-
-
-def _pool_values(pool: Pool) -> dict[str, dict[tuple[str, ...], float]]:
-    """One pool's per-target gauge values by gauge attribute, without the deployment label."""
-    return {
-        "in_flight": {
-            ("prefill" if name in pool.prefill else "decode", name): count
-            for name, count in pool.in_flight().items()
-        },
-        "peer_in_flight": {(name,): count for name, count in pool.peer_in_flight().items()},
-        "peer_outstanding_tokens": {
-            (name,): tokens for name, tokens in pool.peer_outstanding_tokens().items()
-        },
-        "prefill_dp_ranks": {(name,): ranks for name, ranks in pool.prefill_dp_ranks().items()},
-        "healthy_targets": {labels: n for labels, n in pool.healthy_targets().items()},
-        "panic": {(role,): float(panic) for role, panic in pool.panic.items()},
-    }

@@ -21,6 +21,7 @@ from baton.core.labels import CLIQUE_LABEL, DEPLOYMENT_LABEL
 from controller.podspec import EPLB_TOKEN_DIR
 from rigs.devcluster import ControlPlane, patch_model_deployment_spec, pods
 from rigs.processes import baton_command, eventually, stop_process, wait_healthy
+from tests.helpers import scrape
 from tests.k8s.helpers import apply, read, start_gateway_following, wait_ready
 
 pytestmark = pytest.mark.usefixtures("controller")
@@ -174,28 +175,6 @@ def test_gateway_and_eplb_service_follow_the_endpoints_the_deployment_publishes(
     assert after["prefillReady"].endswith("/2")
 
 
-def _served_requests(url: str) -> float:
-    """Requests an engine API server finished, as its vLLM metrics count them."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:request_success_total")
-    )
-
-
-def _gateway_series(url: str, name: str) -> dict[frozenset[tuple[str, str]], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return {
-        frozenset(sample.labels.items()): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
-
-
 def test_one_gateway_serves_two_deployments_each_request_by_its_model_and_one_down_spares_the_other(
     api: client.ApiClient,
     namespace: str,
@@ -257,16 +236,13 @@ def test_one_gateway_serves_two_deployments_each_request_by_its_model_and_one_do
     for _ in range(3):
         assert ask("alpha")
     # alpha's requests went to alpha's engines alone
-    assert _served_requests(prefill["alpha"]) >= 3
-    assert _served_requests(prefill["beta"]) == 0
+    assert scrape(prefill["alpha"], "vllm:request_success_total") >= 3
+    assert scrape(prefill["beta"], "vllm:request_success_total") == 0
     assert ask("beta")
-    assert _served_requests(prefill["beta"]) >= 1
-    requests = _gateway_series(url, "baton_gateway_requests_total")
+    assert scrape(prefill["beta"], "vllm:request_success_total") >= 1
     ok = {
-        deployment: sum(
-            v
-            for labels, v in requests.items()
-            if ("modeldeployment", deployment) in labels and ("outcome", "ok") in labels
+        deployment: scrape(
+            url, "baton_gateway_requests_total", modeldeployment=deployment, outcome="ok"
         )
         for deployment in (f"{namespace}/alpha", f"{namespace}/beta")
     }
@@ -290,9 +266,12 @@ def test_one_gateway_serves_two_deployments_each_request_by_its_model_and_one_do
     ready = httpx.get(f"{url}/ready", timeout=5)
     assert ready.status_code == 200
     assert ready.json()["not_serving"] == f"{namespace}/beta"
-    panic = _gateway_series(url, "baton_gateway_panic")
-    assert panic[frozenset({("modeldeployment", f"{namespace}/beta"), ("role", "decode")})] == 1
-    assert panic[frozenset({("modeldeployment", f"{namespace}/alpha"), ("role", "decode")})] == 0
+    for name, panic in (("beta", 1), ("alpha", 0)):
+        deployment = f"{namespace}/{name}"
+        assert (
+            scrape(url, "baton_gateway_panic", modeldeployment=deployment, role="decode") == panic
+        )
+
     with pytest.raises(openai.NotFoundError, match="model 'gamma' is not served; served: alpha"):
         ask("gamma")
     assert "Traceback" not in gateway_log.read_text()
