@@ -49,11 +49,11 @@ vllm-env:
 vllm-cpu-env:
 	deploy/vllm/env.sh cpu >/dev/null
 
-test: lint dev-bin vllm-env vllm-cpu-env
+test: lint dev-bin vllm-env vllm-cpu-env image
 	$(BIN)/pytest --durations=25
 
 # Every test beside one CPU-bound process per core: the suite must pass on a busy machine.
-test-busy: lint dev-bin vllm-env vllm-cpu-env
+test-busy: lint dev-bin vllm-env vllm-cpu-env image
 	$(BIN)/pytest --busy 1 --durations=25
 
 # The edit loop: the unit tier, in about a minute.
@@ -66,14 +66,14 @@ demo: $(STAMP)
 bench: $(STAMP) dev-bin
 	$(BIN)/baton bench all --quick
 
-# Baton's image (Containerfile) with the first container builder found; none here: say so.
-# EXTRAS=serve adds Ray Serve (the chart's gateway.rayService) and appends -serve to the tag.
+# Baton's image (Containerfile) with podman, from Debian's packages and PyPI only
+# (deploy/image/build.sh: about 2 minutes on a new machine). EXTRAS=serve adds Ray Serve (the
+# chart's gateway.rayService) and appends -serve to the tag; BASE_IMAGE=python:3.11-slim-bookworm
+# builds on a registry's Python instead of a local Debian root file system.
 IMAGE ?= ghcr.io/baton-dev/baton:0.1.0
 EXTRAS ?=
-BUILDER ?= $(firstword $(foreach tool,podman docker buildah,$(shell command -v $(tool))))
-image:
-	@test -n "$(BUILDER)" || { echo "make image: no container builder (podman, docker or buildah) on this machine; install one or set BUILDER=" >&2; exit 2; }
-	$(BUILDER) $(if $(findstring buildah,$(BUILDER)),bud,build) -f Containerfile --build-arg EXTRAS=$(EXTRAS) -t $(IMAGE)$(if $(EXTRAS),-$(EXTRAS)) .
+image: $(STAMP)
+	PYTHON=$(BIN)/python deploy/image/build.sh $(IMAGE)$(if $(EXTRAS),-$(EXTRAS)) $(EXTRAS)
 
 clean:
 	rm -rf .pytest_cache

@@ -9,9 +9,11 @@ processes (``rigs/kubelet.py``) runs each pod kwok reports Running as a local pr
 IP: the chart's controller, gateway and EPLB service as the chart writes them, engine pods as
 ``baton sim`` with their vLLM flags; ``kubectl logs`` and ``kubectl port-forward`` reach them.
 
-- ``start [--racks N] [--cpu-nodes N]``: a fresh control plane with N racks of 18 fake GB300
-  trays and N CPU nodes; prints the kubeconfig and ``export`` lines. No Baton CRD: as on a real
-  cluster, ``helm install`` brings it (and owns it).
+- ``start [--racks N] [--cpu-nodes N] [--images]``: a fresh control plane with N racks of 18
+  fake GB300 trays and N CPU nodes; prints the kubeconfig and ``export`` lines. No Baton CRD: as
+  on a real cluster, ``helm install`` brings it (and owns it). With ``--images``, a container
+  whose image podman holds (Baton's, from ``make image``) runs in a podman container of it
+  (``rigs/containers.py``), as the pod spec says.
 - ``kubeconfig``: the kubeconfig's path.
 - ``add-racks N``: N more racks of trays.
 - ``tray NAME --not-ready | --ready``: kwok stops playing the tray's kubelet and its Ready
@@ -32,8 +34,10 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from pydantic import BaseModel, ConfigDict, Field
 
+from baton.core.api import BATON_IMAGE
 from baton.core.files import load_yaml_model
 from baton.core.labels import CLIQUE_LABEL
+from rigs.containers import image_present
 from rigs.devcluster import (
     add_cpu_nodes,
     add_trays,
@@ -137,11 +141,16 @@ def _api(state: DevClusterState) -> client.ApiClient:
     return api
 
 
-def _start(directory: Path, racks: int, cpu_nodes: int) -> int:
+def _start(directory: Path, racks: int, cpu_nodes: int, images: bool) -> int:
     try:
         bin_dir = binaries_dir()
     except RuntimeError as exc:
         raise DevClusterError(str(exc)) from exc
+    if images and not image_present(BATON_IMAGE):
+        raise DevClusterError(
+            f"--images: podman holds no {BATON_IMAGE} (or podman is not installed); build it "
+            "with `make image`, or start without --images"
+        )
     previous = _read_state(directory)
     if previous is not None and _running(previous):
         raise DevClusterError(
@@ -162,7 +171,7 @@ def _start(directory: Path, racks: int, cpu_nodes: int) -> int:
     _write_state(directory, DevClusterState(binaries=str(bin_dir)))
     print(f"{PROG}: starting the control plane in {directory}", file=sys.stderr)
     try:
-        plane = start_control_plane(directory, bin_dir, detached=True, run_pods=True)
+        plane = start_control_plane(directory, bin_dir, detached=True, run_pods=True, images=images)
     except (RuntimeError, TimeoutError) as exc:
         raise DevClusterError(f"the control plane did not start: {exc}") from exc
     state = DevClusterState(
@@ -310,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--cpu-nodes", type=_count(0), default=1, help="CPU nodes for system pods (default 1)"
     )
+    start.add_argument(
+        "--images",
+        action="store_true",
+        help=f"run the containers of images podman holds ({BATON_IMAGE}, from `make image`) "
+        "in podman containers, not as processes",
+    )
     command("kubeconfig", "print the kubeconfig's path")
     add_racks = command("add-racks", "add racks of 18 fake GB300 trays")
     add_racks.add_argument("racks", type=_count(1), help="how many racks")
@@ -330,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     directory: Path = args.dir.expanduser().resolve()
     try:
         if args.command == "start":
-            return _start(directory, args.racks, args.cpu_nodes)
+            return _start(directory, args.racks, args.cpu_nodes, args.images)
         if args.command == "kubeconfig":
             print(_require_running(directory).kubeconfig)
             return 0

@@ -255,9 +255,10 @@ def _self_signed(directory: Path, name: str) -> tuple[Path, Path]:
     return cert, key
 
 
-def _start_kubelet(plane: ControlPlane) -> None:
+def _start_kubelet(plane: ControlPlane, images: bool) -> None:
     """Run the cluster's Running pods as local processes from now on (rigs/kubelet.py), in
-    ``plane.directory``; it stops with the plane."""
+    ``plane.directory``, and with ``images`` those of images podman holds as containers; it
+    stops with the plane."""
     _spawn(
         plane,
         "kubelet",
@@ -269,6 +270,7 @@ def _start_kubelet(plane: ControlPlane) -> None:
             f"--dir={plane.directory}",
             f"--server={plane.server}",
             f"--ca={plane.directory / 'certs' / 'apiserver.crt'}",
+            *(["--images"] if images else []),
         ],
     )
 
@@ -303,13 +305,19 @@ def _pod_stages(bin_dir: Path, directory: Path, run_pods: bool) -> list[Path]:
 
 
 def start_control_plane(
-    directory: Path, bin_dir: Path, *, detached: bool = False, run_pods: bool = False
+    directory: Path,
+    bin_dir: Path,
+    *,
+    detached: bool = False,
+    run_pods: bool = False,
+    images: bool = False,
 ) -> ControlPlane:
     """Start the control plane in ``directory`` (its data, certificates, logs and kubeconfig).
 
     ``detached`` processes outlive the Python process that started them (``baton dev-cluster``);
     otherwise they stop with :meth:`ControlPlane.stop`. With ``run_pods``, the kubelet for
-    processes runs the Running pods (``rigs/kubelet.py``).
+    processes runs the Running pods (``rigs/kubelet.py``); with ``images`` too, a container whose
+    image podman holds runs in a podman container (``rigs/containers.py``).
     """
     directory.mkdir(parents=True, exist_ok=True)
     etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
@@ -412,7 +420,7 @@ def start_control_plane(
             ],
         )
         if run_pods:
-            _start_kubelet(plane)
+            _start_kubelet(plane, images)
         _alive(plane)
     except BaseException:
         plane.stop()

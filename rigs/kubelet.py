@@ -56,6 +56,14 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 from baton.core.kube import Json, api_client, raw_json
+from rigs import containers
+from rigs.containers import (
+    SERVICE_ACCOUNT_MOUNT,
+    ContainerRefused,
+    bound_to,
+    container_name,
+    image_present,
+)
 from rigs.processes import baton_command
 
 __all__ = ["Kubelet", "Launch", "NotRunnable", "hosts_entries", "launch_of", "main"]
@@ -63,9 +71,7 @@ __all__ = ["Kubelet", "Launch", "NotRunnable", "hosts_entries", "launch_of", "ma
 log = logging.getLogger("baton.dev-cluster.kubelet")
 
 KWOK_GROUP, KWOK_VERSION = "kwok.x-k8s.io", "v1alpha1"
-ANY_ADDRESS = "0.0.0.0"
 CLUSTER_DOMAIN = "cluster.local"
-SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 MAX_GRACE_S = 30
 SHUTDOWN_S = 5  # under `baton dev-cluster stop`'s 10 s before it SIGKILLs this kubelet
 MAX_BACKOFF_S = 30.0
@@ -82,6 +88,7 @@ class Launch:
     container: str
     argv: list[str]
     env: dict[str, str]
+    podman_name: str | None = None  # run in this podman container (rigs/containers.py)
 
 
 def _program(command: Sequence[str], ip: str) -> list[str]:
@@ -104,15 +111,7 @@ def _program(command: Sequence[str], ip: str) -> list[str]:
             f"{program}: the dev cluster runs Baton's CLI, python and `vllm serve` (as baton "
             "sim) only"
         )
-    return [_bound(arg, ip) for arg in argv]
-
-
-def _bound(arg: str, ip: str) -> str:
-    """``arg`` with every-interface made the pod's own address."""
-    if arg == ANY_ADDRESS:
-        return ip
-    flag, equals, value = arg.partition("=")
-    return f"{flag}={ip}" if equals and value == ANY_ADDRESS else arg
+    return [bound_to(arg, ip) for arg in argv]
 
 
 def _remounted(value: str, mounts: Mapping[str, Path]) -> str:
@@ -144,21 +143,16 @@ def _field(pod: Mapping[str, Any], path: str) -> str:
 Lookup = Callable[[str, str, str], str | None]  # (kind, name, key) -> value; None if absent
 
 
-def launch_of(
+def environment(
     pod: Mapping[str, Any],
     container: Mapping[str, Any],
     *,
     mounts: Mapping[str, Path],
     lookup: Lookup,
-    kubeconfig: Path | None = None,
-) -> Launch:
-    """How ``container`` of ``pod`` runs here: ``mounts`` are its mount paths' directories,
-    ``lookup`` reads a Secret's or ConfigMap's key, ``kubeconfig`` holds the pod's service
-    account token (None: no token is mounted)."""
-    ip = pod["status"]["podIP"]
+) -> dict[str, str]:
+    """``container``'s environment: values (with a mount path made the directory ``mounts``
+    maps it to), Secret and ConfigMap keys, downward API fields."""
     env: dict[str, str] = {"HOSTNAME": pod["metadata"]["name"]}
-    if kubeconfig is not None:
-        env["KUBECONFIG"] = str(kubeconfig)
     for source in container.get("envFrom", []):
         raise NotRunnable(f"envFrom {source}: not provided here; use env")
     for var in container.get("env", []):
@@ -179,6 +173,24 @@ def launch_of(
                 continue
             raise NotRunnable(f"env {name}: {kind} {ref['name']} has no key {ref['key']}")
         env[name] = value
+    return env
+
+
+def launch_of(
+    pod: Mapping[str, Any],
+    container: Mapping[str, Any],
+    *,
+    mounts: Mapping[str, Path],
+    lookup: Lookup,
+    kubeconfig: Path | None = None,
+) -> Launch:
+    """How ``container`` of ``pod`` runs here: ``mounts`` are its mount paths' directories,
+    ``lookup`` reads a Secret's or ConfigMap's key, ``kubeconfig`` holds the pod's service
+    account token (None: no token is mounted)."""
+    ip = pod["status"]["podIP"]
+    env = environment(pod, container, mounts=mounts, lookup=lookup)
+    if kubeconfig is not None:
+        env["KUBECONFIG"] = str(kubeconfig)
     # The pod's own words name mount paths; the program this machine runs them with (this
     # interpreter, which may live under a path a volume mounts over, as /tmp) is not the pod's.
     command = [
@@ -279,8 +291,11 @@ class _Pod:
 class Kubelet:
     """Runs the dev cluster's Running pods as local processes (see the module's docstring)."""
 
-    def __init__(self, api: client.ApiClient, directory: Path, server: str, ca: Path) -> None:
+    def __init__(
+        self, api: client.ApiClient, directory: Path, server: str, ca: Path, images: bool = False
+    ) -> None:
         self.core = client.CoreV1Api(api)
+        self.images = images  # run containers whose image podman holds in podman
         self.custom = client.CustomObjectsApi(api)
         self.directory = directory
         self.server, self.ca = server, ca
@@ -355,6 +370,8 @@ class Kubelet:
             lookup = self._lookup(meta["namespace"])
 
             def launch_for(container: Json) -> Launch:
+                if self.images and image_present(container.get("image", "")):
+                    return self._container_launch(pod, container, directory, volumes, lookup, token)
                 mounts = _mounts(container, volumes)
                 return launch_of(
                     pod, container, mounts=mounts, lookup=lookup, kubeconfig=kubeconfig
@@ -385,7 +402,13 @@ class Kubelet:
                         float(probe.get("periodSeconds", 10)),
                     )
                 )
-        except (NotRunnable, subprocess.TimeoutExpired, ApiException) as exc:
+        except (
+            NotRunnable,
+            ContainerRefused,
+            subprocess.TimeoutExpired,
+            subprocess.CalledProcessError,
+            ApiException,
+        ) as exc:
             state.ended = True
             self._event(pod, "NotRun", f"the dev cluster cannot run this pod: {exc}")
             return
@@ -395,8 +418,56 @@ class Kubelet:
             self._spawn(state, running)
         log.info("started %s/%s at %s", state.namespace, state.name, pod["status"]["podIP"])
 
+    def _container_launch(
+        self,
+        pod: Json,
+        container: Json,
+        directory: Path,
+        volumes: Mapping[str, Path],
+        lookup: Lookup,
+        token: str | None,
+    ) -> Launch:
+        """``container`` in a podman container of its image (rigs/containers.py), the pod's
+        ``volumes`` mounted from their directories here (Secrets and ConfigMaps read-only, as
+        a kubelet mounts them)."""
+        read_only = {
+            volume["name"]
+            for volume in pod["spec"].get("volumes", [])
+            if {"secret", "configMap", "projected", "downwardAPI"} & volume.keys()
+        }
+        mounts = [
+            (
+                volumes[mount["name"]] / mount.get("subPath", ""),
+                mount["mountPath"],
+                bool(mount.get("readOnly")) or mount["name"] in read_only,
+            )
+            for mount in container.get("volumeMounts", [])
+            # the API server's service account volume: this machine's token and CA instead
+            if mount["name"] in volumes and mount["mountPath"] != SERVICE_ACCOUNT_MOUNT
+        ]
+        account = None
+        if token is not None:
+            meta = pod["metadata"]
+            account = directory / "serviceaccount"
+            account.mkdir(parents=True, exist_ok=True)
+            (account / "token").write_text(token)
+            (account / "namespace").write_text(meta["namespace"])
+            shutil.copyfile(self.ca, account / "ca.crt")
+        argv = containers.podman_argv(
+            pod,
+            container,
+            image_user=containers.image_user(container["image"]),
+            env=environment(pod, container, mounts={}, lookup=lookup),
+            mounts=mounts,
+            hosts=self.hosts,
+            service_account=account,
+            server=self.server,
+        )
+        name = container_name(pod, container["name"])
+        return Launch(container["name"], argv, containers.podman_env(), podman_name=name)
+
     def _argv(self, launch: Launch) -> list[str]:
-        if not self._isolated:
+        if not self._isolated or launch.podman_name is not None:
             return launch.argv
         # A mount namespace of its own, where the pods' hosts file is /etc/hosts.
         script = 'mount --bind "$0" /etc/hosts && exec "$@"'
@@ -525,6 +596,10 @@ class Kubelet:
                 with suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+        # a podman container outlives its `podman run` killed
+        containers.remove(
+            [c.launch.podman_name for p in pods for c in p.containers if c.launch.podman_name]
+        )
         for pod in pods:
             for plural in ("logs", "portforwards") if unpublish else ():
                 with suppress(ApiException):
@@ -600,6 +675,7 @@ class Kubelet:
                 sources = [volume]
             elif {"emptyDir", "hostPath"} & volume.keys():
                 sources = []
+                path.chmod(0o777)  # as a kubelet makes an emptyDir: any user may write
             else:
                 kinds = ", ".join(k for k in volume if k != "name")
                 raise NotRunnable(f"volume {volume['name']} ({kinds}): not provided here")
@@ -811,10 +887,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, required=True, help="pods' directories and logs")
     parser.add_argument("--server", required=True, help="the API server's URL, for the pods")
     parser.add_argument("--ca", type=Path, required=True, help="the API server's certificate")
+    parser.add_argument(
+        "--images",
+        action="store_true",
+        help="run a container whose image podman holds in a podman container of that image",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per probe
-    kubelet = Kubelet(api_client(args.kubeconfig), args.dir, args.server, args.ca)
+    kubelet = Kubelet(api_client(args.kubeconfig), args.dir, args.server, args.ca, args.images)
     signal.signal(signal.SIGTERM, lambda *_: kubelet._stop.set())
     try:
         kubelet.run()

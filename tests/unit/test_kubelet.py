@@ -1,5 +1,6 @@
 """The dev cluster's kubelet decides how a pod runs here: its program, address, environment and
-mounts (``launch_of``), and the names cluster DNS would give (``hosts_entries``)."""
+mounts (``launch_of``), a container of an image podman holds as a podman container
+(``podman_argv``, ``run_as``), and the names cluster DNS would give (``hosts_entries``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from baton.core.api import ModelDeploymentSpec
 from controller.placement import CellPlacement, PrefillInstance
 from controller.podspec import render_cell
+from rigs.containers import SERVICE_ACCOUNT_MOUNT, ContainerRefused, podman_argv, run_as
 from rigs.kubelet import NotRunnable, hosts_entries, launch_of
 from rigs.processes import baton_command
 
@@ -157,3 +159,66 @@ def test_a_service_names_its_oldest_ready_pod_and_a_pod_with_a_subdomain_its_own
     assert hosts_entries([service], [older, newer])["baton-gateway"] == "127.64.0.9"
     newer["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
     assert "baton-gateway" not in hosts_entries([service], [older, newer])
+
+
+def _chart_like_pod(**container_context: Any) -> dict[str, Any]:
+    container = {
+        "name": "gateway",
+        "image": "ghcr.io/baton-dev/baton:0.1.0",
+        "command": ["baton", "gateway"],
+        "args": ["--host=0.0.0.0", "--port=8000"],
+        "securityContext": container_context,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    return _pod(
+        [container],
+        securityContext={"runAsUser": 65532, "runAsNonRoot": True, "fsGroup": 65532},
+    )
+
+
+def test_a_container_of_an_image_runs_in_podman_as_its_security_context_says() -> None:
+    pod = _chart_like_pod(
+        readOnlyRootFilesystem=True,
+        allowPrivilegeEscalation=False,
+        capabilities={"drop": ["ALL"]},
+    )
+    container = pod["spec"]["containers"][0]
+    argv = podman_argv(
+        pod,
+        container,
+        image_user="65532:65532",
+        env={"HOSTNAME": "p"},
+        mounts=[(Path("/pods/p/volumes/tmp"), "/tmp", False), (Path("/s"), "/etc/s", True)],
+        hosts=Path("/dev-cluster/hosts"),
+        service_account=Path("/pods/p/serviceaccount"),
+        server="https://127.0.0.1:6443",
+    )
+    assert argv[:2] == ["podman", "run"]
+    image = argv.index("ghcr.io/baton-dev/baton:0.1.0")
+    flags, command = argv[2:image], argv[image + 1 :]
+    assert command == [f"--host={IP}", "--port=8000"]  # every interface is the pod's address
+    assert '--entrypoint=["baton", "gateway"]' in flags
+    assert {"--user=65532", "--group-add", "--read-only", "--read-only-tmpfs=false"} <= set(flags)
+    assert {"--cap-drop=all", "--security-opt", "no-new-privileges", "--network=host"} <= set(flags)
+    assert "--volume=/pods/p/volumes/tmp:/tmp" in flags and "--volume=/s:/etc/s:ro" in flags
+    assert "--volume=/dev-cluster/hosts:/etc/hosts:ro" in flags
+    assert f"--volume=/pods/p/serviceaccount:{SERVICE_ACCOUNT_MOUNT}:ro" in flags
+    assert "--env=KUBERNETES_SERVICE_HOST=127.0.0.1" in flags
+    assert "--env=KUBERNETES_SERVICE_PORT=6443" in flags
+
+
+def test_run_as_takes_the_containers_user_over_the_pods_and_the_images_last() -> None:
+    pod = _chart_like_pod(runAsUser=1000, runAsGroup=2000)
+    assert run_as(pod, pod["spec"]["containers"][0], "65532:65532") == "1000:2000"
+    pod = _chart_like_pod()
+    assert run_as(pod, pod["spec"]["containers"][0], "") == "65532"
+    del pod["spec"]["securityContext"]["runAsUser"]
+    assert run_as(pod, pod["spec"]["containers"][0], "65532:65532") == "65532:65532"
+
+
+@pytest.mark.parametrize(("image_user", "why"), [("", "root"), ("0", "root"), ("baton", "numeric")])
+def test_run_as_non_root_refuses_an_image_that_would_run_as_root(image_user: str, why: str) -> None:
+    pod = _chart_like_pod()
+    del pod["spec"]["securityContext"]["runAsUser"]
+    with pytest.raises(ContainerRefused, match=why):
+        run_as(pod, pod["spec"]["containers"][0], image_user)
