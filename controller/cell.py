@@ -127,6 +127,10 @@ class CellRollout:
     draining_since: datetime | None = None  # when it left the rotation (its status says)
     drain: timedelta = timedelta(0)  # how long in-flight requests may finish
     min_ready: timedelta = timedelta(0)  # how long its pods must be ready to count as serving
+    # a surge cell (spec.rollout.maxSurge), and whether the rollout it served has ended: then it
+    # leaves the rotation on its turn, and goes once drained
+    surge: bool = False
+    retire: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +151,7 @@ class CellActions:
     wake_in: float | None = None  # seconds until its drain ends
     # current pods whose revision label is missing (made before pods carried one) or stale
     relabel: tuple[tuple[str, str], ...] = ()
+    surge: bool = False  # a rollout's surge cell
 
     @property
     def due(self) -> bool:
@@ -164,6 +169,27 @@ class CellActions:
     @property
     def failures(self) -> tuple[TrayFailure, ...]:
         return self.decode.failures + self.prefill.failures
+
+
+def updating(view: DeploymentView, cell: CellPlacement, observed: Observed) -> bool:
+    """The cell is in its update: pods of an older revision run in it, or it left the rotation
+    and does not serve the current revision yet (its status still says it drains)."""
+    record = next((c for c in view.status.cells if c.name == cell.name), None)
+    if record is not None and record.draining_since is not None and not record.surge:
+        return True
+    manifests = render_cell(
+        view.model.spec,
+        cell,
+        deployment=view.name,
+        uid=view.uid,
+        namespace=observed.namespace,
+        compute_domain=observed.compute_domains is not None,
+    )
+    wanted = {m["metadata"]["name"]: m for m in manifests[1:]}
+    return any(
+        name in wanted and not terminating(pod) and outdated(pod, wanted[name])
+        for name, pod in view.cell_pods(cell.name).items()
+    )
 
 
 def plan_cell(
@@ -220,8 +246,13 @@ def plan_cell(
     record = next((c for c in view.status.cells if c.name == cell.name), None)
     stale = any(n in wanted and outdated(p, wanted[n]) for n, p in live.items())
     move = _move(cell, live, trays, observed.now)
-    due = stale or (move is not None and move.now)
-    why = "for its update" if stale else "to move its decode group off a degraded tray"
+    due = stale or (move is not None and move.now) or rollout.retire
+    if stale:
+        why = "for its update"
+    elif rollout.retire:
+        why = "to be removed: it was the rollout's surge cell, and every cell runs the update"
+    else:
+        why = "to move its decode group off a degraded tray"
     drain = _drain(view.name, cell.name, due, why, rollout, observed.now)
     decode = decode_group_actions(
         view.name,
@@ -294,6 +325,7 @@ def plan_cell(
             and not outdated(p, wanted[n])
             and revision_of(p) != (label := labels(wanted[n])[REVISION_LABEL])
         ),
+        surge=rollout.surge,
     )
 
 

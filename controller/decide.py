@@ -18,14 +18,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
 from baton.core.api import Endpoints, ModelDeploymentStatus, Reason
 from baton.core.labels import DEPLOYMENT_LABEL
 from controller.actions import Actions, Event
-from controller.cell import CellActions, CellRollout, plan_cell
+from controller.cell import CellActions, CellRollout, plan_cell, updating
 from controller.names import cell_name, prefill_channel_claim_name
 from controller.observe import (
     DeploymentView,
@@ -96,11 +96,19 @@ def decide(observed: Observed, policy: RestartPolicy | None = None) -> Actions:
     # A pod created anew (a restarted decode group, a failed prefill instance) cannot go back
     # to a cordoned tray: placement gives it another one, as if that tray had failed.
     unbound = {pod for view, cells in per_view for pod in unbound_pods(view, cells)}
-    plan = plan_placement([DeploymentShape.of(v.model) for v in views], trays, current, unbound)
+    rolling = {view.name: _rolling(view, cells, observed) for view, cells in per_view}
+    shapes = [
+        replace(
+            DeploymentShape.of(view.model), surge=_surge(view, cells, rolling[view.name], observed)
+        )
+        for view, cells in per_view
+    ]
+    plan = plan_placement(shapes, trays, current, unbound)
     live_cells = {cell_of(pod) for view in views for pod in view.pods.values()}
     kept = {cell.name for cell in plan.cells} | live_cells  # cells whose objects stay
     shares = [
-        _deployment_actions(view, plan, current, trays, observed, policy, kept) for view in views
+        _deployment_actions(view, plan, current, trays, observed, policy, kept, rolling[view.name])
+        for view in views
     ]
     failures = tuple(failure for share in shares for failure in share.failures)
     marks, quarantines = tray_marks(failures, observed.nodes, policy, observed.now)
@@ -133,11 +141,13 @@ def _deployment_actions(
     observed: Observed,
     policy: RestartPolicy,
     kept: set[str | None],
+    rolling: bool,
 ) -> _DeploymentActions:
     name = view.name
     spec = view.model.spec
     current_names = {c.name for c in current.cells}
     placed = [cell for cell in plan.cells if cell.deployment == name]
+    regular = {cell_name(name, index) for index in range(spec.cells)}
     events: list[Event] = []
     cells: dict[str, CellActions] = {}
 
@@ -157,20 +167,28 @@ def _deployment_actions(
         if before is not None and before.spare_trays != cell.spare_trays:
             events.append(_spare_moving(name, before, cell, trays))
         if cell.name not in current_names:
+            surge = "" if cell.name in regular else " as the rollout's surge cell"
             events.append(
                 Event(
                     name,
                     "Normal",
                     Reason.PLACED,
-                    f"{cell.name} placed in NVLink domain {cell.domain}: decode on "
+                    f"{cell.name} placed{surge} in NVLink domain {cell.domain}: decode on "
                     f"{', '.join(cell.decode_trays)}; {len(cell.prefill)} prefill instances; "
                     f"spare {', '.join(cell.spare_trays) or 'none'}",
                 )
             )
-        cells[cell.name] = act(cell, _rollout(view, cell.name))
-    for turn in _turns(view, placed, cells):
+        cells[cell.name] = act(cell, _rollout(view, cell.name, surge=cell.name not in regular))
+    for turn in _turns(view, placed, cells, regular):
         cell = next(c for c in placed if c.name == turn)
         cells[turn] = act(cell, replace(_rollout(view, turn), turn=True))
+    # A surge cell outlives its rollout only to drain and go: its turn comes once every other
+    # cell serves.
+    every_cell_serves = all(_serves(cells[c.name]) for c in placed if c.name in regular)
+    for cell in placed:
+        if cell.name not in regular and not rolling:
+            rollout = _rollout(view, cell.name, surge=True)
+            cells[cell.name] = act(cell, replace(rollout, retire=True, turn=every_cell_serves))
     events.extend(e for cell in placed for e in cells[cell.name].events)
     events += [
         Event(name, "Warning", Reason.INSUFFICIENT_CAPACITY, unplaced.message)
@@ -184,7 +202,10 @@ def _deployment_actions(
         for pod_name, pod in sorted(view.pods.items())
         if cell_of(pod) not in planned and not terminating(pod)
     )
-    events += _cells_removed(name, spec.cells, {n: cell_of(view.pods[n]) for n in orphans})
+    surge_cells = {c.name for c in view.status.cells if c.surge}
+    events += _cells_removed(
+        name, spec.cells, {n: cell_of(view.pods[n]) for n in orphans}, surge_cells
+    )
     if spec.cell.prefill.instances is None:  # as many as fit
         prefill_wanted = sum(len(cell.prefill) for cell in placed)
     else:
@@ -218,7 +239,7 @@ def _deployment_actions(
     )
 
 
-def _rollout(view: DeploymentView, cell: str) -> CellRollout:
+def _rollout(view: DeploymentView, cell: str, surge: bool = False) -> CellRollout:
     """The cell's rollout state as its status recorded it: no turn yet."""
     record = next((c for c in view.status.cells if c.name == cell), None)
     since = record.draining_since if record is not None else None
@@ -227,7 +248,37 @@ def _rollout(view: DeploymentView, cell: str) -> CellRollout:
         draining_since=parse_time(since) if since else None,
         drain=timedelta(seconds=rollout.drain_seconds),
         min_ready=timedelta(seconds=rollout.min_ready_seconds),
+        surge=surge,
     )
+
+
+def _rolling(view: DeploymentView, current: Sequence[CellPlacement], observed: Observed) -> bool:
+    """Whether one of the deployment's own cells (not a surge cell) is in its update."""
+    regular = {cell_name(view.name, index) for index in range(view.model.spec.cells)}
+    return any(updating(view, cell, observed) for cell in current if cell.name in regular)
+
+
+def _surge(
+    view: DeploymentView, current: Sequence[CellPlacement], rolling: bool, observed: Observed
+) -> int:
+    """How many surge cells the deployment wants placed: ``maxSurge`` while it rolls out; after,
+    the surge cells it has until each has drained (then they go)."""
+    spec = view.model.spec
+    if rolling:
+        return spec.rollout.max_surge
+    drain = timedelta(seconds=spec.rollout.drain_seconds)
+    records = {c.name: c for c in view.status.cells}
+    have = {cell.name for cell in current}
+    wanted = 0
+    for index in range(spec.rollout.max_surge):
+        name = cell_name(view.name, spec.cells + index)
+        record = records.get(name)
+        if name not in have or record is None or not record.surge:
+            continue
+        since = parse_time(record.draining_since) if record.draining_since else None
+        if since is None or observed.now < since + drain:
+            wanted = index + 1
+    return wanted
 
 
 def _serves(actions: CellActions) -> bool:
@@ -235,17 +286,24 @@ def _serves(actions: CellActions) -> bool:
 
 
 def _turns(
-    view: DeploymentView, placed: Sequence[CellPlacement], cells: Mapping[str, CellActions]
+    view: DeploymentView,
+    placed: Sequence[CellPlacement],
+    cells: Mapping[str, CellActions],
+    regular: Collection[str],
 ) -> list[str]:
-    """The cells due (stale, or moving off a degraded tray) that may leave the rotation now, in
-    name order: while
-    fewer than ``maxUnavailable`` cells are out (draining, updating, or not serving for any
-    reason) and never the last serving cell of several (a one-cell deployment has no other)."""
-    out = [c.name for c in placed if cells[c.name].draining_since or not _serves(cells[c.name])]
+    """The deployment's own cells (``regular``; the others are surge cells) due (stale, or
+    moving off a degraded tray) that may leave the rotation now, in name order: while fewer
+    than ``maxUnavailable`` of them are out (draining, updating, or not serving for any
+    reason), never the last serving cell of several, and not while a surge cell is starting."""
+    own = [c for c in placed if c.name in regular]
+    surge = [c for c in placed if c.name not in regular]
+    if any(not _serves(cells[c.name]) for c in surge):
+        return []  # the surge cell serves first: that is what it is for
+    out = [c.name for c in own if cells[c.name].draining_since or not _serves(cells[c.name])]
     budget = view.model.spec.rollout.max_unavailable - len(out)
     serving = [c.name for c in placed if c.name not in out]
     turns: list[str] = []
-    for cell in sorted(placed, key=lambda c: c.name):
+    for cell in sorted(own, key=lambda c: c.name):
         actions = cells[cell.name]
         if budget <= 0:
             break
@@ -300,8 +358,14 @@ def _spare_moving(
     )
 
 
-def _cells_removed(deployment: str, wanted: int, orphans: Mapping[str, str | None]) -> list[Event]:
-    """One event per cell whose pods go because the cell is no longer placed."""
+def _cells_removed(
+    deployment: str,
+    wanted: int,
+    orphans: Mapping[str, str | None],
+    surge: Collection[str | None] = (),
+) -> list[Event]:
+    """One event per cell whose pods go because the cell is no longer placed (``surge``: the
+    rollout's surge cells, which go when it ends)."""
     by_cell: dict[str | None, int] = {}
     for cell in orphans.values():
         by_cell[cell] = by_cell.get(cell, 0) + 1
@@ -309,7 +373,16 @@ def _cells_removed(deployment: str, wanted: int, orphans: Mapping[str, str | Non
     events = []
     for cell, count in sorted(by_cell.items(), key=lambda item: str(item[0])):
         pods = f"deleting its {count} pod{'' if count == 1 else 's'}"
-        if cell in kept:  # still wanted: it lost its placement (see the Placed condition)
+        if cell in surge:
+            events.append(
+                Event(
+                    deployment,
+                    "Normal",
+                    Reason.CELL_REMOVED,
+                    f"{cell} (the rollout's surge cell) removed, drained: {pods}",
+                )
+            )
+        elif cell in kept:  # still wanted: it lost its placement (see the Placed condition)
             events.append(
                 Event(deployment, "Warning", Reason.CELL_REMOVED, f"{cell} unplaced: {pods}")
             )

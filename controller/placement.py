@@ -207,10 +207,13 @@ class DeploymentShape:
     # its cells may share an NVLink domain with other cells that may, each on trays of its own
     # (spec.topology.exclusiveDomain false)
     shares_domain: bool = False
+    # cells past ``cells`` a rollout would have (spec.rollout.maxSurge): placed only on what
+    # every deployment's cells leave, and never reported unplaced
+    surge: int = 0
 
     def __post_init__(self) -> None:
-        if not self.name or self.cells < 0:
-            raise ValueError("a deployment needs a name and cells >= 0")
+        if not self.name or self.cells < 0 or self.surge < 0:
+            raise ValueError("a deployment needs a name, cells >= 0 and surge >= 0")
 
     @classmethod
     def of(cls, deployment: ModelDeployment) -> DeploymentShape:
@@ -782,19 +785,25 @@ def plan_placement(
         names.add(shape.name)
         for index in range(shape.cells):
             wanted[cell_name(shape.name, index)] = shape
+    surge = {
+        cell_name(shape.name, index): shape
+        for shape in deployments
+        for index in range(shape.cells, shape.cells + shape.surge)
+    }
+    everything = {**wanted, **surge}
     step = _Pass(topology, unbound)
     placed: dict[str, CellPlacement] = {}
     hosts: dict[str, list[DeploymentShape]] = {}  # domain -> the shapes of its cells
     previous = {cell.name: cell for cell in current.cells} if current else {}
     # Every kept cell's trays are its own before any cell grows into free GPUs.
     for name, old in previous.items():
-        if name in wanted:
+        if name in everything:
             for tray_name in (*old.decode_trays, *old.spare_trays, *(i.tray for i in old.prefill)):
                 tray = topology.tray(tray_name)
                 if tray is not None:
                     step.ledger.claim(tray, name)
     for name in sorted(previous):
-        old, kept = previous[name], wanted.get(name)
+        old, kept = previous[name], everything.get(name)
         cell = None
         if kept is not None and _may_join(hosts.get(old.domain, ()), kept):
             cell = step.repair(old, kept)
@@ -832,6 +841,7 @@ def plan_placement(
         placed[name] = step.admit(name, wanted[name], domains[domain_name])
         hosts[domain_name] = [wanted[name]]
     _join_shared(step, [name for name, _ in newcomers], wanted, hosts, placed)
+    _place_surge(step, [name for name in surge if name not in placed], surge, hosts, placed)
 
     # Step 3: explain every cell left out, against the domains still free of cells and those
     # it could have shared.
@@ -868,10 +878,36 @@ def plan_placement(
         )
     for name, cell in placed.items():
         if len(hosts[cell.domain]) > 1:  # its slots as they are once its neighbours are placed
-            placed[name] = step.headroom(cell, wanted[name])
-    cells = tuple(placed[name] for name in wanted if name in placed)
+            placed[name] = step.headroom(cell, everything[name])
+    cells = tuple(placed[name] for name in everything if name in placed)
     moved, restarted = _changes(previous, cells)
     return Plan(cells, tuple(unplaced), moved, restarted)
+
+
+def _place_surge(
+    step: _Pass,
+    names: Sequence[str],
+    surge: Mapping[str, DeploymentShape],
+    hosts: dict[str, list[DeploymentShape]],
+    placed: dict[str, CellPlacement],
+) -> None:
+    """Surge cells, after every deployment's own: each on what is left, where it fits best
+    (a shared domain its deployment may join, else a free one), or nowhere."""
+    _join_shared(step, names, surge, hosts, placed)
+    for name in names:
+        if name in placed:
+            continue
+        shape = surge[name]
+        fits = [
+            step.fit(domain, position, shape, name)
+            for position, domain in enumerate(step.topology.domains)
+            if domain.name not in hosts
+        ]
+        best = _preferred(fits, shape)
+        if best:
+            domain = next(fit.domain for fit in fits if fit.domain.name == best[0])
+            placed[name] = step.admit(name, shape, domain)
+            hosts[domain.name] = [shape]
 
 
 def _may_join(cells: Sequence[DeploymentShape], shape: DeploymentShape) -> bool:

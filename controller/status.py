@@ -171,6 +171,7 @@ def cell_status(
         restarts=list(actions.decode.restarts),
         revision=serving,
         draining_since=rfc3339(actions.draining_since) if actions.draining_since else None,
+        surge=True if actions.surge else None,
     )
     return status, endpoints
 
@@ -290,8 +291,10 @@ def _rolling(
     actions: Sequence[CellActions],
     current: str,
     max_unavailable: int,
+    surge: Mapping[str, CellActions],
 ) -> str:
-    """What the rollout of revision ``current`` is doing, or "" when every cell runs it."""
+    """What the rollout of revision ``current`` is doing, or "" when every cell runs it (and
+    its surge cells have gone)."""
     draining = [
         c.name for c, a in zip(placed, actions, strict=True) if a.stale and a.draining_since
     ]
@@ -301,7 +304,7 @@ def _rolling(
     waiting = [
         c.name for c, a in zip(placed, actions, strict=True) if a.stale and not a.draining_since
     ]
-    if not (draining or restarting or waiting):
+    if not (draining or restarting or waiting or surge):
         return ""
     parts = [
         f"{label}: {', '.join(names)}"
@@ -312,6 +315,14 @@ def _rolling(
         )
         if names
     ]
+    for name, cell in surge.items():
+        if cell.draining_since is not None:
+            doing = "drains, then goes"
+        elif cell.in_rotation and cell.settled:
+            doing = "serves it"
+        else:
+            doing = "starting on it"
+        parts.append(f"surge cell {name} {doing}")
     done = len(placed) - len(draining) - len(restarting) - len(waiting)
     return (
         f"rolling out revision {current}, {max_unavailable} cell(s) at a time: {done} of "
@@ -328,7 +339,11 @@ def _summarize(
     now: datetime,
 ) -> _Cells:
     name = view.name
-    placed = [c for c in plan.cells if c.deployment == name]
+    # A surge cell helps a rollout along; the deployment's state is its own cells'.
+    placed = [c for c in plan.cells if c.deployment == name and not cells[c.name].surge]
+    surge = {
+        c.name: cells[c.name] for c in plan.cells if c.deployment == name and cells[c.name].surge
+    }
     unplaced = [c for c in plan.unplaced if c.deployment == name]
     per_cell = view.model.spec.cell.prefill.instances
     causes: list[_Cause] = []
@@ -372,7 +387,7 @@ def _summarize(
         ),
     ):
         _tell(causes, reason, names, template, moving=moving)
-    rolling = _rolling(placed, actions, revision(view.model.spec), rollout.max_unavailable)
+    rolling = _rolling(placed, actions, revision(view.model.spec), rollout.max_unavailable, surge)
     if rolling and not stuck:
         causes.append(_Cause(Reason.ROLLING_UPDATE, rolling, moving=True))
     states: dict[str, list[str]] = {}

@@ -586,6 +586,14 @@ class RolloutSpec(_Resource):
         le=1024,
         description="cells updating at once (never the last serving cell of several)",
     )
+    max_surge: int = Field(
+        default=1,
+        ge=0,
+        le=16,
+        description="extra cells placed on free trays while a rollout replaces cells, each "
+        "serving the new revision before an old cell drains (so a one-cell deployment never "
+        "goes dark), drained and removed when the rollout ends; none where no domain is free",
+    )
     min_ready_seconds: int = Field(
         default=10,
         ge=0,
@@ -962,6 +970,11 @@ class CellStatus(_Resource):
         default=None,
         description="RFC 3339: when the cell left the gateway's rotation for its update; unset "
         "once it runs the current revision and is ready",
+    )
+    surge: bool | None = Field(
+        default=None,
+        description="true: a rollout's surge cell (spec.rollout.maxSurge), drained and removed "
+        "when the rollout ends",
     )
 
 

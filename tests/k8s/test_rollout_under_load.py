@@ -1,4 +1,4 @@
-"""A changed spec rolls out while the deployment serves: two cells on kwok trays, each pod's own
+"""A changed spec rolls out while the deployment serves: cells on kwok trays, each pod's own
 command line (``baton sim``) run at its pod IP as a kubelet would run it, the real ``openai``
 client streaming through ``baton gateway --model-deployment`` the whole time. No request fails,
 at every look at the status some cell serves, and no cell's endpoints mix two revisions."""
@@ -111,20 +111,24 @@ def two_racks(api: client.ApiClient, namespace: str) -> Iterator[list[dict[str, 
     remove_nodes(api, nodes)
 
 
+@pytest.mark.parametrize("cells", [2, 1], ids=["two-cells-in-place", "one-cell-with-a-surge"])
 def test_a_rollout_under_load_fails_no_request_and_never_leaves_no_cell_serving(
     api: client.ApiClient,
     namespace: str,
     two_racks: list[dict[str, Any]],
     control_plane: ControlPlane,
     tmp_path: Path,
+    cells: int,
 ) -> None:
+    """Two cells fill both racks and update one at a time; one cell leaves a rack free, where
+    a surge cell serves the new revision while the old cell updates, then drains and goes."""
     apply(
         api,
         namespace,
         "dsv4",
         {
             "servedModelName": "dsv4",
-            "cells": 2,
+            "cells": cells,
             "engine": {"command": baton_command("sim"), "args": ["--profile", "instant"]},
             "cell": {"decode": {"dep": 4, "spareTrays": 0}, "prefill": {"instances": 1}},
             "eplb": {"enabled": False},
@@ -138,20 +142,27 @@ def test_a_rollout_under_load_fails_no_request_and_never_leaves_no_cell_serving(
         )
         try:
 
-            def both_cells_served() -> bool:
+            def every_cell_served() -> bool:
                 return (
                     httpx.get(f"{url}/ready", timeout=1).status_code == 200
                     and len(_serving(read(api, namespace, "dsv4")["status"], kubelet.revision_at))
-                    == 2
+                    == cells
                 )
 
-            eventually(both_cells_served, timeout=60, interval=0.5)
-            outcome = _serve_while(url, lambda: _roll_out(api, namespace, kubelet))
+            eventually(every_cell_served, timeout=60, interval=0.5)
+            looks: list[dict[str, set[str]]] = []
+            outcome = _serve_while(url, lambda: _roll_out(api, namespace, kubelet, cells, looks))
         finally:
             stop_process(gateway)
     answered, failures = outcome
     assert failures == [], failures[:5]
     assert answered >= 20  # load ran through the whole rollout
+    if cells == 2:  # it drained cell by cell
+        assert any(len(look) == 1 for look in looks)
+    else:  # the surge cell served beside the old one, and alone while it updated
+        assert any(set(look) == {"dsv4-cell-0", "dsv4-cell-1"} for look in looks)
+        assert any(set(look) == {"dsv4-cell-1"} for look in looks)
+        assert set(looks[-1]) == {"dsv4-cell-0"}
 
 
 def _serving(status: dict[str, Any], revision_at: dict[str, str]) -> dict[str, set[str]]:
@@ -164,9 +175,16 @@ def _serving(status: dict[str, Any], revision_at: dict[str, str]) -> dict[str, s
     return cells
 
 
-def _roll_out(api: client.ApiClient, namespace: str, kubelet: Kubelet) -> None:
-    """Change the engine's flags, then watch the status until both cells run the new revision:
-    at every look some cell serves, on one revision."""
+def _roll_out(
+    api: client.ApiClient,
+    namespace: str,
+    kubelet: Kubelet,
+    cells: int,
+    looks: list[dict[str, set[str]]],
+) -> None:
+    """Change the engine's flags, then watch the status until every cell runs the new
+    revision and no other (a surge cell) is left: at every look some cell serves, on one
+    revision. Each look's serving cells go into ``looks``."""
     before = read(api, namespace, "dsv4")["status"]["revision"]
     patch_model_deployment_spec(
         api,
@@ -174,7 +192,6 @@ def _roll_out(api: client.ApiClient, namespace: str, kubelet: Kubelet) -> None:
         "dsv4",
         {"engine": {"args": ["--profile", "instant", "--max-num-seqs", "128"]}},
     )
-    looks: list[dict[str, set[str]]] = []
 
     def rolled_out() -> bool:
         status = read(api, namespace, "dsv4")["status"]
@@ -185,14 +202,13 @@ def _roll_out(api: client.ApiClient, namespace: str, kubelet: Kubelet) -> None:
         ready = next(c for c in status["conditions"] if c["type"] == "Ready")
         return (
             status["revision"] != before
-            and status.get("updated") == "2/2"
+            and status.get("updated") == f"{cells}/{cells}"
             and ready["status"] == "True"
-            and len(serving) == 2
+            and len(serving) == cells
+            and len(status["cells"]) == cells
         )
 
-    eventually(rolled_out, timeout=180, interval=0.25)
-    # the rollout went through a look with only one cell serving: it drained cell by cell
-    assert any(len(look) == 1 for look in looks)
+    eventually(rolled_out, timeout=240, interval=0.25)
 
 
 def _serve_while(url: str, action: Any) -> tuple[int, list[str]]:

@@ -458,6 +458,71 @@ def test_a_one_cell_deployment_updates_its_only_cell_after_the_drain() -> None:
     assert w.deployment["status"]["updated"] == "1/1"
 
 
+def test_with_a_free_domain_a_one_cell_deployment_rolls_out_through_a_surge_cell() -> None:
+    w = world(racks=2, cell={"prefill": {"instances": 2}})
+    w.settle()
+    old = w.deployment["status"]["revision"]
+    change_engine(w, ["--max-num-seqs", "512"])
+    first = w.step()
+    # a surge cell on the free rack, on the new revision; cell-0 keeps serving meanwhile
+    [placed] = w.reasons(first, "Placed")
+    assert "dsv4-cell-1 placed as the rollout's surge cell" in placed
+    assert not first.delete_pods and not w.reasons(first, "CellDraining")
+    assert set(serving(w)) == {"dsv4-cell-0"}
+    w.settle()
+    assert set(serving(w)) == {"dsv4-cell-0", "dsv4-cell-1"}
+    assert not w.reasons(w.step(), "CellDraining")  # the surge cell serves 10 s first
+    w.now += timedelta(seconds=10)
+    assert w.reasons(w.step(), "CellDraining")  # now cell-0's turn
+    new = w.deployment["status"]["revision"]
+    assert serving(w) == {"dsv4-cell-1": {new}}
+    assert w.deployment["status"]["cells"][1]["surge"] is True
+    assert "surge cell dsv4-cell-1 serves it" in w.condition("Progressing")["message"]
+    removed = None
+    for _ in range(30):  # cell-0 drains, restarts, settles; then the surge cell drains, goes
+        decision = w.step()
+        cells = serving(w)
+        assert cells and all(len(revisions) == 1 for revisions in cells.values())
+        if w.reasons(decision, "CellRemoved"):
+            removed = decision
+            break
+        w.now += timedelta(seconds=11)
+    assert removed is not None
+    assert "dsv4-cell-1 (the rollout's surge cell) removed" in w.reasons(removed, "CellRemoved")[0]
+    assert set(removed.delete_pods) >= {f"dsv4-cell-1-decode-{i}" for i in range(8)}
+    w.step()
+    assert new != old and serving(w) == {"dsv4-cell-0": {new}}
+    assert [c["name"] for c in w.deployment["status"]["cells"]] == ["dsv4-cell-0"]
+    assert w.condition("Ready")["status"] == "True"
+    assert w.deployment["status"]["updated"] == "1/1"
+
+
+def test_a_surge_cell_whose_pods_never_serve_holds_the_rollout_and_the_old_cell_serves() -> None:
+    w = world(racks=2, cell={"prefill": {"instances": 2}})
+    w.settle()
+    change_engine(w, ["--a-flag-the-engine-refuses"])
+    for _ in range(5):
+        decision = w.step()
+        for name in decision.ungate:  # the new revision's engines never get ready
+            w.pods[name]["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+        w.now += timedelta(seconds=31)
+    assert set(serving(w)) == {"dsv4-cell-0"}
+    assert not any(
+        "--a-flag" in p["spec"]["containers"][0]["command"]
+        for n, p in w.pods.items()
+        if "cell-0" in n
+    )
+    assert "surge cell dsv4-cell-1 starting on it" in w.condition("Progressing")["message"]
+
+
+def test_with_max_surge_zero_a_one_cell_deployment_updates_in_place() -> None:
+    w = world(racks=2, cell={"prefill": {"instances": 2}}, rollout={"maxSurge": 0})
+    w.settle()
+    change_engine(w, ["--max-num-seqs", "512"])
+    first = w.step()
+    assert not w.reasons(first, "Placed") and w.reasons(first, "CellDraining")
+
+
 def test_a_rollout_whose_new_pods_never_serve_stops_and_says_why() -> None:
     w = world(racks=2, cells=2, cell={"prefill": {"instances": 2}}, rollout={"drainSeconds": 0})
     w.settle()

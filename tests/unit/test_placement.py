@@ -117,6 +117,34 @@ def test_cells_take_one_nvlink_domain_each() -> None:
     assert sorted(cell.domain for cell in plan.cells) == ["a.1", "b.1"]
 
 
+def test_a_surge_cell_takes_only_what_every_deployments_own_cells_leave_and_is_never_unplaced() -> (
+    None
+):
+    older = replace(flash(), name="older", surge=1)
+    newer = replace(flash(), name="newer")
+    two_racks = synthetic_topology(2)
+    plan = plan_placement([older, newer], two_racks)
+    assert [cell.name for cell in plan.cells] == [cell_name("older", 0), cell_name("newer", 0)]
+    assert plan.unplaced == ()  # the surge cell found no free domain: not a capacity shortfall
+    three_racks = synthetic_topology(3)
+    plan = plan_placement([older, newer], three_racks)
+    assert [cell.name for cell in plan.cells] == [
+        cell_name("older", 0),
+        cell_name("newer", 0),
+        cell_name("older", 1),  # after every deployment's own cells
+    ]
+    assert len({cell.domain for cell in plan.cells}) == 3
+    # placed, it keeps its trays while it stays wanted; unwanted, it is gone
+    again = plan_placement([older, newer], three_racks, plan)
+    assert again.cells == plan.cells
+    assert [
+        c.name for c in plan_placement([replace(older, surge=0), newer], three_racks, plan).cells
+    ] == [
+        cell_name("older", 0),
+        cell_name("newer", 0),
+    ]
+
+
 def test_decode_takes_whole_trays_and_leaves_half_used_ones_to_prefill() -> None:
     topology = topology_of(rack("a.1", 12, {0: {"used_by_others": 2}, 3: {"used_by_others": 2}}))
     cell = only(plan_placement([flash(instances=2, spares=0)], topology))
