@@ -15,7 +15,7 @@ the EPLB service's to write.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -174,6 +174,16 @@ def cell_status(
         surge=True if actions.surge else None,
     )
     return status, endpoints
+
+
+def _created(pods: Iterable[Mapping[str, Any]]) -> datetime | None:
+    """When the first of ``pods`` was created (None: none says)."""
+    times = [
+        parse_time(stamp)
+        for pod in pods
+        if (stamp := pod.get("metadata", {}).get("creationTimestamp"))
+    ]
+    return min(times, default=None)
 
 
 def _pod_state(pod: Mapping[str, Any] | None) -> str:
@@ -367,6 +377,13 @@ def _summarize(
         for c, a in zip(placed, actions, strict=True)
         if a.draining_since is not None and now - a.draining_since > deadline
     ]
+    stuck += [
+        f"surge cell {cell} (created {rfc3339(created)})"
+        for cell, a in surge.items()
+        if not (a.in_rotation and a.settled)
+        and (created := _created(view.cell_pods(cell).values())) is not None
+        and now - created > timedelta(seconds=rollout.progress_deadline_seconds)
+    ]
     # The cells' own causes, told before their pods': the first cause is what Ready says.
     for reason, names, template, moving in (
         (
@@ -381,8 +398,8 @@ def _summarize(
             Reason.ROLLOUT_STUCK,
             stuck,
             "the rollout stopped: {names} not serving the updated spec within "
-            f"{rollout.progress_deadline_seconds} s of its drain; fix the spec (the pods' "
-            "events say why) and the rollout goes on",
+            f"{rollout.progress_deadline_seconds} s of its drain (a surge cell: of its "
+            "creation); fix the spec (the pods' events say why) and the rollout goes on",
             False,
         ),
     ):

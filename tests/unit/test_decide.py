@@ -59,7 +59,9 @@ class World:
             self.services.pop(name, None)
         for manifest in decision.create:
             target = self.services if manifest["kind"] == "Service" else self.pods
-            target.setdefault(manifest["metadata"]["name"], copy.deepcopy(manifest))
+            made = copy.deepcopy(manifest)  # as the API server stamps it
+            made["metadata"]["creationTimestamp"] = self.now.strftime("%Y-%m-%dT%H:%M:%SZ")
+            target.setdefault(manifest["metadata"]["name"], made)
         nodes = {node["metadata"]["name"]: node for node in self.nodes}
         for name in decision.ungate:
             pod = self.pods[name]
@@ -513,6 +515,12 @@ def test_a_surge_cell_whose_pods_never_serve_holds_the_rollout_and_the_old_cell_
         if "cell-0" in n
     )
     assert "surge cell dsv4-cell-1 starting on it" in w.condition("Progressing")["message"]
+    w.now += timedelta(seconds=1801)  # past progressDeadlineSeconds since it was created
+    w.step()
+    progressing = w.condition("Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("False", "RolloutStuck")
+    assert "surge cell dsv4-cell-1 (created" in progressing["message"]
+    assert set(serving(w)) == {"dsv4-cell-0"}
 
 
 def test_with_max_surge_zero_a_one_cell_deployment_updates_in_place() -> None:
