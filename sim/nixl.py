@@ -89,6 +89,14 @@ class NixlSide:
         self._runners.append(runner)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
         self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeats())
+        log.info(
+            "NIXL side channel of engine %s (DP ranks %d-%d) on %s:%d",
+            self.config.kv_transfer.engine_id,
+            self.local_ranks.start,
+            self.local_ranks.stop - 1,
+            host,
+            self.port_of(self.local_ranks.start),
+        )
 
     async def stop(self) -> None:
         if self._heartbeat_task is not None:
@@ -303,6 +311,12 @@ class NixlSide:
         if request.finished:
             return
         blocks = _blocks(block_ids)
+        log.debug(
+            "KV of request %s pulled from engine %s: %d blocks",
+            request.request_id,
+            params.get("remote_engine_id"),
+            blocks,
+        )
         stats.xfer_time.observe(seconds)
         stats.bytes_transferred.observe(moved)
         stats.descriptors.observe(blocks)

@@ -1,11 +1,13 @@
 """A changed spec rolls out while the deployment serves: cells on kwok trays, each pod's own
 command line (``baton sim``) run at its pod IP as a kubelet would run it, the real ``openai``
 client streaming through ``baton gateway --model-deployment`` the whole time. No request fails,
-at every look at the status some cell serves, and no cell's endpoints mix two revisions."""
+at every look at the status some cell serves, no cell's endpoints mix two revisions, and by the
+engines' own logs no decode engine pulls KV from a prefill engine of another revision."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -25,6 +27,8 @@ from tests.k8s.helpers import apply, read, start_gateway_following, wait_ready
 
 pytestmark = pytest.mark.usefixtures("controller")
 
+ENGINE_ARGS = ("--profile", "instant", "--log-level", "debug")
+
 
 class Kubelet:
     """Runs each Running pod's command at its pod IP (one process per pod UID) and stops it when
@@ -35,6 +39,7 @@ class Kubelet:
         self.namespace, self.logs = namespace, logs
         self.running: dict[str, subprocess.Popen[bytes]] = {}
         self.revision_at: dict[str, str] = {}  # pod IP -> its revision label, while it runs
+        self.revision_of_log: dict[Path, str] = {}  # each pod's log -> its revision label
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -92,6 +97,27 @@ class Kubelet:
                 stderr=subprocess.STDOUT,
             )
             self.revision_at[ip] = pod["metadata"]["labels"][REVISION_LABEL]
+            self.revision_of_log[log] = pod["metadata"]["labels"][REVISION_LABEL]
+
+    def pulls_across_revisions(self) -> tuple[int, list[str]]:
+        """From the engines' own logs: how many KV pulls the decode engines logged, and each
+        one whose prefill engine (named by its NIXL engine id) ran another revision."""
+        revision_of_engine: dict[str, str] = {}
+        pulls: list[tuple[Path, str, str]] = []
+        for log, revision in self.revision_of_log.items():
+            text = log.read_text(errors="replace")
+            for engine in re.findall(r"NIXL side channel of engine (\S+) ", text):
+                revision_of_engine[engine] = revision
+            for request, engine in re.findall(
+                r"KV of request (\S+) pulled from engine (\S+)_dp\d+:", text
+            ):
+                pulls.append((log, request, engine))
+        crossed = [
+            f"{log.name}: {request} from {engine} ({revision_of_engine.get(engine, '?')})"
+            for log, request, engine in pulls
+            if revision_of_engine.get(engine) != self.revision_of_log[log]
+        ]
+        return len(pulls), crossed
 
 
 @pytest.fixture
@@ -129,7 +155,8 @@ def test_a_rollout_under_load_fails_no_request_and_never_leaves_no_cell_serving(
         {
             "servedModelName": "dsv4",
             "cells": cells,
-            "engine": {"command": baton_command("sim"), "args": ["--profile", "instant"]},
+            # debug: each decode engine logs the prefill engine of every KV pull
+            "engine": {"command": baton_command("sim"), "args": [*ENGINE_ARGS]},
             "cell": {"decode": {"dep": 4, "spareTrays": 0}, "prefill": {"instances": 1}},
             "eplb": {"enabled": False},
             "rollout": {"drainSeconds": 3},
@@ -157,6 +184,9 @@ def test_a_rollout_under_load_fails_no_request_and_never_leaves_no_cell_serving(
     answered, failures = outcome
     assert failures == [], failures[:5]
     assert answered >= 20  # load ran through the whole rollout
+    # the engines' own word: no decode engine pulled KV from a prefill of another revision
+    pulls, crossed = kubelet.pulls_across_revisions()
+    assert pulls > 0 and crossed == [], crossed[:5]
     if cells == 2:  # it drained cell by cell
         assert any(len(look) == 1 for look in looks)
     else:  # the surge cell served beside the old one, and alone while it updated
@@ -190,7 +220,7 @@ def _roll_out(
         api,
         namespace,
         "dsv4",
-        {"engine": {"args": ["--profile", "instant", "--max-num-seqs", "128"]}},
+        {"engine": {"args": [*ENGINE_ARGS, "--max-num-seqs", "128"]}},
     )
 
     def rolled_out() -> bool:
