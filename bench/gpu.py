@@ -35,6 +35,9 @@ benchmark runs in steps (``--step``), each a command:
   all empty (a new tray), all kept (caches on a volume that outlives the pod), and only vLLM's
   own kept (``VLLM_CACHE_ROOT`` on a volume, Triton's and Inductor's empty); each engine's
   seconds to ready and the compile lines of its log.
+- ``hazards`` (there): the live hazards of a handoff (rigs/hazards.py) on these engines: what
+  vLLM does with each, sent by hand, and what Baton's gateway does with it; last, a decode
+  engine killed mid-stream, which stays dead.
 - ``stop``: the engines' processes.
 
 ``--engines cpu`` runs the same steps on the CPU build of vLLM with a tiny model, so that the
@@ -87,6 +90,7 @@ from bench.agentx import Settings as AgentxSettings
 from bench.procstat import pin
 from bench.trace import TraceError, TraceRequest, load_trace, replay, reusable_tokens
 from bench.workload import SHAPE, text, theoretical_reuse
+from rigs import hazards as hazard
 from rigs.processes import ProcessExited, baton_command, eventually, free_port, stop_process
 from rigs.vllm_live import (
     KV_CACHE_BYTES,
@@ -923,6 +927,66 @@ def overhead(state: Path, requests: int) -> dict[str, Any]:
     }
 
 
+# ---- the live hazards (rigs/hazards.py) on these engines
+
+# Tokens the long streams of the hazards ask for: many seconds of decoding on either platform,
+# within the CPU model's 4,096 positions.
+HAZARD_STREAM_TOKENS = 3000
+
+
+def hazards(args: argparse.Namespace) -> dict[str, Any]:
+    """Each live hazard of a handoff on the running engines: what vLLM does with it (sent by
+    hand), then what Baton's gateway does with it (a gateway whose prefill instance answers
+    through a rewriting proxy), and last a decode engine killed mid-stream behind a gateway
+    in front of all four engines. The killed engine stays dead: run ``stop`` after."""
+    state: Path = args.state
+    engines = _load_engines(state) if (state / "engines.json").exists() else []
+    if not engines or not _running(engines):
+        raise SystemExit("baton bench gpu: the engines are not up; run --step start first")
+    prefill = next(e for e in engines if e.role == "prefill")
+    decode = next(e for e in engines if e.role == "decode")
+    directory = state / "routers"
+    directory.mkdir(parents=True, exist_ok=True)
+    cases: dict[str, Any] = {
+        "replayed_handoff": hazard.replayed_handoff(prefill.url, decode.url, "bench"),
+        "unknown_engine": hazard.unknown_engine(prefill.url, decode.url, "bench"),
+        "aborted_stream_engine": hazard.aborted_stream(
+            decode.url, decode.url, "bench", HAZARD_STREAM_TOKENS
+        ),
+    }
+    proxy = hazard.RewritingProxy(prefill.url)
+    try:
+        through = Engine("proxy", "prefill", proxy.url, 0, "")
+        with baton_gateway([through, decode], directory) as url:
+            # the prefill engine's block size, from its /metrics, before the first request
+            eventually(
+                lambda: hazard.value(url, "baton_gateway_prefill_dp_ranks") >= 1, timeout=180
+            )
+            cases["short_block_ids"] = hazard.short_block_ids(proxy, url, decode.url, "bench")
+            cases["unreachable_side_channel"] = hazard.unreachable_side_channel(
+                proxy, url, decode.url, "bench"
+            )
+            cases["aborted_stream_gateway"] = hazard.aborted_stream(
+                url, decode.url, "bench", HAZARD_STREAM_TOKENS
+            )
+    finally:
+        proxy.close()
+    with baton_gateway(engines, directory) as url:
+        decodes = {e.url: e.pid for e in engines if e.role == "decode"}
+        cases["decode_killed_mid_request"] = hazard.decode_killed_mid_request(
+            url, decodes, "bench", HAZARD_STREAM_TOKENS
+        )
+    started = json.loads((state / "start.json").read_text())
+    for name, case in cases.items():
+        print(f"{name}: {json.dumps(case)}")
+    return {
+        "benchmark": "gpu-hazards",
+        "engines": args.engines,
+        "card": started.get("card", {}),
+        "cases": cases,
+    }
+
+
 # ---- the engines' own step times, for the simulator's profile (sim/fit.py)
 
 
@@ -1196,6 +1260,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "overhead",
             "profile",
             "fit",
+            "hazards",
             "stop",
         ],
         help="prepare the carry (here), start the engines, run the points, or stop them "
@@ -1292,7 +1357,7 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
     if args is None or args.step is None:
         raise SystemExit(
             "baton bench gpu: give --step "
-            "prepare|start|startup|points|agentx|overhead|profile|fit|stop "
+            "prepare|start|startup|points|agentx|overhead|profile|fit|hazards|stop "
             "(bench/gpu.py says how)"
         )
     args.state.mkdir(parents=True, exist_ok=True)
@@ -1317,6 +1382,8 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
         except (OSError, ValueError) as exc:
             raise SystemExit(f"baton bench gpu: {args.samples}: {exc}") from None
         return fitted_profile(record, args.out or Path("bench/results"))
+    if args.step == "hazards":
+        return hazards(args)
     if args.step == "stop":
         return stop(args.state)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,8 +26,23 @@ from rigs.processes import (
 )
 
 
-def controller_log(plane: ControlPlane, identity: str) -> str:
-    return Path(plane.directory / f"{identity}.log").read_text()
+def controller_log(plane: ControlPlane, identity: str, since: int = 0) -> str:
+    """The controller's log (from byte ``since``: what one run of it wrote to the shared
+    file)."""
+    with Path(plane.directory / f"{identity}.log").open("rb") as log:
+        log.seek(since)
+        return log.read().decode(errors="replace")
+
+
+def log_size(plane: ControlPlane, identity: str) -> int:
+    path = Path(plane.directory / f"{identity}.log")
+    return path.stat().st_size if path.exists() else 0
+
+
+def no_traceback(log: str) -> None:
+    """Fail with the traceback and what led to it, if ``log`` holds one."""
+    at = log.find("Traceback")
+    assert at < 0, f"the controller logged a traceback:\n{log[max(0, at - 2000) : at + 4000]}"
 
 
 MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"

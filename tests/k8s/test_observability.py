@@ -40,7 +40,7 @@ from rigs.observability import (
 )
 from rigs.processes import eventually, free_port, stop_process
 from tests.helpers import documented, grafana_expr, served
-from tests.k8s.helpers import MODEL, controller_log
+from tests.k8s.helpers import MODEL, controller_log, no_traceback
 
 
 def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -124,7 +124,7 @@ def observed(
             )
     finally:
         stop_process(controller)
-        assert "Traceback" not in controller_log(control_plane, "obs-controller")
+        no_traceback(controller_log(control_plane, "obs-controller"))
         client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(
             "baton.dev", "v1alpha1", namespace, "modeldeployments"
         )

@@ -25,7 +25,7 @@ from baton.core.model import SPECULATIVE_METHOD, SPECULATIVE_TOKENS
 from rigs.devcluster import ControlPlane, condition, install_crd, start_controller
 from rigs.processes import eventually, free_port, stop_process
 from rigs.stragglers import SimulatedGroup, simulated_group
-from tests.k8s.helpers import apply, controller_log, read, wait_ready
+from tests.k8s.helpers import apply, controller_log, no_traceback, read, wait_ready
 
 
 @contextmanager
@@ -68,7 +68,7 @@ def watching(
             yield group
         finally:
             stop_process(process)
-            assert "Traceback" not in controller_log(control_plane, identity)
+            no_traceback(controller_log(control_plane, identity))
 
 
 @pytest.fixture

@@ -7,16 +7,12 @@ of their own (a prompt another test sent may sit in a prefix cache).
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
 
 from rigs.processes import baton_command, eventually, free_port, stop_process
@@ -71,15 +67,6 @@ def gateway_flags(
     return (*flags, "--engine-api-key-file", str(key_file)) if key_file else flags
 
 
-_WORDS = ("engine", "handoff", "balance", "prompt", "token", "cache", "decode", "prefill")
-
-
-def prompt(tag: str, words: int = 300) -> str:
-    """A prompt of its own: ``tag``, then words of the tokenizer's picked by ``tag``'s digest."""
-    digest = hashlib.sha256(tag.encode()).digest() * (words // 32 + 1)
-    return f"{tag}: " + " ".join(_WORDS[byte % len(_WORDS)] for byte in digest[:words])
-
-
 def sources(engine: LiveEngine) -> dict[str, float]:
     """The engine's prompt tokens by where their KV came from, so far."""
     return {
@@ -124,20 +111,3 @@ def baton_up_live(directory: Path) -> Iterator[LiveStack]:
         yield LiveStack(process, f"http://127.0.0.1:{port}", targets, log)
     finally:
         stop_process(process)
-
-
-def answer_with(handler: BaseHTTPRequestHandler, answer: httpx.Response) -> None:
-    """Write an engine's (or a service's) answer back to the client of a loopback proxy."""
-    handler.send_response(answer.status_code)
-    handler.send_header("Content-Type", answer.headers.get("content-type", "text/plain"))
-    handler.send_header("Content-Length", str(len(answer.content)))
-    handler.end_headers()
-    handler.wfile.write(answer.content)
-
-
-def serve_on_loopback(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, str]:
-    """``handler`` served on a free loopback port from a daemon thread; the server, its URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_port}"

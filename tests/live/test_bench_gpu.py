@@ -27,6 +27,7 @@ def _step(state: Path, out: Path, *arguments: str) -> dict[str, Any]:
         "points": "gpu",
         "overhead": "gpu-overhead",
         "profile": "gpu-profile",
+        "hazards": "gpu-hazards",
         "stop": "gpu-stop",
     }[arguments[1]]
     record: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
@@ -138,3 +139,30 @@ def test_the_engines_step_times_are_measured_and_the_simulators_profile_fitted_t
         fitted.kv_cache_bytes_per_gpu, rel=0.01
     )
     assert len(record["residuals"]) == sum(len(kind) for kind in samples.values())
+
+
+def test_the_live_hazards_meet_vllm_as_it_is_and_the_gateway_handles_each(
+    started: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Last in this module: its final case kills a decode engine."""
+    state, _ = started
+    cases = _step(state, tmp_path, "--step", "hazards")["cases"]
+    # what vLLM does, sent by hand (the CPU build; tests/live/test_sim_follows_vllm.py)
+    assert cases["replayed_handoff"]["statuses"] == [200, 200]
+    assert cases["unknown_engine"]["status"] == 500
+    assert cases["unreachable_side_channel"]["engine_status"] == 500
+    for name in ("aborted_stream_engine", "aborted_stream_gateway"):
+        aborted = cases[name]
+        assert aborted["finished"] == 0 and aborted["generated"] < aborted["max_tokens"], aborted
+        assert aborted["decode_healthy"]
+    # what the gateway makes of them: every client answered, the decode engine alive
+    short = cases["short_block_ids"]
+    assert short["status"] == 200 and short["decode_healthy"] and short["gateway_fallbacks"] == 1
+    assert short["decode_prompt_tokens"]["external_kv_transfer"] == 0  # decoded alone
+    unreachable = cases["unreachable_side_channel"]
+    assert unreachable["status"] == 200 and unreachable["gateway_decode_retries"] == 1
+    assert unreachable["decode_healthy"]
+    killed = cases["decode_killed_mid_request"]
+    assert killed["killed"] and killed["statuses_after"] == [200, 200, 200]
+    # the client is told the stream broke: an SSE error event, then [DONE]
+    assert killed["error_event"] and killed["last_chunks"][-1] == "data: [DONE]", killed

@@ -28,15 +28,13 @@ import pytest
 from baton.core.experts import Placement
 from baton.core.vllm_eplb import vllm_rebalance
 from eplb.algorithm import rebalance
+from rigs.hazards import answer_with, prompt, serve_on_loopback
 from rigs.processes import eventually
 from rigs.vllm_live import LiveEngine, LiveRig, live_spec
 from tests.helpers import EplbReportsService, SimHandle, eplb_reports_service, scrape
 from tests.live.conftest import (
-    answer_with,
     gateway_flags,
     moved,
-    prompt,
-    serve_on_loopback,
     sources,
 )
 

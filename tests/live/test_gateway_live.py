@@ -5,7 +5,6 @@ key on. The same assertions as the simulator's tests where they apply."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +14,15 @@ import pytest
 from openai.types import CompletionUsage
 from openai.types.chat import ChatCompletionMessageParam
 
+from rigs.hazards import RewritingProxy, prompt
 from rigs.processes import eventually, free_port
 from rigs.vllm_live import LiveEngine, LiveRig, live_spec
 from tests.helpers import SimHandle, cached_tokens_of, scrape, usage_of
 from tests.live.conftest import (
     ENGINE_KEY,
     SECRETS,
-    answer_with,
     gateway_flags,
     moved,
-    prompt,
-    serve_on_loopback,
     sources,
 )
 
@@ -197,44 +194,11 @@ def test_the_gateway_reads_the_engines_real_metrics(gateway: SimHandle) -> None:
 # ---- what live vLLM does that the simulator did not, and how the gateway meets it
 
 
-class RewritingProxy:
-    """A prefill engine as the gateway sees it through ``rewrite``: every call is passed to the
-    live engine, and a prefill answer's ``kv_transfer_params`` are rewritten on the way back."""
-
-    def __init__(self, engine: LiveEngine) -> None:
-        self.engine = engine
-        self.rewrite: Callable[[dict[str, Any]], None] = lambda params: None
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                answer_with(self, httpx.get(proxy.engine.url + self.path, headers=self._headers()))
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                answer = httpx.post(
-                    proxy.engine.url + self.path, content=body, headers=self._headers(), timeout=300
-                )
-                if answer.status_code == 200 and "kv_transfer_params" in answer.text:
-                    reply = answer.json()
-                    proxy.rewrite(reply["kv_transfer_params"])
-                    answer = httpx.Response(200, json=reply)
-                answer_with(self, answer)
-
-            def _headers(self) -> dict[str, str]:
-                return {k: v for k, v in self.headers.items() if k.lower() != "host"}
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server, self.url = serve_on_loopback(Handler)
-
-
 @pytest.fixture(scope="module")
 def proxy(cell: dict[str, LiveEngine]) -> Iterator[RewritingProxy]:
-    rewriting = RewritingProxy(cell["prefill"])
+    rewriting = RewritingProxy(cell["prefill"].url)
     yield rewriting
-    rewriting.server.shutdown()
+    rewriting.close()
 
 
 @pytest.fixture(scope="module")
