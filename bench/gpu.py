@@ -505,6 +505,14 @@ def _load_engines(state: Path) -> list[Engine]:
     return [Engine(**e) for e in json.loads((state / "engines.json").read_text())]
 
 
+def _engines_up(state: Path) -> list[Engine]:
+    """The engines ``start`` left running in ``state``; a clear exit where there are none."""
+    engines = _load_engines(state) if (state / "engines.json").exists() else []
+    if not engines or not _running(engines):
+        raise SystemExit("baton bench gpu: the engines are not up; run --step start first")
+    return engines
+
+
 def _running(engines: Sequence[Engine]) -> bool:
     try:
         return all(httpx.get(f"{e.url}/health", timeout=5).status_code == 200 for e in engines)
@@ -713,9 +721,7 @@ def _plan(settings: Settings) -> list[tuple[str, float]]:
 
 def points(settings: Settings, out: Path, state: Path) -> dict[str, Any]:
     started = time.monotonic()
-    engines = _load_engines(state) if (state / "engines.json").exists() else []
-    if not engines or not _running(engines):
-        raise SystemExit("baton bench gpu: the engines are not up; run --step start first")
+    engines = _engines_up(state)
     requests = load_trace(Path(settings.trace), settings.window_start_s, settings.window_s)
     prompt = sum(r.input_length for r in requests)
     theoretical = sum(reusable_tokens(requests)) / prompt
@@ -760,9 +766,7 @@ GPU_SESSIONS = replace(SHAPE, context_cap_range=(40_000, 100_000))
 def agentx_points(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """agentx's agentic sessions through each router on the running engines, the routers
     alternating ``--repeats`` rounds, prefix caches reset before each point."""
-    engines = _load_engines(args.state) if (args.state / "engines.json").exists() else []
-    if not engines or not _running(engines):
-        raise SystemExit("baton bench gpu: the engines are not up; run --step start first")
+    engines = _engines_up(args.state)
     routers = _routers(args)
     settings = AgentxSettings(
         routers=routers,
@@ -884,9 +888,7 @@ def overhead(state: Path, requests: int) -> dict[str, Any]:
     """What the gateway adds to a request's latency against a client doing the P/D handoff
     itself, on the same prefill and decode engine (a gateway in front of those two only),
     one request at a time: TTFT and end-to-end p50, each path's, and their difference."""
-    engines = _load_engines(state) if (state / "engines.json").exists() else []
-    if not engines or not _running(engines):
-        raise SystemExit("baton bench gpu: the engines are not up; run --step start first")
+    engines = _engines_up(state)
     prefill = next(e for e in engines if e.role == "prefill")
     decode = next(e for e in engines if e.role == "decode")
     directory = state / "routers"
@@ -940,9 +942,7 @@ def hazards(args: argparse.Namespace) -> dict[str, Any]:
     through a rewriting proxy), and last a decode engine killed mid-stream behind a gateway
     in front of all four engines. The killed engine stays dead: run ``stop`` after."""
     state: Path = args.state
-    engines = _load_engines(state) if (state / "engines.json").exists() else []
-    if not engines or not _running(engines):
-        raise SystemExit("baton bench gpu: the engines are not up; run --step start first")
+    engines = _engines_up(state)
     prefill = next(e for e in engines if e.role == "prefill")
     decode = next(e for e in engines if e.role == "decode")
     directory = state / "routers"
@@ -1176,9 +1176,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     if args.engines == "sim":
         raise SystemExit("baton bench gpu --step profile: measures vLLM engines, --engines gpu|cpu")
     state: Path = args.state
-    engines = _load_engines(state) if (state / "engines.json").exists() else []
-    if not engines or not _running(engines):
-        raise SystemExit("baton bench gpu: the engines are not up; run --step start first")
+    engines = _engines_up(state)
     prefill = next(e for e in engines if e.role == "prefill")
     decode = next(e for e in engines if e.role == "decode")
     started = json.loads((state / "start.json").read_text())

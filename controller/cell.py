@@ -171,12 +171,10 @@ class CellActions:
         return self.decode.failures + self.prefill.failures
 
 
-def updating(view: DeploymentView, cell: CellPlacement, observed: Observed) -> bool:
-    """The cell is in its update: pods of an older revision run in it, or it left the rotation
-    and does not serve the current revision yet (its status still says it drains)."""
-    record = next((c for c in view.status.cells if c.name == cell.name), None)
-    if record is not None and record.draining_since is not None and not record.surge:
-        return True
+def _rendered(
+    view: DeploymentView, cell: CellPlacement, observed: Observed
+) -> tuple[Manifest, dict[str, Manifest]]:
+    """The cell's Service, and its pods by name, as the current spec renders them."""
     manifests = render_cell(
         view.model.spec,
         cell,
@@ -185,7 +183,16 @@ def updating(view: DeploymentView, cell: CellPlacement, observed: Observed) -> b
         namespace=observed.namespace,
         compute_domain=observed.compute_domains is not None,
     )
-    wanted = {m["metadata"]["name"]: m for m in manifests[1:]}
+    return manifests[0], {m["metadata"]["name"]: m for m in manifests[1:]}
+
+
+def updating(view: DeploymentView, cell: CellPlacement, observed: Observed) -> bool:
+    """The cell is in its update: pods of an older revision run in it, or it left the rotation
+    and does not serve the current revision yet (its status still says it drains)."""
+    record = next((c for c in view.status.cells if c.name == cell.name), None)
+    if record is not None and record.draining_since is not None and not record.surge:
+        return True
+    _, wanted = _rendered(view, cell, observed)
     return any(
         name in wanted and not terminating(pod) and outdated(pod, wanted[name])
         for name, pod in view.cell_pods(cell.name).items()
@@ -206,15 +213,7 @@ def plan_cell(
     ``rollout``: its turn in the rollout of a changed spec)."""
     rollout = rollout or CellRollout()
     imex = observed.compute_domains is not None
-    manifests = render_cell(
-        view.model.spec,
-        cell,
-        deployment=view.name,
-        uid=view.uid,
-        namespace=observed.namespace,
-        compute_domain=imex,
-    )
-    service, wanted = manifests[0], {m["metadata"]["name"]: m for m in manifests[1:]}
+    service, wanted = _rendered(view, cell, observed)
     objects: list[Manifest] = []
     if service["metadata"]["name"] not in {s["metadata"]["name"] for s in observed.services}:
         objects.append(service)

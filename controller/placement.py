@@ -79,7 +79,7 @@ Invariants (each checked in tests/unit/test_placement.py):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import count
 
@@ -895,19 +895,8 @@ def _place_surge(
     (a shared domain its deployment may join, else a free one), or nowhere."""
     _join_shared(step, names, surge, hosts, placed)
     for name in names:
-        if name in placed:
-            continue
-        shape = surge[name]
-        fits = [
-            step.fit(domain, position, shape, name)
-            for position, domain in enumerate(step.topology.domains)
-            if domain.name not in hosts
-        ]
-        best = _preferred(fits, shape)
-        if best:
-            domain = next(fit.domain for fit in fits if fit.domain.name == best[0])
-            placed[name] = step.admit(name, shape, domain)
-            hosts[domain.name] = [shape]
+        if name not in placed:
+            _admit_best(step, name, surge[name], hosts, placed, lambda domain: domain not in hosts)
 
 
 def _may_join(cells: Sequence[DeploymentShape], shape: DeploymentShape) -> bool:
@@ -925,21 +914,33 @@ def _join_shared(
 ) -> None:
     """Each cell of ``names`` not yet placed whose deployment shares domains goes, whole, to
     the domain it fits best among those hosting only such cells, on trays no cell holds."""
-    positions = {domain.name: position for position, domain in enumerate(step.topology.domains)}
     for name in names:
         shape = wanted[name]
         if name in placed or not shape.shares_domain:
             continue
-        fits = [
-            step.fit(domain, positions[domain.name], shape, name)
-            for domain in step.topology.domains
-            if domain.name in hosts and _may_join(hosts[domain.name], shape)
-        ]
-        best = _preferred(fits, shape)
-        if best:
-            domain = next(fit.domain for fit in fits if fit.domain.name == best[0])
-            placed[name] = step.admit(name, shape, domain)
-            hosts[domain.name].append(shape)
+        joinable = {d for d, cells in hosts.items() if _may_join(cells, shape)}
+        _admit_best(step, name, shape, hosts, placed, joinable.__contains__)
+
+
+def _admit_best(
+    step: _Pass,
+    name: str,
+    shape: DeploymentShape,
+    hosts: dict[str, list[DeploymentShape]],
+    placed: dict[str, CellPlacement],
+    allowed: Callable[[str], bool],
+) -> None:
+    """Cell ``name`` to the domain it fits best of those ``allowed`` (by name), if any fits."""
+    fits = [
+        step.fit(domain, position, shape, name)
+        for position, domain in enumerate(step.topology.domains)
+        if allowed(domain.name)
+    ]
+    best = _preferred(fits, shape)
+    if best:
+        domain = next(fit.domain for fit in fits if fit.domain.name == best[0])
+        placed[name] = step.admit(name, shape, domain)
+        hosts.setdefault(domain.name, []).append(shape)
 
 
 def _preferred(fits: Sequence[_Fit], shape: DeploymentShape) -> list[str]:

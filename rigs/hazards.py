@@ -174,6 +174,44 @@ def _through(gateway: str, model: str, tag: str) -> tuple[httpx.Response, float]
     return answer, time.monotonic() - began
 
 
+# The gateway's fallbacks these hazards must show (baton_gateway_fallbacks_total's reasons)
+SHORT, RETRY = "short_block_ids", "decode_retry"
+
+
+def _rewritten(
+    proxy: RewritingProxy,
+    rewrite: Callable[[dict[str, Any]], None],
+    gateway: str,
+    decode: str,
+    model: str,
+    tag: str,
+) -> dict[str, Any]:
+    """One request through ``gateway`` while ``proxy`` rewrites the prefill answer with
+    ``rewrite``: the client's status and seconds, whether the decode engine still answers,
+    what it computed, and the gateway's fallbacks by reason."""
+
+    def fallbacks() -> dict[str, float]:
+        return {
+            reason: value(gateway, "baton_gateway_fallbacks_total", reason=reason)
+            for reason in (SHORT, RETRY)
+        }
+
+    counted, before = fallbacks(), _sources(decode)
+    proxy.rewrite = rewrite
+    try:
+        answer, seconds = _through(gateway, model, tag)
+    finally:
+        proxy.rewrite = lambda params: None
+    after, now = _sources(decode), fallbacks()
+    return {
+        "status": answer.status_code,
+        "seconds": round(seconds, 3),
+        "decode_healthy": _healthy(decode),
+        "decode_prompt_tokens": {k: after[k] - before[k] for k in after},
+        "fallbacks": {reason: now[reason] - counted[reason] for reason in now},
+    }
+
+
 def short_block_ids(proxy: RewritingProxy, gateway: str, decode: str, model: str) -> dict[str, Any]:
     """A prefill answer naming one block where the prompt needs several, through ``gateway``
     (whose prefill instance answers through ``proxy``): the client's status, whether the
@@ -185,24 +223,9 @@ def short_block_ids(proxy: RewritingProxy, gateway: str, decode: str, model: str
             [group[:1] for group in ids] if ids and isinstance(ids[0], list) else ids[:1]
         )
 
-    proxy.rewrite = drop_blocks
-    fallbacks = value(gateway, "baton_gateway_fallbacks_total", reason="short_block_ids")
-    before = _sources(decode)
-    try:
-        answer, seconds = _through(gateway, model, "short block ids")
-    finally:
-        proxy.rewrite = lambda params: None
-    after = _sources(decode)
-    return {
-        "status": answer.status_code,
-        "seconds": round(seconds, 3),
-        "decode_healthy": _healthy(decode),
-        "decode_prompt_tokens": {k: after[k] - before[k] for k in after},
-        "gateway_fallbacks": value(
-            gateway, "baton_gateway_fallbacks_total", reason="short_block_ids"
-        )
-        - fallbacks,
-    }
+    seen = _rewritten(proxy, drop_blocks, gateway, decode, model, "short block ids")
+    fallbacks = seen.pop("fallbacks")
+    return {**seen, "gateway_fallbacks": fallbacks[SHORT]}
 
 
 def unreachable_side_channel(
@@ -223,25 +246,13 @@ def unreachable_side_channel(
     began = time.monotonic()
     direct = _completion(decode, model, text, 4, kv_transfer_params=params)
     direct_s = time.monotonic() - began
-    proxy.rewrite = closed_port
-    retries = value(gateway, "baton_gateway_fallbacks_total", reason="decode_retry")
-    before = _sources(decode)
-    try:
-        answer, seconds = _through(gateway, model, "unreachable side channel")
-    finally:
-        proxy.rewrite = lambda params: None
-    after = _sources(decode)
+    seen = _rewritten(proxy, closed_port, gateway, decode, model, "unreachable side channel")
+    fallbacks = seen.pop("fallbacks")
     return {
         "engine_status": direct.status_code,
         "engine_seconds": round(direct_s, 3),
-        "status": answer.status_code,
-        "seconds": round(seconds, 3),
-        "decode_healthy": _healthy(decode),
-        "decode_prompt_tokens": {k: after[k] - before[k] for k in after},
-        "gateway_decode_retries": value(
-            gateway, "baton_gateway_fallbacks_total", reason="decode_retry"
-        )
-        - retries,
+        **seen,
+        "gateway_decode_retries": fallbacks[RETRY],
     }
 
 
