@@ -127,6 +127,8 @@ class CellRollout:
     draining_since: datetime | None = None  # when it left the rotation (its status says)
     drain: timedelta = timedelta(0)  # how long in-flight requests may finish
     min_ready: timedelta = timedelta(0)  # how long its pods must be ready to count as serving
+    # back from its update, how long past min_ready it may take to serve a request (0: no wait)
+    served_within: timedelta = timedelta(0)
     # a surge cell (spec.rollout.maxSurge), and whether the rollout it served has ended: then it
     # leaves the rotation on its turn, and goes once drained
     surge: bool = False
@@ -287,6 +289,8 @@ def plan_cell(
     latest = max((t for t in since if t is not None), default=None)
     settle = (latest + rollout.min_ready - observed.now).total_seconds() if latest else 0.0
     settled = ready and settle <= 0
+    served = _served(view.name, cell, rollout, observed, latest, due=due)
+    settled = settled and served.done
     return CellActions(
         decode=decode,
         prefill=prefill,
@@ -304,13 +308,15 @@ def plan_cell(
             if move is not None and not decode.delete
             else ()
         )
-        + drain.events,
+        + drain.events
+        + served.events,
         wake_in=min(
             (
                 w
                 for w in (
                     drain.wake_in,
                     settle if ready and settle > 0 else None,
+                    served.wake_in if ready and settle <= 0 else None,
                     move.pays_in_s if move is not None else None,
                 )
                 if w is not None
@@ -326,6 +332,56 @@ def plan_cell(
         ),
         surge=rollout.surge,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Served:
+    done: bool = True  # it served a request, or need not, or waited long enough
+    events: tuple[Event, ...] = ()
+    wake_in: float | None = None  # when to ask its engines again
+
+
+# How often the controller asks a cell back from its update whether it served a request yet.
+SERVED_POLL_S = 2.0
+
+
+def _served(
+    deployment: str,
+    cell: CellPlacement,
+    rollout: CellRollout,
+    observed: Observed,
+    ready_at: datetime | None,
+    *,
+    due: bool,
+) -> _Served:
+    """A cell back from its update (its drain recorded, nothing left to update) counts as
+    serving once one of its decode engines has finished a request: Ready says the engine
+    answers /health, not that the gateway's requests reach it and come back. Past
+    ``served_within`` with none (no traffic), the rollout goes on, saying so."""
+    if (
+        rollout.draining_since is None
+        or due
+        or observed.served is None
+        or rollout.served_within <= timedelta(0)
+        or ready_at is None
+    ):
+        return _Served()
+    pods = [decode_pod_name(cell.name, i) for i in range(len(cell.decode_trays))]
+    if any(observed.served.get(pod, 0.0) > 0 for pod in pods):
+        return _Served()
+    left = (ready_at + rollout.min_ready + rollout.served_within - observed.now).total_seconds()
+    if left > 0:
+        return _Served(done=False, wake_in=min(left, SERVED_POLL_S))
+    waited = (rollout.min_ready + rollout.served_within).total_seconds()
+    event = Event(
+        deployment,
+        "Normal",
+        Reason.NO_REQUEST_SERVED,
+        f"{cell.name}: its decode engines finished no request within {waited:.0f} s of being "
+        "ready on the update (no traffic reached them: none at all, or the gateway preferred "
+        "cells whose prefix caches hold the prompts); the rollout goes on",
+    )
+    return _Served(events=(event,))
 
 
 @dataclass(frozen=True, slots=True)

@@ -248,6 +248,7 @@ def _rollout(view: DeploymentView, cell: str, surge: bool = False) -> CellRollou
         draining_since=parse_time(since) if since else None,
         drain=timedelta(seconds=rollout.drain_seconds),
         min_ready=timedelta(seconds=rollout.min_ready_seconds),
+        served_within=timedelta(seconds=rollout.served_request_seconds),
         surge=surge,
     )
 

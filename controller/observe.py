@@ -27,6 +27,7 @@ from baton.core.labels import (
     DEPLOYMENT_LABEL,
     HOSTNAME_LABEL,
     REVISION_LABEL,
+    ROLE_LABEL,
     TEMPLATE_HASH_ANNOTATION,
 )
 from controller.names import decode_pod_name, prefill_pod_name
@@ -76,6 +77,10 @@ class Observed:
     compute_domains: Sequence[Mapping[str, Any]] | None = None
     # The ResourceClaims Baton made in the namespace (prefill pods' IMEX channels).
     resource_claims: Sequence[Mapping[str, Any]] = ()
+    # Requests each engine of ``pods_to_ask`` has finished (vLLM's request_success_total), by
+    # pod name: a cell back from its update serves one before the rollout goes on. None: not
+    # asked (no cell waits on it); a pod missing from it did not answer.
+    served: Mapping[str, float] | None = None
 
 
 def rfc3339(moment: datetime) -> str:
@@ -186,6 +191,27 @@ def ready(pod: Mapping[str, Any]) -> bool:
         return False
     conditions = pod.get("status", {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def pods_to_ask(
+    deployments: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]
+) -> list[tuple[str, str]]:
+    """(name, pod IP) of each ready decode pod of a cell its status says is in its update:
+    whose engines the controller asks how many requests they served."""
+    updating = {
+        (d["metadata"]["namespace"], cell.get("name"))
+        for d in deployments
+        for cell in (d.get("status") or {}).get("cells") or []
+        if cell.get("drainingSince")
+    }
+    return [
+        (pod["metadata"]["name"], pod["status"]["podIP"])
+        for pod in pods
+        if labels(pod).get(ROLE_LABEL) == "decode"
+        and (pod["metadata"].get("namespace"), cell_of(pod)) in updating
+        and ready(pod)
+        and pod.get("status", {}).get("podIP")
+    ]
 
 
 def ready_since(pod: Mapping[str, Any]) -> datetime | None:

@@ -28,6 +28,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from baton.core.api import GROUP, KIND, PLURAL, VERSION, Reason
@@ -50,8 +51,8 @@ from controller.actions import Actions, Event
 from controller.decide import decide
 from controller.events import EventWrite, Occurrences
 from controller.leader import LeaseElector
-from controller.observe import Observed, rfc3339
-from controller.podspec import COMPUTE_DOMAIN_API, RESOURCE_CLAIM_API
+from controller.observe import Observed, pods_to_ask, rfc3339
+from controller.podspec import API_PORT, COMPUTE_DOMAIN_API, RESOURCE_CLAIM_API
 from controller.restarts import RestartPolicy
 from controller.runtime import Informer, WorkQueue
 from controller.tray_health import TrayHealthMonitor
@@ -60,6 +61,25 @@ __all__ = ["Controller", "ControllerMetrics", "DegradedTrayCollector", "StatusCo
 
 log = logging.getLogger("baton.controller")
 RESYNC_S = 30.0
+
+
+def _served(pods: list[tuple[str, str]]) -> dict[str, float]:
+    """Requests each pod's engine has finished (vLLM's ``request_success_total``, from its
+    /metrics, which stays open under --api-key); an engine that does not answer is left out."""
+    served: dict[str, float] = {}
+    for name, ip in pods:
+        try:
+            host = f"[{ip}]" if ":" in ip else ip  # an IPv6 pod IP
+            text = httpx.get(f"http://{host}:{API_PORT}/metrics", timeout=2.0).text
+            served[name] = sum(
+                sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == "vllm:request_success_total"
+            )
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("%s: its engine's request count is unknown (%s)", name, exc)
+    return served
 
 
 class ControllerMetrics:
@@ -477,17 +497,20 @@ class Controller:
 
     def observe(self, namespace: str) -> Observed:
         domains = self._compute_domains(namespace)
+        deployments = [
+            d for d in self.deployments.items() if d["metadata"]["namespace"] == namespace
+        ]
+        pods = self.pods.items()
         return Observed(
             namespace=namespace,
-            deployments=[
-                d for d in self.deployments.items() if d["metadata"]["namespace"] == namespace
-            ],
+            deployments=deployments,
             nodes=self.nodes.items(),
-            pods=self.pods.items(),
+            pods=pods,
             services=[s for s in self.services.items() if s["metadata"]["namespace"] == namespace],
             now=datetime.now(UTC),
             compute_domains=domains,
             resource_claims=self._resource_claims(namespace, domains is not None),
+            served=_served(pods_to_ask(deployments, pods)),
         )
 
     def reconcile(self, namespace: str) -> Actions:

@@ -114,6 +114,7 @@ class Reason(StrEnum):
     DECODE_GROUP_SLOW = "DecodeGroupSlow"
     PREFILL_UPDATING = "PrefillUpdating"
     CELL_DRAINING = "CellDraining"
+    NO_REQUEST_SERVED = "NoRequestServed"
     ROLLING_UPDATE = "RollingUpdate"
     ROLLOUT_STUCK = "RolloutStuck"
     RESTART_BACKOFF = "RestartBackoff"
@@ -600,6 +601,14 @@ class RolloutSpec(_Resource):
         le=3600,
         description="how long an updated cell's pods must all have been ready before it counts "
         "as serving and the next cell drains (time for the gateway to admit its engines)",
+    )
+    served_request_seconds: int = Field(
+        default=60,
+        ge=0,
+        le=3600,
+        description="how long past minReadySeconds an updated cell may take to serve its first "
+        "request (its decode engines' finished-request count) before the next cell drains "
+        "anyway, as a deployment without traffic needs; 0: do not wait for one",
     )
     drain_seconds: int = Field(
         default=30,

@@ -24,7 +24,7 @@ from baton.core.labels import (
 )
 from controller.actions import Actions
 from controller.decide import decide
-from controller.observe import Observed
+from controller.observe import Observed, pods_to_ask
 from controller.restarts import RestartPolicy
 from controller.topology import synthetic_nodes
 
@@ -40,6 +40,8 @@ class World:
     services: dict[str, dict[str, Any]] = field(default_factory=dict)
     now: datetime = T0
     next_ip: int = 1
+    # what the controller read of the engines' finished requests (None: it did not ask)
+    served: dict[str, float] | None = None
 
     def observe(self) -> Observed:
         return Observed(
@@ -49,6 +51,7 @@ class World:
             list(self.pods.values()),
             list(self.services.values()),
             self.now,
+            served=self.served,
         )
 
     def step(self, policy: RestartPolicy | None = None) -> Actions:
@@ -442,6 +445,56 @@ def test_a_changed_spec_rolls_out_cell_by_cell_each_drained_before_it_restarts()
     assert [c["restarts"] for c in w.deployment["status"]["cells"]] == [[], []]  # not failures
     assert not any(c.get("drainingSince") for c in w.deployment["status"]["cells"])
     assert all("--max-num-seqs" in p["spec"]["containers"][0]["command"] for p in w.pods.values())
+
+
+def _updated_first_cell(w: World) -> None:
+    """Roll out a change until cell-0 runs it, ready past minReadySeconds."""
+    change_engine(w, ["--max-num-seqs", "512"])
+    w.step()  # cell-0 drains
+    w.now += timedelta(seconds=31)
+    w.step()  # and restarts
+    w.settle()
+    w.now += timedelta(seconds=10)
+
+
+def test_a_cell_back_from_its_update_serves_a_request_before_the_next_cell_drains() -> None:
+    w = world(racks=2, cells=2, cell={"prefill": {"instances": 2}})
+    w.settle()
+    w.served = {}  # the controller asks; no engine has finished a request yet
+    _updated_first_cell(w)
+    waiting = w.step()
+    assert not w.reasons(waiting, "CellDraining")
+    assert waiting.requeue_after == 2.0  # it asks the engines again soon
+    assert "dsv4-cell-0" in serving(w)  # in the rotation, so that requests reach it
+    w.served["dsv4-cell-0-decode-3"] = 1.0
+    assert w.reasons(w.step(), "CellDraining")  # now cell-1's turn
+
+
+def test_the_controller_asks_only_the_ready_decode_engines_of_cells_in_their_update() -> None:
+    w = world(racks=2, cells=2, cell={"prefill": {"instances": 2}})
+    w.settle()
+    assert pods_to_ask([w.deployment], list(w.pods.values())) == []  # no cell updates
+    change_engine(w, ["--max-num-seqs", "512"])
+    w.step()  # cell-0 drains
+    asked = pods_to_ask([w.deployment], list(w.pods.values()))
+    assert [name for name, _ in asked] == [f"dsv4-cell-0-decode-{i}" for i in range(8)]
+    assert all(ip == w.pods[name]["status"]["podIP"] for name, ip in asked)
+    w.now += timedelta(seconds=31)
+    w.step()  # its pods go, and come back gated: none ready to ask
+    assert pods_to_ask([w.deployment], list(w.pods.values())) == []
+
+
+def test_without_traffic_the_rollout_goes_on_after_serving_request_seconds_and_says_so() -> None:
+    w = world(racks=2, cells=2, cell={"prefill": {"instances": 2}})
+    w.settle()
+    w.served = {}
+    _updated_first_cell(w)
+    assert not w.reasons(w.step(), "CellDraining")
+    w.now += timedelta(seconds=60)  # servedRequestSeconds
+    decision = w.step()
+    [said] = w.reasons(decision, "NoRequestServed")
+    assert "dsv4-cell-0" in said and "70 s" in said
+    assert w.reasons(decision, "CellDraining")  # cell-1's turn, in the same reconcile
 
 
 def test_a_one_cell_deployment_updates_its_only_cell_after_the_drain() -> None:
