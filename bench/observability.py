@@ -61,7 +61,7 @@ def _record(directory: Path, quick: bool) -> dict[str, Any]:
     try:
         api = config.new_client_from_config(config_file=str(plane.kubeconfig))
         install_crd(api)
-        add_trays(api, 1)
+        add_trays(api, 2)
         namespace = "serving"
         client.CoreV1Api(api).create_namespace(
             client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))

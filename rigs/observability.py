@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -260,24 +261,35 @@ def drill(stack: BatonUp, *, rounds: int = 3, requests: int = 48) -> dict[int, i
     return statuses
 
 
+# The drill's second deployment, on a rack of its own: it stays healthy while dsv4 degrades,
+# so an alert must fire for dsv4 alone.
+HEALTHY = "steady"
+
+
 def controller_drill(api: client.ApiClient, namespace: str, model: str) -> None:
-    """A deployment ``dsv4`` of ``model`` placed on a rack's trays by a running controller and
-    Ready; then a decode pod fails on a tray with two failures on record: the decode group
-    restarts, the tray is quarantined and the deployment turns Degraded; and an operator marks
-    a tray the cell does not use degraded by hand (``baton_tray_degraded``)."""
-    create_model_deployment(
-        api, namespace, "dsv4", {"model": model, "cell": {"prefill": {"instances": 2}}}
-    )
-
-    def status() -> dict[str, Any]:
-        return read_model_deployment(api, namespace, "dsv4").get("status") or {}
-
-    def condition(kind: str) -> str | None:
-        return next(
-            (c["status"] for c in status().get("conditions", []) if c["type"] == kind), None
+    """Deployments ``dsv4`` and :data:`HEALTHY` of ``model``, each placed on a rack's trays (two
+    racks are needed) by a running controller and Ready; then a decode pod of ``dsv4`` fails on
+    a tray with two failures on record: its decode group restarts, the tray is quarantined and
+    ``dsv4`` turns Degraded, the other untouched; and an operator marks a tray the cell does
+    not use degraded by hand (``baton_tray_degraded``)."""
+    for name in ("dsv4", HEALTHY):
+        create_model_deployment(
+            api, namespace, name, {"model": model, "cell": {"prefill": {"instances": 2}}}
         )
 
-    eventually(lambda: condition("Ready") == "True", timeout=60, interval=0.25)
+    def status(name: str = "dsv4") -> dict[str, Any]:
+        return read_model_deployment(api, namespace, name).get("status") or {}
+
+    def condition(kind: str, name: str = "dsv4") -> str | None:
+        return next(
+            (c["status"] for c in status(name).get("conditions", []) if c["type"] == kind), None
+        )
+
+    def ready(name: str) -> bool:
+        return condition("Ready", name) == "True"
+
+    for name in ("dsv4", HEALTHY):
+        eventually(partial(ready, name), timeout=60, interval=0.25)
     tray = status()["cells"][0]["decode"]["trays"][2]
     core = client.CoreV1Api(api)
     record_tray_failures(api, tray, 2)

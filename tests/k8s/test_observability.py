@@ -30,6 +30,7 @@ from rigs.devcluster import (
     start_controller,
 )
 from rigs.observability import (
+    HEALTHY,
     RULES,
     BatonUp,
     Prometheus,
@@ -96,7 +97,7 @@ def observed(
     core = client.CoreV1Api(api)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
     install_crd(api)
-    trays = add_trays(api, 1, name_prefix=f"{namespace}-")
+    trays = add_trays(api, 2, name_prefix=f"{namespace}-")
     metrics = free_port()
     controller = start_controller(
         control_plane, "obs-controller", "baton-controller-obs", metrics_port=metrics
@@ -164,6 +165,30 @@ def test_every_recording_rule_returns_data_and_every_alert_evaluates(observed: O
 
     eventually(lambda: pending("BatonGatewayErrorRate"), timeout=60, interval=0.5)
     eventually(lambda: pending("BatonCellDegraded"), timeout=60, interval=0.5)
+
+
+def test_an_alert_fires_for_the_degraded_deployment_alone(observed: Observed) -> None:
+    # Two deployments of one controller, on racks of their own: dsv4 lost a tray to quarantine,
+    # the other did not. One rule evaluates both; only dsv4 is on its way to firing.
+    prometheus = observed.prometheus
+    degraded = "baton:modeldeployment_degraded:max"
+    per_deployment = eventually(
+        lambda: (
+            {s["metric"]["name"]: float(s["value"][1]) for s in prometheus.query(degraded)}
+            if len(prometheus.query(degraded)) == 2
+            else None
+        ),
+        timeout=60,
+        interval=0.5,
+    )
+    assert per_deployment == {"dsv4": 1.0, HEALTHY: 0.0}
+
+    def alerting() -> set[tuple[str, str]]:
+        [rule] = [rule for rule in prometheus.rules() if rule["name"] == "BatonCellDegraded"]
+        return {(a["labels"]["namespace"], a["labels"]["name"]) for a in rule.get("alerts", [])}
+
+    eventually(alerting, timeout=60, interval=0.5)
+    assert alerting() == {(observed.namespace, "dsv4")}
 
 
 @pytest.mark.parametrize("uid", [spec.uid for spec in DASHBOARDS])
