@@ -378,7 +378,9 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
         )
         shape = chosen.shape
     elif args.engines == "sim":
-        platform, shape = SimVllm(args.profile), str(args.profile)
+        # the four engines share one GPU's time, as on the device, unless told otherwise
+        shared = None if args.sim_gpu_each else state / "shared-gpu"
+        platform, shape = SimVllm(args.profile, shared_gpu=shared), str(args.profile)
     else:
         platform, shape = cpu_vllm(), CPU_SHAPE
     if isinstance(platform, SimVllm):
@@ -572,6 +574,21 @@ def _sources(url: str) -> dict[str, float]:
     return totals
 
 
+def _sim_steps(engines: Sequence[Engine]) -> dict[str, float]:
+    """``baton sim`` engines' steps and late steps (ended after their modelled end: the host
+    fell behind) as their counters stand; nothing for vLLM, which has no such count."""
+    counts = {"steps": 0.0, "late_steps": 0.0}
+    for engine in engines:
+        text = httpx.get(f"{engine.url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "baton:sim_steps_total":
+                    counts["steps"] += sample.value
+                elif sample.name == "baton:sim_late_steps_total":
+                    counts["late_steps"] += sample.value
+    return counts if counts["steps"] else {}
+
+
 def _reset_caches(engines: Sequence[Engine]) -> None:
     for engine in engines:
         response = httpx.post(f"{engine.url}/reset_prefix_cache", timeout=60)
@@ -663,11 +680,13 @@ def _agentx_load(settings: AgentxSettings, concurrency: int, name: str) -> Load:
 def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) -> dict[str, Any]:
     _reset_caches(engines)
     before = {e.name: _sources(e.url) for e in engines}
+    steps_before = _sim_steps(engines)
     with _router(name, engines, directory) as url:
         records, theoretical, wall_s, unmeasured_s = load(url)
         affinity = gateway_affinity(url) if name == "baton" else None
         not_reused = gateway_not_reused(url) if name == "baton" else None
     after = {e.name: _sources(e.url) for e in engines}
+    steps_after = _sim_steps(engines)
     delta = {e.name: {s: after[e.name][s] - before[e.name][s] for s in SOURCES} for e in engines}
     by_role: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(SOURCES, 0.0))
     for engine in engines:
@@ -705,6 +724,8 @@ def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) ->
         "busiest_prefill_share": max(prefill_computed.values()) / total_prefill
         if total_prefill
         else None,
+        # the simulator's engines: whether the host kept their timeline over the point
+        "sim_steps": {k: steps_after[k] - steps_before.get(k, 0.0) for k in steps_after},
         **figures,
     }
 
@@ -1276,6 +1297,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         default=SIM_PROFILE,
         help="--engines sim: the simulator's performance profile (a file or a shipped name)",
+    )
+    group.add_argument(
+        "--sim-gpu-each",
+        action="store_true",
+        help="--engines sim: give each engine a GPU of its own (the simulator's default before "
+        "2026-12-06); without it the engines share one GPU's time, as on the device",
     )
     group.add_argument(
         "--site", type=Path, default=STATE / "site", help="where install.sh put the wheels"

@@ -121,16 +121,20 @@ class GpuVllm:
 class SimVllm:
     """``baton sim`` in vLLM's place, timed by a performance ``profile``: the same pods'
     command lines with ``vllm serve`` made ``baton sim`` (which takes vLLM's flags), so that the
-    simulator's clock can be set beside real engines' on the same workload."""
+    simulator's clock can be set beside real engines' on the same workload. With
+    ``shared_gpu`` (a directory) every engine shares one GPU's time, as real engines started on
+    one GPU do; without, each has a GPU of its own."""
 
     profile: str
+    shared_gpu: Path | None = None
 
     def model(self, name: str) -> Path:
         return Path(name)  # the simulator loads nothing: a model is its name
 
     def command(self, rendered: Sequence[str], *, port: int, rpc_port: int) -> list[str]:
         command = _on_loopback([*baton_command("sim"), *rendered[2:]], port=port, rpc_port=rpc_port)
-        return [*command, "--profile", self.profile]
+        shared = ("--shared-gpu", str(self.shared_gpu)) if self.shared_gpu is not None else ()
+        return [*command, "--profile", self.profile, *shared]
 
     def environment(self) -> dict[str, str]:
         return {}

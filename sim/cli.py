@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(sim, "--seed", type=int, default=0)
     _flag(
         sim,
+        "--shared-gpu",
+        default=None,
+        help="a directory: engines naming the same one share one GPU's time, as vLLM engines "
+        "on one GPU do (each at 1/k of its speed while k step at once); default: a GPU each",
+    )
+    _flag(
+        sim,
         "--dcgm-port",
         type=int,
         default=None,
@@ -258,6 +265,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         api_keys=tuple(k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k),
         shutdown_timeout=args.shutdown_timeout,
         time_scale=args.time_scale,
+        shared_gpu=args.shared_gpu,
         seed=args.seed,
         dcgm_port=args.dcgm_port,
         dcgm_hostname=args.dcgm_hostname,

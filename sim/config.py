@@ -99,6 +99,8 @@ class EngineConfig:
     eplb_agent_tls_key: str | None = None
     time_scale: float = 1.0
     seed: int = 0
+    # --shared-gpu: a directory every engine on the same GPU names (sim/shared_gpu.py)
+    shared_gpu: str | None = None
     # dcgm-exporter's series for each API server's GPUs (its tray) on this port, the next
     # server's on the next port (None: no exporter); their Hostname label is the tray's name
     dcgm_port: int | None = None

@@ -21,12 +21,14 @@ import logging
 import random
 from collections import deque
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from baton.core.perf import PrefillChunk, RankBatch, StepTime, step_seconds
 from sim.config import EngineConfig
 from sim.kvcache import PrefixCache, chain_hash
 from sim.moe import MoERuntime, MoEStep
 from sim.request import FinishReason, RequestFailed, RequestState, SimRequest
+from sim.shared_gpu import PIECE_S, SharedGpu, step_piece
 from sim.stats import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Buckets
 from sim.tokenizer import BYTES_PER_TOKEN, word_for
 
@@ -312,14 +314,20 @@ class DPGroup:
         self.on_finished: list[Callable[[SimRequest], None]] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.gpu: SharedGpu | None = None  # the GPU this engine shares with others (served)
 
     def start(self) -> None:
+        if self.config.shared_gpu is not None:
+            self.gpu = SharedGpu(Path(self.config.shared_gpu))
         self._task = asyncio.get_running_loop().create_task(self._run(), name="dp-group")
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.gpu is not None:
+            self.gpu.close()
+            self.gpu = None
 
     def least_loaded_rank(self, candidates: Iterable[int]) -> int:
         """vLLM's internal LB when no rank is named: fewest waiting + running, lowest index."""
@@ -445,7 +453,6 @@ class DPGroup:
                 self._close(request)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         start = self.clock.now()
         while not self.dead:
             if not self.has_work:
@@ -460,13 +467,38 @@ class DPGroup:
             self.lag_given_up_s += caught_up - start
             start = caught_up
             duration = self.begin_step(start)
-            end = start + duration
-            delay = self.sim_clock.wall_deadline(end) - loop.time()
+            if self.gpu is not None:
+                end = await self._share_gpu(self.gpu, start, duration)
+            else:
+                end = start + duration
+                await self._until(end)
             self.steps += 1
-            self.modelled_s += duration
-            if delay < 0:
-                self.overruns += 1
-                self.lag_s -= delay
-            await asyncio.sleep(max(0.0, delay))
+            self.modelled_s += end - start
             self.end_step(end)
             start = end
+
+    async def _until(self, end: float) -> None:
+        """Sleep until simulated time ``end``; a host already past it counts an overrun."""
+        delay = self.sim_clock.wall_deadline(end) - asyncio.get_running_loop().time()
+        if delay < 0:
+            self.overruns += 1
+            self.lag_s -= delay
+        await asyncio.sleep(max(0.0, delay))
+
+    async def _share_gpu(self, gpu: SharedGpu, start: float, work_s: float) -> float:
+        """Run a step of ``work_s`` (its time alone on the GPU) in pieces, each at this
+        engine's share of the GPU among the engines stepping then; returns when it ends."""
+        clock = self.sim_clock
+        loop = asyncio.get_running_loop()
+        now, left = start, work_s
+        piece_s = PIECE_S / clock.time_scale
+        while True:
+            peers = gpu.peers_busy(loop.time())  # the loop's clock: the peers' too
+            length, done = step_piece(left, peers, piece_s)
+            now, left = now + length, left - done
+            # a peer looking now sees this step's end as if the sharing stays as it is
+            gpu.busy_until(clock.wall_deadline(now + left * (1 + peers)))
+            if left <= 1e-12:
+                await self._until(now)
+                return now
+            await asyncio.sleep(max(0.0, clock.wall_deadline(now) - loop.time()))

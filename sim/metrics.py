@@ -182,7 +182,8 @@ class EngineCollector(Collector):
             ("baton:sim_steps", "Engine steps the simulated DP group ran.", self.group.steps),
             (
                 "baton:sim_step_seconds",
-                "Simulated seconds the group's steps last by the performance model, summed.",
+                "Simulated seconds the group's steps last by the performance model (stretched "
+                "while it shares a GPU), summed.",
                 self.group.modelled_s,
             ),
             (

@@ -32,6 +32,9 @@ def test_the_simulator_runs_the_gpu_points_with_the_profile_fitted_on_a_gpu(tmp_
         for argv in started["argv"].values():
             assert argv[argv.index("--profile") + 1] == "deepseek-v2-lite-12l-h200"
             assert "--kv-transfer-config" in argv  # the pod's own flags, as the GPU's engines
+        # the four engines share one GPU's time, as on the device
+        shared = {argv[argv.index("--shared-gpu") + 1] for argv in started["argv"].values()}
+        assert len(shared) == 1 and len(started["argv"]) == 4
         _step(
             state,
             "--step",
@@ -52,6 +55,7 @@ def test_the_simulator_runs_the_gpu_points_with_the_profile_fitted_on_a_gpu(tmp_
             assert point["requests"] == len(SMALL_TRACE)
             assert point["handoff"]["decode_computed_tokens"] == 0
             assert point["handoff"]["decode_pulled_tokens"] > 0
+            assert point["sim_steps"]["steps"] > 0  # the simulator's timeline, kept or not
         # the profile step measures vLLM: a simulator's clock is its profile already
         refused = _step(state, "--step", "profile", check=False)
         assert refused.returncode != 0
@@ -106,5 +110,6 @@ def test_agentx_sessions_run_through_each_router_on_the_same_engines(tmp_path: P
             assert 0 < point["prefix_reuse_theoretical"] < 1
             assert point["handoff"]["decode_computed_tokens"] == 0  # every prompt handed off
             assert point["handoff"]["decode_pulled_tokens"] > 0
+            assert point["sim_steps"]["steps"] > 0  # the simulator's timeline, kept or not
     finally:
         _step(state, "--step", "stop")
