@@ -272,9 +272,9 @@ def controller_drill(api: client.ApiClient, namespace: str, model: str) -> None:
     a tray with two failures on record: its decode group restarts, the tray is quarantined and
     ``dsv4`` turns Degraded, the other untouched; and an operator marks a tray the cell does
     not use degraded by hand (``baton_tray_degraded``)."""
-    for name in ("dsv4", HEALTHY):
+    for deployment in ("dsv4", HEALTHY):
         create_model_deployment(
-            api, namespace, name, {"model": model, "cell": {"prefill": {"instances": 2}}}
+            api, namespace, deployment, {"model": model, "cell": {"prefill": {"instances": 2}}}
         )
 
     def status(name: str = "dsv4") -> dict[str, Any]:
@@ -288,8 +288,8 @@ def controller_drill(api: client.ApiClient, namespace: str, model: str) -> None:
     def ready(name: str) -> bool:
         return condition("Ready", name) == "True"
 
-    for name in ("dsv4", HEALTHY):
-        eventually(partial(ready, name), timeout=60, interval=0.25)
+    for deployment in ("dsv4", HEALTHY):
+        eventually(partial(ready, deployment), timeout=60, interval=0.25)
     tray = status()["cells"][0]["decode"]["trays"][2]
     core = client.CoreV1Api(api)
     record_tray_failures(api, tray, 2)
