@@ -373,13 +373,23 @@ def _served(
     if left > 0:
         return _Served(done=False, wake_in=min(left, SERVED_POLL_S))
     waited = (rollout.min_ready + rollout.served_within).total_seconds()
+    if any(pod in observed.served for pod in pods):
+        why = (
+            "its decode engines finished no request within {:.0f} s of being ready on the "
+            "update (no traffic reached them: none at all, or the gateway preferred cells whose "
+            "prefix caches hold the prompts)"
+        )
+    else:
+        why = (
+            "none of its decode engines answered the controller on /metrics within {:.0f} s of "
+            "being ready on the update, so whether they serve is unknown (a NetworkPolicy "
+            "between the controller and the engines, or engines not listening on the API port)"
+        )
     event = Event(
         deployment,
         "Normal",
         Reason.NO_REQUEST_SERVED,
-        f"{cell.name}: its decode engines finished no request within {waited:.0f} s of being "
-        "ready on the update (no traffic reached them: none at all, or the gateway preferred "
-        "cells whose prefix caches hold the prompts); the rollout goes on",
+        f"{cell.name}: {why.format(waited)}; the rollout goes on",
     )
     return _Served(events=(event,))
 

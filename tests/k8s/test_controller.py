@@ -253,11 +253,16 @@ def test_prefill_scales_up_and_down_without_touching_decode(
 def test_a_changed_engine_spec_rolls_out_to_every_pod_after_its_cell_drains(
     api: client.ApiClient, namespace: str, rack: list[dict[str, Any]]
 ) -> None:
+    # kwok's pods run no engine that could serve a request: no wait for one (servedRequestSeconds
+    # is pinned in test_decide and, with engines, in test_rollout_under_load)
     apply(
         api,
         namespace,
         "dsv4",
-        {"cell": {"prefill": {"instances": 2}}, "rollout": {"drainSeconds": 2}},
+        {
+            "cell": {"prefill": {"instances": 2}},
+            "rollout": {"drainSeconds": 2, "servedRequestSeconds": 0},
+        },
     )
     ready = wait_ready(api, namespace, "dsv4")["status"]
     old = ready["revision"]

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
+
 from baton.core.api import parse_prefill_record
 from baton.core.labels import (
     CELL_GATE,
@@ -484,16 +486,27 @@ def test_the_controller_asks_only_the_ready_decode_engines_of_cells_in_their_upd
     assert pods_to_ask([w.deployment], list(w.pods.values())) == []
 
 
-def test_without_traffic_the_rollout_goes_on_after_serving_request_seconds_and_says_so() -> None:
+@pytest.mark.parametrize(
+    ("answers", "said_why"),
+    [
+        ({f"dsv4-cell-0-decode-{i}": 0.0 for i in range(8)}, "finished no request"),
+        ({}, "none of its decode engines answered the controller"),  # unreachable /metrics
+    ],
+    ids=["no traffic", "no answer"],
+)
+def test_without_a_served_request_the_rollout_goes_on_after_served_request_seconds_saying_why(
+    answers: dict[str, float], said_why: str
+) -> None:
     w = world(racks=2, cells=2, cell={"prefill": {"instances": 2}})
     w.settle()
     w.served = {}
     _updated_first_cell(w)
+    w.served = dict(answers)
     assert not w.reasons(w.step(), "CellDraining")
     w.now += timedelta(seconds=60)  # servedRequestSeconds
     decision = w.step()
     [said] = w.reasons(decision, "NoRequestServed")
-    assert "dsv4-cell-0" in said and "70 s" in said
+    assert "dsv4-cell-0" in said and "70 s" in said and said_why in said
     assert w.reasons(decision, "CellDraining")  # cell-1's turn, in the same reconcile
 
 
