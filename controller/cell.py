@@ -129,6 +129,9 @@ class CellRollout:
     min_ready: timedelta = timedelta(0)  # how long its pods must be ready to count as serving
     # back from its update, how long past min_ready it may take to serve a request (0: no wait)
     served_within: timedelta = timedelta(0)
+    # another of the deployment's cells waits for its own update: the one this check protects
+    # (a move off a degraded tray, or the last cell of a rollout, has none to wait for)
+    others_wait: bool = False
     # a surge cell (spec.rollout.maxSurge), and whether the rollout it served has ended: then it
     # leaves the rotation on its turn, and goes once drained
     surge: bool = False
@@ -354,12 +357,14 @@ def _served(
     *,
     due: bool,
 ) -> _Served:
-    """A cell back from its update (its drain recorded, nothing left to update) counts as
-    serving once one of its decode engines has finished a request: Ready says the engine
+    """A cell back from its update (its drain recorded, nothing left to update) while another
+    cell waits for its own counts as serving once one of its decode engines has finished a
+    request: Ready says the engine
     answers /health, not that the gateway's requests reach it and come back. Past
     ``served_within`` with none (no traffic), the rollout goes on, saying so."""
     if (
         rollout.draining_since is None
+        or not rollout.others_wait
         or due
         or observed.served is None
         or rollout.served_within <= timedelta(0)

@@ -148,6 +148,10 @@ def _deployment_actions(
     current_names = {c.name for c in current.cells}
     placed = [cell for cell in plan.cells if cell.deployment == name]
     regular = {cell_name(name, index) for index in range(spec.cells)}
+    # the deployment's own cells in their update: each waits on the ones before it serving
+    updating_cells = {
+        c.name for c in current.cells if c.name in regular and updating(view, c, observed)
+    }
     events: list[Event] = []
     cells: dict[str, CellActions] = {}
 
@@ -178,10 +182,13 @@ def _deployment_actions(
                     f"spare {', '.join(cell.spare_trays) or 'none'}",
                 )
             )
-        cells[cell.name] = act(cell, _rollout(view, cell.name, surge=cell.name not in regular))
+        others_wait = bool(updating_cells - {cell.name})
+        rollout = _rollout(view, cell.name, surge=cell.name not in regular, others_wait=others_wait)
+        cells[cell.name] = act(cell, rollout)
     for turn in _turns(view, placed, cells, regular):
         cell = next(c for c in placed if c.name == turn)
-        cells[turn] = act(cell, replace(_rollout(view, turn), turn=True))
+        others_wait = bool(updating_cells - {turn})
+        cells[turn] = act(cell, replace(_rollout(view, turn, others_wait=others_wait), turn=True))
     # A surge cell outlives its rollout only to drain and go: its turn comes once every other
     # cell serves.
     every_cell_serves = all(_serves(cells[c.name]) for c in placed if c.name in regular)
@@ -239,7 +246,9 @@ def _deployment_actions(
     )
 
 
-def _rollout(view: DeploymentView, cell: str, surge: bool = False) -> CellRollout:
+def _rollout(
+    view: DeploymentView, cell: str, surge: bool = False, others_wait: bool = False
+) -> CellRollout:
     """The cell's rollout state as its status recorded it: no turn yet."""
     record = next((c for c in view.status.cells if c.name == cell), None)
     since = record.draining_since if record is not None else None
@@ -249,6 +258,7 @@ def _rollout(view: DeploymentView, cell: str, surge: bool = False) -> CellRollou
         drain=timedelta(seconds=rollout.drain_seconds),
         min_ready=timedelta(seconds=rollout.min_ready_seconds),
         served_within=timedelta(seconds=rollout.served_request_seconds),
+        others_wait=others_wait,
         surge=surge,
     )
 

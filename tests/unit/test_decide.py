@@ -510,6 +510,23 @@ def test_without_a_served_request_the_rollout_goes_on_after_served_request_secon
     assert w.reasons(decision, "CellDraining")  # cell-1's turn, in the same reconcile
 
 
+def test_a_cell_with_no_other_waiting_on_it_does_not_wait_for_a_served_request() -> None:
+    # the only cell of a rollout (as a cell moved off a degraded tray): no next cell to protect
+    w = world(cell={"prefill": {"instances": 2}})
+    w.settle()
+    w.served = {}  # its engines would answer nothing
+    change_engine(w, ["--max-num-seqs", "512"])
+    w.step()
+    w.now += timedelta(seconds=31)
+    w.step()
+    w.settle()
+    w.now += timedelta(seconds=10)  # minReadySeconds, not servedRequestSeconds
+    decision = w.step()
+    assert not w.reasons(decision, "NoRequestServed")
+    assert w.condition("Ready")["status"] == "True"
+    assert not w.deployment["status"]["cells"][0].get("drainingSince")
+
+
 def test_a_one_cell_deployment_updates_its_only_cell_after_the_drain() -> None:
     w = world(cell={"prefill": {"instances": 2}})
     w.settle()
