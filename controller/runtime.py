@@ -63,9 +63,9 @@ class Informer:
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                version: str | None = self._relist()
+                version = self._relist()
                 self.synced.set()
-                while not stop.is_set() and version is not None:
+                while not stop.is_set():
                     version = self._watch_from(version)
             except (ApiException, Urllib3Error, OSError, ValueError) as exc:
                 if stop.is_set():
@@ -95,8 +95,8 @@ class Informer:
         version: str = listing["metadata"]["resourceVersion"]
         return version
 
-    def _watch_from(self, version: str) -> str | None:
-        """Follow the watch; the version to resume from, or None to relist."""
+    def _watch_from(self, version: str) -> str:
+        """Follow the watch until the server ends it; the version to resume from."""
         self._watch = watch.Watch()
         stream = self._watch.stream(
             self._list,
@@ -105,10 +105,11 @@ class Informer:
             allow_watch_bookmarks=True,
             **self._selectors,
         )
+        # An expired version (410 Gone) ends the stream as an ApiException: ``run`` relists.
         for event in stream:
+            if event is None:
+                continue  # an empty line between events
             kind, obj = event["type"], event["raw_object"]
-            if kind == "ERROR":
-                return None  # 410 Gone: the version expired
             version = obj["metadata"]["resourceVersion"]
             if kind == "BOOKMARK":
                 continue
