@@ -13,7 +13,7 @@ while faults from a seeded schedule hit it, several at a time:
 - ``slow_prefill``, ``slow_decode``: the engine's steps ten times as long (``slow`` fault);
 - ``kill_eplb_prepare``: SIGKILL of the EPLB service while its agents stage a switch;
 - ``kill_eplb_commit``: SIGKILL of the EPLB service after it committed one agent of the group
-  and not the other (its link to that agent cut just then, so that Commit waits).
+  and not the other (the gRPC link to that agent holds its Commit, then fails it unsent).
 
 Every request is checked as the client sees it: either it completed with exactly the tokens
 the engine generates for its prompt and seed (the simulator's text is a function of both), once,
@@ -463,67 +463,30 @@ async def _kill_eplb_in_prepare(load: _Load, applied: AppliedFault) -> None:
 
 
 async def _kill_eplb_in_commit(load: _Load, applied: AppliedFault) -> None:
-    """Once every agent has staged a switch, cut the service's link to the last agent, so its
-    Commit there waits; kill the service once the first agent is committed; then drop the cut
-    link with the Commit it held, as a partition that heals with its connections reset.
-
-    The cut races the service's Commit, which follows the last Prepare ack at once: where the
-    Commit reached the last agent before the cut, or the cut held the last Prepare ack (so the
-    service commits nowhere), the link is let go as it is and the next switch is tried, so that
-    what is killed is always a switch committed on one agent only."""
+    """Hold the Commits on the link to the last agent; once the first agent has accepted the
+    Commit of a switch whose Commit to the last agent the link holds, kill the service; then
+    fail the held Commit unsent, as a partition that heals with its connections reset. What is
+    killed is always a switch committed on one agent only: the links see each Commit, so no
+    poll races it."""
     stack = load.stack
-    first, last = stack.agents[0], stack.agents[-1]
-    deadline = time.monotonic() + 90
-    staged: set[str] = set()
+    first, last = stack.links[0], stack.links[-1]
 
-    async def all_staged() -> bool:
-        states = await _agent_states(stack)
-        ids = [{p.switch_id for p in s.pending if not p.committed} if s else set() for s in states]
-        staged.clear()
-        staged.update(set.intersection(*ids))
-        return bool(staged)
+    async def one_side_committed() -> bool:
+        return bool(first.committed() & last.held())
 
-    async def holds(address: str, committed: bool) -> bool:
-        """Whether the agent at ``address`` holds one of the ``staged`` switches, committed or
-        only staged as ``committed`` says."""
-        [state] = await _agent_states(stack, [address])
-        return state is not None and any(
-            p.committed == committed and p.switch_id in staged for p in state.pending
-        )
-
-    late = 0
-    while (left := deadline - time.monotonic()) > 0:
-        if not await _until(all_staged, left, 0.02):
-            break
-        stack.link.hold()
-        if not await _until(lambda: holds(first, committed=True), 15, 0.01):
-            # The cut also caught the last agent's Prepare ack (it had staged, but its answer
-            # had not reached the service), so the service committed nowhere: let the link go
-            # and try the next switch, as for a Commit that beat the cut.
-            late += 1
-            stack.link.release()
-            continue
-        if not await holds(last, committed=False):
-            late += 1
-            stack.link.release()
-            continue
-        stack.eplb.kill()
-        stack.link.drop()
-        # a Commit forwarded just before the cut may still land: then this was not the fault
-        if await holds(last, committed=True):
-            late += 1
-            stack.eplb.start()
-            continue
-        applied.note = "killed with one agent committed and the other not" + (
-            f" (after {late} switches the cut missed)" if late else ""
-        )
-        await asyncio.sleep(applied.fault.duration_s)
-        stack.eplb.start()
+    last.hold_commits()
+    try:
+        cut = await _until(one_side_committed, 90, 0.01)
+        if cut:
+            stack.eplb.kill()
+    finally:
+        last.drop()
+    if not cut:
+        applied.note = "no switch reached its Commit within 90 s; not applied"
         return
-    applied.note = (
-        f"no switch was staged on every agent and cut before its Commit within 90 s "
-        f"({late} missed by the cut); not applied"
-    )
+    applied.note = "killed with one agent committed and the other not"
+    await asyncio.sleep(applied.fault.duration_s)
+    stack.eplb.start()
 
 
 @dataclass(frozen=True, slots=True)

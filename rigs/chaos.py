@@ -10,7 +10,7 @@ hung pod would be:
 - one decode group: ``servers`` hybrid-LB ``baton sim`` servers of 4 ranks each, as the
   controller renders a decode pod per tray, each with its EPLB agent behind a token;
 - the EPLB service, agent mode, on a short cadence so that switches happen within a run; it
-  reaches the last decode server's agent through a :class:`LinkProxy`, a link that can be cut;
+  reaches each decode server's agent through an :class:`AgentLink`, a link that can be cut;
 - ``gateways`` replicas of ``baton gateway`` on one pool file, with deadlines short enough
   that a stalled engine is given up on within a run.
 
@@ -23,20 +23,22 @@ again, as the controller's group restart does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import json
 import os
 import secrets
 import signal
 import subprocess
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import httpx
 import yaml
 
+from baton.core.proto import eplb_agent_pb2 as pb
 from rigs.faults import FaultInjection
 from rigs.processes import (
     baton_command,
@@ -47,7 +49,7 @@ from rigs.processes import (
     wait_healthy,
 )
 
-__all__ = ["ChaosStack", "Component", "Deadlines", "LinkProxy"]
+__all__ = ["AgentLink", "ChaosStack", "Component", "Deadlines"]
 
 RANKS_PER_SERVER = 4
 PREFILL_DP = 2
@@ -141,92 +143,144 @@ class Component:
             stop_process(self.process)
 
 
-class LinkProxy:
-    """A TCP relay from a free loopback port to ``upstream``, on an event loop of its own
-    thread, that can cut the link: :meth:`hold` stops forwarding what clients send (their
-    calls wait, as over a partitioned network), :meth:`release` forwards it again, and
-    :meth:`drop` closes every connection, what was held unsent included, and lets new ones
-    through again."""
+Context = grpc.aio.ServicerContext[bytes, bytes]
+
+
+def _as_is(data: bytes) -> bytes:
+    """The relay's (de)serializer: messages pass as the bytes they came as."""
+    return data
+
+
+class AgentLink:
+    """A gRPC relay from a free loopback port to the EPLB agent at ``upstream``, on an event
+    loop of its own thread: every call goes through as it is (metadata and deadline too), so the
+    link can watch the two-phase switch and cut it at its one racy point. :meth:`hold_commits`
+    makes each Commit wait in the relay, as over a link cut just before it; :meth:`drop` fails
+    the held Commits unsent (UNAVAILABLE, as a partition that heals with its connections reset)
+    and lets Commits through again. :meth:`committed` names the switches whose Commit the agent
+    accepted through the link."""
 
     def __init__(self, upstream: str) -> None:
-        self.upstream_host, port = upstream.rsplit(":", 1)
-        self.upstream_port = int(port)
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.upstream = upstream
+        self.address = f"127.0.0.1:{free_port()}"
         self._loop = asyncio.new_event_loop()
-        self._open = asyncio.Event()
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._server: asyncio.Server | None = None
+        self._lock = threading.Lock()
+        self._held: set[str] = set()
+        self._committed: set[str] = set()
+        self._drops = 0
         started = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(started,), name=f"link-{upstream}", daemon=True
         )
         self._thread.start()
-        started.wait(10)
+        if not started.wait(30):
+            raise RuntimeError(f"the link to {upstream} did not start within 30 s")
 
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
+        self._open = asyncio.Event()
         self._open.set()
-        self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._relay, "127.0.0.1", self.port)
-        )
+        self._channel = grpc.aio.insecure_channel(self.upstream)
+        self._server = grpc.aio.server()
+        self._server.add_generic_rpc_handlers([_Relay(self)])
+        self._server.add_insecure_port(self.address)
+        self._loop.run_until_complete(self._server.start())
         started.set()
         self._loop.run_forever()
 
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(
-                self.upstream_host, self.upstream_port
-            )
-        except OSError:
-            writer.close()
-            return
-        self._writers |= {writer, up_writer}
-
-        async def pump(
-            source: asyncio.StreamReader, sink: asyncio.StreamWriter, held: bool
-        ) -> None:
-            with contextlib.suppress(OSError):
-                while True:
-                    if held:
-                        await self._open.wait()
-                    data = await source.read(65536)
-                    if not data:
-                        break
-                    if held:
-                        await self._open.wait()
-                    sink.write(data)
-                    await sink.drain()
-            sink.close()
-
-        await asyncio.gather(pump(reader, up_writer, True), pump(up_reader, writer, False))
-        self._writers -= {writer, up_writer}
-
-    def hold(self) -> None:
+    def hold_commits(self) -> None:
         self._loop.call_soon_threadsafe(self._open.clear)
-
-    def release(self) -> None:
-        """Forward what was held, as a partition that heals with its connections kept."""
-        self._loop.call_soon_threadsafe(self._open.set)
 
     def drop(self) -> None:
         def cut() -> None:
-            for writer in list(self._writers):
-                writer.transport.abort()
-            self._writers.clear()
+            self._drops += 1
             self._open.set()
 
         self._loop.call_soon_threadsafe(cut)
 
-    def close(self) -> None:
-        def stop() -> None:
-            if self._server is not None:
-                self._server.close()
-            self.drop()
-            self._loop.stop()
+    def held(self) -> set[str]:
+        """The switch ids of the Commits waiting in the link."""
+        with self._lock:
+            return set(self._held)
 
-        self._loop.call_soon_threadsafe(stop)
+    def committed(self) -> set[str]:
+        with self._lock:
+            return set(self._committed)
+
+    async def _commit(self, method: str, request: bytes, context: Context) -> bytes:
+        switch_id = pb.CommitRequest.FromString(request).switch_id
+        drops = self._drops
+        with self._lock:
+            self._held.add(switch_id)
+        try:
+            await self._open.wait()
+        finally:
+            with self._lock:
+                self._held.discard(switch_id)
+        if self._drops != drops:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the link was cut")
+        reply = await self._unary(method, request, context)
+        if pb.CommitResponse.FromString(reply).ok:
+            with self._lock:
+                self._committed.add(switch_id)
+        return reply
+
+    async def _unary(self, method: str, request: bytes, context: Context) -> bytes:
+        try:
+            reply: bytes = await self._channel.unary_unary(method, _as_is, _as_is)(
+                request, metadata=_forwarded(context), timeout=context.time_remaining()
+            )
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "")
+        return reply
+
+    async def _stream(self, method: str, request: bytes, context: Context) -> AsyncIterator[bytes]:
+        call = self._channel.unary_stream(method, _as_is, _as_is)(
+            request, metadata=_forwarded(context), timeout=context.time_remaining()
+        )
+        try:
+            async for reply in call:
+                yield reply
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "")
+        finally:
+            call.cancel()
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self._server.stop(0)
+            await self._channel.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+class _Relay(grpc.GenericRpcHandler):
+    """Every method of the EPLB agent's service, forwarded by an :class:`AgentLink` as bytes."""
+
+    def __init__(self, link: AgentLink) -> None:
+        self._link = link
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[bytes, bytes] | None:
+        method: str = handler_call_details.method
+        link = self._link
+        if method.endswith("/StreamLoad"):
+            return grpc.unary_stream_rpc_method_handler(functools.partial(link._stream, method))
+        if method.endswith("/Commit"):
+            return grpc.unary_unary_rpc_method_handler(functools.partial(link._commit, method))
+        return grpc.unary_unary_rpc_method_handler(functools.partial(link._unary, method))
+
+
+def _forwarded(context: Context) -> tuple[tuple[str, str | bytes], ...]:
+    """The caller's metadata (its bearer token), less what gRPC sets on every call itself."""
+    return tuple(
+        (key, value)
+        for key, value in context.invocation_metadata() or ()
+        if not key.startswith((":", "grpc-")) and key != "user-agent"
+    )
 
 
 class ChaosStack:
@@ -304,8 +358,8 @@ class ChaosStack:
                     env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_block(RANKS_PER_SERVER))},
                 )
             )
-        # The EPLB service reaches the last agent through a link the chaos suite can cut.
-        self.link = LinkProxy(self.agents[-1])
+        # The EPLB service reaches each agent through a link that the chaos suite can cut.
+        self.links = [AgentLink(agent) for agent in self.agents]
         eplb_config = directory / "eplb.yaml"
         eplb_config.write_text(
             yaml.safe_dump(
@@ -314,9 +368,7 @@ class ChaosStack:
                     "stepInterval": eplb_steps,
                     # a Commit deadline whose horizon outlasts a restart of the service
                     "commitTimeoutSeconds": 5,
-                    "groups": [
-                        {"name": "cell-0", "agents": [*self.agents[:-1], self.link.address]}
-                    ],
+                    "groups": [{"name": "cell-0", "agents": [link.address for link in self.links]}],
                 }
             )
         )
@@ -412,7 +464,8 @@ class ChaosStack:
     def stop(self) -> None:
         for component in reversed(self.components):
             component.stop()
-        self.link.close()
+        for link in self.links:
+            link.close()
 
     def logs(self, names: Sequence[str] = ()) -> str:
         """The tail of each component's log (all, or those named)."""
