@@ -38,6 +38,9 @@ benchmark runs in steps (``--step``), each a command:
 - ``hazards`` (there): the live hazards of a handoff (rigs/hazards.py) on these engines: what
   vLLM does with each, sent by hand, and what Baton's gateway does with it; last, a decode
   engine killed mid-stream, which stays dead.
+- ``share`` (there): the engines stepping at once, two prefill, two decode, one of each and all
+  four, against each alone: how much a step stretches while a peer steps on the GPU (its GPU
+  part, which the simulator's shared GPU takes).
 - ``stop``: the engines' processes.
 
 ``--engines cpu`` runs the same steps on the CPU build of vLLM with a tiny model, so that the
@@ -1263,6 +1266,152 @@ def fitted_profile(record: Mapping[str, Any], out: Path) -> dict[str, Any]:
     return {**record, "profile": fitted.model_dump(), "fit_error": None, "residuals": errors}
 
 
+# ---- engines stepping at once: how much of a step the GPU's time-slicing stretches
+
+
+@dataclass(frozen=True, slots=True)
+class ShareShapes:
+    """The shapes ``--step share`` runs on engines alone and at once."""
+
+    prefill_tokens: int  # each prompt's new tokens
+    prefills: int  # prompts an engine prefills one after another, a case
+    decode_batch: int  # requests decoding together on an engine
+    decode_context: int  # prompt tokens each
+    output_tokens: int
+    repeats: int  # rounds of every case, alternating
+
+
+SHARE_SHAPES = {
+    "gpu": ShareShapes(8192, 6, 64, 4096, 128, 3),
+    "sim": ShareShapes(8192, 6, 64, 4096, 128, 3),
+    "cpu": ShareShapes(1024, 2, 8, 256, 8, 1),
+}
+# Which engines step in each case (start's names: the first cell's prefill and decode, then
+# the second's): prefill ones prefill, decode ones decode, all at once.
+SHARE_CASES = {
+    "prefill-alone": ("prefill",),
+    "prefill-pair": ("prefill", "prefill-1"),
+    "decode-alone": ("decode",),
+    "decode-pair": ("decode", "decode-1"),
+    "prefill-beside-decode": ("prefill", "decode"),
+    "all-four": ("prefill", "prefill-1", "decode", "decode-1"),
+}
+
+
+async def _share_case(
+    engines: Sequence[Engine], shapes: ShareShapes, seeds: Iterator[int]
+) -> dict[str, float]:
+    """``engines`` stepping at once: each prefill engine's mean prefill time over
+    ``shapes.prefills`` fresh prompts (it keeps prefilling while a decode engine of the case
+    still decodes, so that the two overlap throughout), each decode engine's mean inter-token
+    latency over one batch."""
+    decoding = [e for e in engines if e.role == "decode"]
+    batches = {
+        e.name: [text(next(seeds), shapes.decode_context) for _ in range(shapes.decode_batch)]
+        for e in decoding
+    }
+    async with httpx.AsyncClient(timeout=600) as http:
+
+        async def complete(url: str, prompt: str, max_tokens: int) -> None:
+            body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens}
+            response = await http.post(f"{url}/v1/completions", json={**body, "ignore_eos": True})
+            response.raise_for_status()
+
+        async def batch(engine: Engine, max_tokens: int) -> None:
+            await asyncio.gather(
+                *(complete(engine.url, p, max_tokens) for p in batches[engine.name])
+            )
+
+        # the batches' prompts into the prefix caches first: the case measures their decode
+        await asyncio.gather(*(batch(e, 1) for e in decoding))
+        before = {e.name: _histograms(e.url) for e in engines}
+        done = asyncio.Event()
+        prefilled: dict[str, int] = defaultdict(int)
+
+        async def prefill(engine: Engine) -> None:
+            while prefilled[engine.name] < shapes.prefills or (decoding and not done.is_set()):
+                await complete(engine.url, text(next(seeds), shapes.prefill_tokens), 1)
+                prefilled[engine.name] += 1
+
+        async def decode() -> None:
+            await asyncio.gather(*(batch(e, shapes.output_tokens) for e in decoding))
+            done.set()
+
+        await asyncio.gather(*(prefill(e) for e in engines if e.role == "prefill"), decode())
+    seconds: dict[str, float] = {}
+    for engine in engines:
+        if engine.role == "prefill":
+            name, count = PROFILE_HISTOGRAMS[0], prefilled[engine.name]
+        else:
+            name, count = PROFILE_HISTOGRAMS[1], shapes.decode_batch * (shapes.output_tokens - 1)
+        total, observed = await asyncio.to_thread(
+            _histogram_delta, engine.url, before[engine.name], name, count
+        )
+        seconds[engine.name] = total / observed
+    return seconds
+
+
+def share(args: argparse.Namespace) -> dict[str, Any]:
+    """Each case of :data:`SHARE_CASES`, its engines stepping at once, in rounds: each engine's
+    prefill time or inter-token latency against the same engine stepping alone. Two engines
+    with whole steps of GPU work would each take twice as long; the part by which a step
+    stretches under a peer is the GPU's part of it, what the simulator's shared GPU takes
+    (sim/shared_gpu.py)."""
+    state: Path = args.state
+    engines = {e.name: e for e in _engines_up(state)}
+    started = json.loads((state / "start.json").read_text())
+    shapes = SHARE_SHAPES[args.engines]
+    seeds = itertools.count(3_000_000)
+    began = time.monotonic()
+    steps_before = _sim_steps(list(engines.values()))
+    samples: list[dict[str, Any]] = []
+    for round_ in range(shapes.repeats):
+        for case, names in SHARE_CASES.items():
+            stepped = asyncio.run(_share_case([engines[n] for n in names], shapes, seeds))
+            for name, seconds in stepped.items():
+                samples.append({"round": round_, "case": case, "engine": name, "seconds": seconds})
+                print(f"share {case} {name}: {seconds * 1000:.2f} ms", file=sys.stderr)
+    steps_after = _sim_steps(list(engines.values()))
+    alone = {
+        role: statistics.fmean(s["seconds"] for s in samples if s["case"] == f"{role}-alone")
+        for role in ("prefill", "decode")
+    }
+    stretch: dict[str, dict[str, float]] = defaultdict(dict)
+    for case in SHARE_CASES:
+        for role in ("prefill", "decode"):
+            mine = [
+                s["seconds"]
+                for s in samples
+                if s["case"] == case and engines[s["engine"]].role == role
+            ]
+            if mine and not case.endswith("alone"):
+                stretch[case][role] = statistics.fmean(mine) / alone[role]
+    print(
+        "stretch against alone: "
+        + "; ".join(
+            f"{case} " + ", ".join(f"{role} {r:.2f}x" for role, r in roles.items())
+            for case, roles in stretch.items()
+        )
+    )
+    return {
+        "benchmark": "gpu-share",
+        "engines": args.engines,
+        "card": started.get("card", {}),
+        "shape": started.get("shape"),
+        "shapes": asdict(shapes),
+        "cases": {case: list(names) for case, names in SHARE_CASES.items()},
+        "samples": samples,
+        "alone_s": alone,
+        "stretch": stretch,
+        # two engines of one role at once: a step stretches by 1 + its GPU part
+        "gpu_part": {role: stretch[f"{role}-pair"][role] - 1 for role in ("prefill", "decode")},
+        # baton sim's steps and the late ones (the host behind the model; a late step's lag
+        # is left out of its tokens' latency, so many late steps understate a stretch)
+        "sim_steps": {k: steps_after[k] - steps_before.get(k, 0.0) for k in steps_after},
+        "seconds": time.monotonic() - began,
+    }
+
+
 # ---- command line
 
 
@@ -1280,6 +1429,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "profile",
             "fit",
             "hazards",
+            "share",
             "stop",
         ],
         help="prepare the carry (here), start the engines, run the points, or stop them "
@@ -1382,7 +1532,7 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
     if args is None or args.step is None:
         raise SystemExit(
             "baton bench gpu: give --step "
-            "prepare|start|startup|points|agentx|overhead|profile|fit|hazards|stop "
+            "prepare|start|startup|points|agentx|overhead|profile|fit|hazards|share|stop "
             "(bench/gpu.py says how)"
         )
     args.state.mkdir(parents=True, exist_ok=True)
@@ -1409,6 +1559,8 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
         return fitted_profile(record, args.out or Path("bench/results"))
     if args.step == "hazards":
         return hazards(args)
+    if args.step == "share":
+        return share(args)
     if args.step == "stop":
         return stop(args.state)
     out.mkdir(parents=True, exist_ok=True)

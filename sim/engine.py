@@ -28,7 +28,7 @@ from sim.config import EngineConfig
 from sim.kvcache import PrefixCache, chain_hash
 from sim.moe import MoERuntime, MoEStep
 from sim.request import FinishReason, RequestFailed, RequestState, SimRequest
-from sim.shared_gpu import PIECE_S, SharedGpu, step_piece
+from sim.shared_gpu import PIECE_S, STEP_GAP_S, SharedGpu, step_gpu_part, step_piece
 from sim.stats import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Buckets
 from sim.tokenizer import BYTES_PER_TOKEN, word_for
 
@@ -106,6 +106,7 @@ class DPRank:
         self.itl = Buckets(ITL_BUCKETS)
         self.e2e = Buckets(E2E_BUCKETS)
         self.queue_time = Buckets(E2E_BUCKETS)
+        self.prefill_time = Buckets(E2E_BUCKETS)  # scheduled to first token, as vLLM times it
         self._batch: list[tuple[SimRequest, int]] = []  # (request, tokens) scheduled this step
 
     @property
@@ -207,6 +208,8 @@ class DPRank:
                 emitted = 1 + _accepted(speculative_tokens, acceptance_rate, self.rng)
             if request.first_token_at is None:
                 self.ttft.observe(now - request.arrival)
+                if request.scheduled_at is not None:
+                    self.prefill_time.observe(now - request.scheduled_at)
             elif request.last_token_at is not None:
                 lag = lag_given_up_s - request.lag_given_up_at_last_token
                 self.itl.observe(now - request.last_token_at - lag)
@@ -468,13 +471,19 @@ class DPGroup:
             start = caught_up
             duration = self.begin_step(start)
             if self.gpu is not None:
-                end = await self._share_gpu(self.gpu, start, duration)
+                assert self.last_step is not None  # begin_step has set it
+                part = step_gpu_part(self.config.profile.shared_gpu, self.last_step)
+                end = await self._share_gpu(self.gpu, start, duration, part)
             else:
                 end = start + duration
                 await self._until(end)
             self.steps += 1
             self.modelled_s += end - start
             self.end_step(end)
+            if self.gpu is not None and self.has_work:
+                # The next step starts at this one's end in simulated time: peers looking
+                # while this host streams tokens and schedules see the GPU still in use.
+                self.gpu.busy_until(self.sim_clock.wall_deadline(end) + STEP_GAP_S)
             start = end
 
     async def _until(self, end: float) -> None:
@@ -485,19 +494,22 @@ class DPGroup:
             self.lag_s -= delay
         await asyncio.sleep(max(0.0, delay))
 
-    async def _share_gpu(self, gpu: SharedGpu, start: float, work_s: float) -> float:
-        """Run a step of ``work_s`` (its time alone on the GPU) in pieces, each at this
-        engine's share of the GPU among the engines stepping then; returns when it ends."""
+    async def _share_gpu(
+        self, gpu: SharedGpu, start: float, work_s: float, gpu_part: float
+    ) -> float:
+        """Run a step of ``work_s`` (its time alone on the GPU), ``gpu_part`` of it GPU work,
+        in pieces, each at this engine's share of the GPU among the engines stepping then;
+        returns when it ends."""
         clock = self.sim_clock
         loop = asyncio.get_running_loop()
         now, left = start, work_s
         piece_s = PIECE_S / clock.time_scale
         while True:
             peers = gpu.peers_busy(loop.time())  # the loop's clock: the peers' too
-            length, done = step_piece(left, peers, piece_s)
+            length, done = step_piece(left, peers, piece_s, gpu_part)
             now, left = now + length, left - done
             # a peer looking now sees this step's end as if the sharing stays as it is
-            gpu.busy_until(clock.wall_deadline(now + left * (1 + peers)))
+            gpu.busy_until(clock.wall_deadline(now + left * (1 + peers * gpu_part)))
             if left <= 1e-12:
                 await self._until(now)
                 return now

@@ -154,6 +154,11 @@ class EngineCollector(Collector):
             "Time spent waiting in queue.",
             lambda r: r.queue_time,
         )
+        yield histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            lambda r: r.prefill_time,
+        )
         yield from self._nixl(ranks)
         yield from self._timeline()
         if self.group.moe is not None:

@@ -10,7 +10,9 @@ Each engine owns a file in DIR holding, as 8 bytes, when (the host's monotonic c
 which every process's event loop reads) the step it runs is expected to end. A step is the work the
 performance model gives it alone; it advances in pieces of at most :data:`PIECE_S`, each at
 the share of one engine over itself and the peers whose step has not ended
-(:func:`step_piece`, the rule). Peers that exit leave a time in the past: idle.
+(:func:`step_piece`, the rule), for the part of the step that is GPU work (the profile's
+``shared_gpu``; the host's part runs beside the peers). Peers that exit leave a time in the
+past: idle.
 """
 
 from __future__ import annotations
@@ -20,22 +22,43 @@ import struct
 import tempfile
 from pathlib import Path
 
-__all__ = ["PIECE_S", "SharedGpu", "step_piece"]
+from baton.core.perf import StepTime
+from baton.core.profile import SharedGpuProfile
+
+__all__ = ["PIECE_S", "STEP_GAP_S", "SharedGpu", "step_gpu_part", "step_piece"]
 
 # Wall seconds between looks at the peers during a step: short against a prefill step
 # (hundreds of ms), a decode step (a few ms) is one piece.
 PIECE_S = 0.01
+# How long an engine with more work, between its steps, still counts as stepping: the host's
+# time to stream the step's tokens and schedule the next, which simulated time does not see
+# (back-to-back steps), bounded so that a killed engine's claim lapses at once.
+STEP_GAP_S = 0.05
 _REFRESH_S = 1.0  # how often the directory is listed again for engines that joined
 _WHEN = struct.Struct("<d")
 
 
-def step_piece(work_left_s: float, peers_busy: int, piece_s: float) -> tuple[float, float]:
-    """One piece of a step with ``work_left_s`` seconds of GPU work (as the engine alone would
+def step_piece(
+    work_left_s: float, peers_busy: int, piece_s: float, gpu_part: float = 1.0
+) -> tuple[float, float]:
+    """One piece of a step with ``work_left_s`` seconds of work (as the engine alone would
     take) while ``peers_busy`` other engines run steps: (the piece's length, the work it
-    does). The GPU's time is shared evenly among the engines with work."""
-    share = 1.0 / (1 + peers_busy)
+    does). The step's ``gpu_part`` is GPU work, shared evenly among the engines with work; the
+    rest runs on the host beside the peers' kernels. So two engines stepping at once each
+    take ``1 + gpu_part`` times as long as alone, k engines ``1 + (k - 1) * gpu_part``."""
+    share = 1.0 / (1 + peers_busy * gpu_part)
     length = min(work_left_s / share, piece_s)
     return length, length * share
+
+
+def step_gpu_part(shares: SharedGpuProfile, step: StepTime) -> float:
+    """The GPU part of ``step``: its prefill's and its decode's parts, weighted by their time."""
+    if step.total_s <= 0:
+        return 1.0
+    prefill = min(step.prefill_s, step.total_s)
+    return (
+        prefill * shares.prefill_gpu_part + (step.total_s - prefill) * shares.decode_gpu_part
+    ) / step.total_s
 
 
 class SharedGpu:

@@ -22,6 +22,7 @@ __all__ = [
     "PrefillProfile",
     "Profile",
     "ProfileError",
+    "SharedGpuProfile",
     "load_profile",
     "shipped_profiles",
 ]
@@ -58,6 +59,17 @@ class NVLinkProfile(_Strict):
     latency_s: float = Field(ge=0)
 
 
+class SharedGpuProfile(_Strict):
+    """The part of a step that is GPU work, for engines sharing one GPU (``baton sim
+    --shared-gpu``): while a peer steps, CUDA time-slices that part between them and the rest
+    (the host's scheduling, sampling and launches) runs beside the peer's kernels. Measured as
+    how much a step stretches while a second engine steps the same shape (``baton bench gpu
+    --step share``); 1 is a step that is GPU work throughout."""
+
+    prefill_gpu_part: float = Field(default=1.0, gt=0, le=1)
+    decode_gpu_part: float = Field(default=1.0, gt=0, le=1)
+
+
 class Profile(_Strict):
     model: str
     hardware: str
@@ -67,6 +79,7 @@ class Profile(_Strict):
     prefill: PrefillProfile
     decode: DecodeProfile
     nvlink: NVLinkProfile
+    shared_gpu: SharedGpuProfile = SharedGpuProfile()
 
 
 class ProfileError(ValueError):

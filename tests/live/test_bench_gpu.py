@@ -28,6 +28,7 @@ def _step(state: Path, out: Path, *arguments: str) -> dict[str, Any]:
         "overhead": "gpu-overhead",
         "profile": "gpu-profile",
         "hazards": "gpu-hazards",
+        "share": "gpu-share",
         "stop": "gpu-stop",
     }[arguments[1]]
     record: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
@@ -139,6 +140,24 @@ def test_the_engines_step_times_are_measured_and_the_simulators_profile_fitted_t
         fitted.kv_cache_bytes_per_gpu, rel=0.01
     )
     assert len(record["residuals"]) == sum(len(kind) for kind in samples.values())
+
+
+def test_engines_stepping_at_once_are_timed_against_each_alone(
+    started: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    state, _ = started
+    record = _step(state, tmp_path, "--step", "share")
+    # every engine of every case, each round, timed from its own histogram
+    expected = sorted(
+        (round_, case, engine)
+        for round_ in range(record["shapes"]["repeats"])
+        for case, engines in record["cases"].items()
+        for engine in engines
+    )
+    assert sorted((s["round"], s["case"], s["engine"]) for s in record["samples"]) == expected
+    assert all(s["seconds"] > 0 for s in record["samples"])
+    assert set(record["stretch"]) == {c for c in record["cases"] if not c.endswith("alone")}
+    assert set(record["gpu_part"]) == {"prefill", "decode"}
 
 
 def test_the_live_hazards_meet_vllm_as_it_is_and_the_gateway_handles_each(

@@ -84,7 +84,11 @@ def test_a_card_too_small_for_four_engines_is_refused_by_name() -> None:
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        ((), "give --step prepare|start|startup|points|agentx|overhead|profile|fit|hazards|stop"),
+        (
+            (),
+            "give --step prepare|start|startup|points|agentx|overhead|profile|fit|hazards|"
+            "share|stop",
+        ),
         (("--step", "fit"), "give --samples gpu-profile.json"),
         (("--step", "fit", "--samples", "missing.json"), "missing.json"),
         (("--step", "points", "--engines", "cpu"), "--trace FILE is required"),
