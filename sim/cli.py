@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from baton.core.files import describe_errors
+from baton.core.kv_events import KVEventsConfig, KVEventsConfigError
 from baton.core.model import MODEL
 from baton.core.profile import ProfileError, load_profile
 from baton.core.secrets import read_token
@@ -76,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(parser, "--data-parallel-hybrid-lb", "-dph", action="store_true")
     _flag(parser, "--enable-expert-parallel", "-ep", action="store_true")
     _flag(parser, "--kv-transfer-config", default=None, help="JSON, vLLM's KVTransferConfig")
+    _flag(
+        parser,
+        "--kv-events-config",
+        default=None,
+        help="JSON, vLLM's KVEventsConfig: publish the prefix cache's KV events on ZeroMQ "
+        '(e.g. {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}; rank r on port+r)',
+    )
     _flag(parser, "--enable-eplb", action="store_true")
     _flag(parser, "--eplb-config", default=None, help="JSON, vLLM's EPLBConfig")
     _flag(parser, "--max-num-seqs", type=int, default=256)
@@ -228,6 +236,12 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     kv = _json_flag("--kv-transfer-config", args.kv_transfer_config, KVTransferConfig)
     eplb = _json_flag("--eplb-config", args.eplb_config, EplbConfig)
     spec = _json_flag("--speculative-config", args.speculative_config, SpeculativeConfig)
+    kv_events = None
+    if args.kv_events_config is not None:
+        try:
+            kv_events = KVEventsConfig.parse(args.kv_events_config)
+        except KVEventsConfigError as exc:
+            raise CliError(f"--kv-events-config: {exc}") from None
     _check_secrets(args)
     plugin = args.eplb_policy_plugin
     if plugin is not None and plugin not in policy_plugins():
@@ -250,6 +264,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         hybrid_lb=args.data_parallel_hybrid_lb,
         enable_expert_parallel=args.enable_expert_parallel,
         kv_transfer=kv,
+        kv_events=kv_events,
         enable_eplb=args.enable_eplb,
         eplb=eplb,
         speculative=spec,

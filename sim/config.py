@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from baton.core.kv_events import KVEventsConfig
 from baton.core.profile import Profile
 from baton.core.vllm_eplb import VLLM_STEP_INTERVAL, VLLM_WINDOW_SIZE
 
@@ -99,6 +100,8 @@ class EngineConfig:
     eplb_agent_tls_key: str | None = None
     time_scale: float = 1.0
     seed: int = 0
+    # --kv-events-config: publish the prefix cache's KV events as vLLM does (None: none)
+    kv_events: KVEventsConfig | None = None
     # --shared-gpu: a directory every engine on the same GPU names (sim/shared_gpu.py)
     shared_gpu: str | None = None
     # dcgm-exporter's series for each API server's GPUs (its tray) on this port, the next

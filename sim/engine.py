@@ -25,6 +25,7 @@ from pathlib import Path
 
 from baton.core.perf import PrefillChunk, RankBatch, StepTime, step_seconds
 from sim.config import EngineConfig
+from sim.kv_publisher import KVEventPublisher
 from sim.kvcache import PrefixCache, chain_hash
 from sim.moe import MoERuntime, MoEStep
 from sim.request import FinishReason, RequestFailed, RequestState, SimRequest
@@ -76,7 +77,11 @@ class DPRank:
     def __init__(self, dp_rank: int, config: EngineConfig, rng: random.Random) -> None:
         self.dp_rank = dp_rank
         self.config = config
-        self.cache = PrefixCache(config.kv_capacity_blocks, config.block_size)
+        self.cache = PrefixCache(
+            config.kv_capacity_blocks,
+            config.block_size,
+            journal=config.kv_events is not None and config.kv_events.publishes,
+        )
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.loading: list[SimRequest] = []  # pulling KV from a prefill engine
@@ -199,7 +204,9 @@ class DPRank:
             if chunk:
                 request.num_computed += chunk
                 assert request.allocation is not None  # scheduled prompt chunks hold KV
-                self.cache.register(request.allocation, request.hashes, request.num_computed)
+                self.cache.register(
+                    request.allocation, request.hashes, request.num_computed, request.prompt
+                )
                 if not request.prefill_done:
                     continue
                 self.count_prompt(request)
@@ -244,7 +251,9 @@ class DPRank:
             request.hashes.append(chain_hash(request.hashes[-1] if request.hashes else None, block))
         if request.allocation is not None and complete > known:
             computed = request.prompt_tokens + request.output_tokens - 1
-            self.cache.register(request.allocation, request.hashes, computed)
+            # the reply's tokens, for a journal's events only: a copy of a long prompt a block
+            sequence = request.prompt + request.text.encode() if self.cache.journaling else b""
+            self.cache.register(request.allocation, request.hashes, computed, sequence)
 
     def count_prompt(self, request: SimRequest) -> None:
         self.prompt_tokens += request.prompt_tokens
@@ -318,10 +327,15 @@ class DPGroup:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.gpu: SharedGpu | None = None  # the GPU this engine shares with others (served)
+        self.kv_publishers: dict[int, KVEventPublisher] = {}  # by DP rank (served)
 
     def start(self) -> None:
         if self.config.shared_gpu is not None:
             self.gpu = SharedGpu(Path(self.config.shared_gpu))
+        if self.config.kv_events is not None and self.config.kv_events.publishes:
+            self.kv_publishers = {
+                rank: KVEventPublisher(self.config.kv_events, rank) for rank in self.ranks
+            }
         self._task = asyncio.get_running_loop().create_task(self._run(), name="dp-group")
 
     async def stop(self) -> None:
@@ -331,6 +345,15 @@ class DPGroup:
         if self.gpu is not None:
             self.gpu.close()
             self.gpu = None
+        for publisher in self.kv_publishers.values():
+            publisher.close()
+        self.kv_publishers = {}
+
+    def publish_kv_events(self) -> None:
+        """Each rank's KV events since the last publish, one batch a rank, as vLLM's engine
+        publishes after each step."""
+        for rank, publisher in self.kv_publishers.items():
+            publisher.publish(self.ranks[rank].cache.take_events())
 
     def least_loaded_rank(self, candidates: Iterable[int]) -> int:
         """vLLM's internal LB when no rank is named: fewest waiting + running, lowest index."""
@@ -480,6 +503,7 @@ class DPGroup:
             self.steps += 1
             self.modelled_s += end - start
             self.end_step(end)
+            self.publish_kv_events()
             if self.gpu is not None and self.has_work:
                 # The next step starts at this one's end in simulated time: peers looking
                 # while this host streams tokens and schedules see the GPU still in use.

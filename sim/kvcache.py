@@ -10,14 +10,26 @@ KV bytes per GPU and bytes per token set it. A block is in one of three states:
 Only full blocks are hashed, and each hash chains its parent's, as vLLM does, so a hit on block
 i implies hits on blocks 0..i-1. Block ids are never reused, so a stale id handed out under a
 P/D lease can never alias a newer block.
+
+A cache made with ``journal=True`` also keeps, in order, what vLLM's KV events report
+(``--kv-events-config``): blocks newly cached with their token ids, blocks evicted, the cache
+cleared; :meth:`PrefixCache.take_events` hands them over.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from baton.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    external_hash,
+)
 from sim.tokenizer import BYTES_PER_TOKEN
 
 __all__ = ["Allocation", "PrefixCache", "block_hashes", "chain_hash"]
@@ -54,9 +66,10 @@ class Allocation:
 class PrefixCache:
     """Block accounting and prefix caching for one DP rank."""
 
-    def __init__(self, capacity_blocks: int, block_size: int) -> None:
+    def __init__(self, capacity_blocks: int, block_size: int, *, journal: bool = False) -> None:
         if capacity_blocks <= 0 or block_size <= 0:
             raise ValueError("capacity_blocks and block_size must be positive")
+        self._events: list[KVEvent] | None = [] if journal else None
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
         self._next_id = 0
@@ -66,6 +79,10 @@ class PrefixCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.queries = 0  # tokens looked up, vLLM's prefix_cache_queries
         self.hits = 0  # tokens found, vLLM's prefix_cache_hits
+
+    @property
+    def journaling(self) -> bool:
+        return self._events is not None
 
     @property
     def used_blocks(self) -> int:
@@ -128,16 +145,56 @@ class PrefixCache:
         self._take_new(allocation, needed)
         return True
 
-    def register(self, allocation: Allocation, hashes: list[bytes], computed_tokens: int) -> None:
-        """Publish the hashes of the full blocks computed so far, so later requests hit them."""
+    def register(
+        self, allocation: Allocation, hashes: list[bytes], computed_tokens: int, prompt: bytes = b""
+    ) -> None:
+        """Publish the hashes of the full blocks computed so far, so later requests hit them;
+        a journal records them with their tokens, read from ``prompt``."""
         full = min(len(hashes), computed_tokens // self.block_size, len(allocation.block_ids))
+        stored: list[int] = []
         for index in range(allocation.registered, full):
             digest = hashes[index]
             block_id = allocation.block_ids[index]
             if digest not in self._by_hash:
                 self._by_hash[digest] = block_id
                 self._hash_of[block_id] = digest
+                stored.append(index)
         allocation.registered = max(allocation.registered, full)
+        if self._events is not None and stored:
+            self._journal_stored(hashes, stored, prompt)
+
+    def _journal_stored(self, hashes: list[bytes], stored: list[int], prompt: bytes) -> None:
+        """One BlockStored per run of consecutive blocks, as vLLM reports a request's newly
+        cached blocks: their hashes, the hash of the block before, their token ids."""
+        assert self._events is not None
+        span = self.block_size * BYTES_PER_TOKEN
+        runs: list[list[int]] = []
+        for index in stored:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            data = prompt[run[0] * span : (run[-1] + 1) * span]
+            self._events.append(
+                BlockStored(
+                    block_hashes=[external_hash(hashes[i]) for i in run],
+                    parent_block_hash=external_hash(hashes[run[0] - 1]) if run[0] else None,
+                    token_ids=list(struct.unpack(f"<{len(data) // 4}I", data)),
+                    block_size=self.block_size,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                    group_idx=0,
+                )
+            )
+
+    def take_events(self) -> list[KVEvent]:
+        """What the journal recorded since the last call (nothing without a journal)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     def free(self, allocation: Allocation) -> None:
         """Drop a request's references; hashed blocks stay cached until evicted."""
@@ -159,6 +216,8 @@ class PrefixCache:
         self._by_hash.clear()
         self._hash_of.clear()
         self._evictable.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         return True
 
     def _evictable_among(self, hashes: list[bytes]) -> int:
@@ -174,7 +233,12 @@ class PrefixCache:
         overflow = len(self._refs) + len(self._evictable) + count - self.capacity_blocks
         for _ in range(max(0, overflow)):
             victim, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(victim)]
+            evicted = self._hash_of.pop(victim)
+            del self._by_hash[evicted]
+            if self._events is not None:
+                self._events.append(
+                    BlockRemoved(block_hashes=[external_hash(evicted)], medium="GPU", group_idx=0)
+                )
         for _ in range(count):
             block_id = self._next_id
             self._next_id += 1

@@ -326,7 +326,7 @@ class NixlSide:
         request.cached_tokens = request.prompt_tokens
         assert request.allocation is not None  # a request waits for its KV with its blocks held
         self.group.ranks[request.dp_rank].cache.register(
-            request.allocation, request.hashes, request.num_computed
+            request.allocation, request.hashes, request.num_computed, request.prompt
         )
         self.group.admit_loaded(request)
 

@@ -183,6 +183,7 @@ class ApiServer:
         if success:
             for cache in caches:
                 cache.reset()
+            self.group.publish_kv_events()  # AllBlocksCleared now: an idle engine steps no more
         return web.json_response({"success": success})
 
     async def _load(self, _: web.Request) -> web.Response:

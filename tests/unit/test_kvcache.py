@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from baton.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
 from sim.kvcache import Allocation, PrefixCache, block_hashes
 
 
@@ -89,3 +90,33 @@ def test_reset_forgets_every_cached_block_and_refuses_while_a_request_holds_one(
     assert cache.reset() is True
     assert cache.cached_prefix_blocks(hashes) == 0
     assert cache.free_blocks == 8
+
+
+def test_a_journal_reports_new_blocks_in_runs_then_evictions_then_a_reset_in_order() -> None:
+    cache = PrefixCache(capacity_blocks=6, block_size=16, journal=True)
+    shared = tokens(16, b"s")
+    first, second = shared + tokens(32, b"a"), shared + tokens(32, b"b")
+    one, two = block_hashes(first, 16), block_hashes(second, 16)
+    a = allocate(cache, one, 48)
+    cache.register(a, one, 48, first)
+    cache.free(a)
+    b = allocate(cache, two, 48)  # the shared block is a hit: not stored again
+    cache.register(b, two, 48, second)
+    cache.free(b)
+    allocate(cache, block_hashes(tokens(32, b"c"), 16), 32)  # 5 cached + 2 new > 6: evicts one
+    assert cache.reset() is False  # a request holds blocks
+    events = cache.take_events()
+    assert [type(e).__name__ for e in events] == ["BlockStored", "BlockStored", "BlockRemoved"]
+    stored_a, stored_b, removed = events
+    assert isinstance(stored_a, BlockStored) and isinstance(stored_b, BlockStored)
+    assert stored_a.block_hashes == [external_hash(h) for h in one]
+    assert stored_b.block_hashes == [external_hash(h) for h in two[1:]]
+    assert stored_b.parent_block_hash == external_hash(two[0])
+    assert stored_b.token_ids == [int.from_bytes(b"bbbb", "little")] * 32
+    assert isinstance(removed, BlockRemoved)
+    # least recently used first: a's own first block (the shared one was used again by b)
+    assert removed.block_hashes == [external_hash(one[1])]
+    assert cache.take_events() == []
+    fresh = PrefixCache(capacity_blocks=6, block_size=16, journal=True)
+    assert fresh.reset() and fresh.take_events() == [AllBlocksCleared()]
+    assert PrefixCache(capacity_blocks=6, block_size=16).take_events() == []  # no journal

@@ -20,6 +20,10 @@ Requests (``op``):
   ``to_sampling_params``).
 - ``draft_eplb``: ``method`` and the draft's ``model_type``: whether vLLM registers an MoE draft
   with its in-engine EPLB (``draft_model_supports_eplb``, with vLLM's own DSpark rule).
+- ``kv_events``: vLLM's KV events codec (``vllm.distributed.kv_events``): ``payload`` (base64
+  of a batch Baton encoded) decoded with vLLM's ``KVEventBatch``, answered as plain fields;
+  ``sample``: a batch vLLM's block pool would publish, encoded by vLLM (base64), with its
+  fields; ``endpoints``: each endpoint and rank offset as vLLM's publisher offsets it.
 - ``metrics``: every ``vllm:*`` metric vLLM defines (its stat logger and the NIXL connector's),
   with type and label names, read from vLLM's installed source; the CacheConfig info gauge's
   labels from ``CacheConfig.metrics_info``.
@@ -28,6 +32,7 @@ Requests (``op``):
 from __future__ import annotations
 
 import ast
+import base64
 import contextlib
 import dataclasses
 import io
@@ -222,6 +227,63 @@ def draft_eplb(method: str, model_type: str) -> dict[str, Any]:
     return {"ok": True, "balanced": draft_model_supports_eplb(speculative, moe_draft)}
 
 
+def kv_events(
+    payload: str | None, sample: bool, endpoints: list[tuple[str, int]]
+) -> dict[str, Any]:
+    import msgspec
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+        ZmqEventPublisher,
+    )
+
+    answer: dict[str, Any] = {"ok": True}
+    if payload is not None:
+        try:
+            batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(base64.b64decode(payload))
+        except msgspec.DecodeError as exc:
+            return {"ok": False, "error": str(exc)}
+        answer["decoded"] = {
+            "ts": batch.ts,
+            "data_parallel_rank": batch.data_parallel_rank,
+            "events": [
+                {"type": type(e).__name__, **msgspec.structs.asdict(e)} for e in batch.events
+            ],
+        }
+    if sample:
+        stored = BlockStored(
+            block_hashes=[2**63 + 5, 17],
+            parent_block_hash=9,
+            token_ids=list(range(32)),
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            extra_keys=[None, None],
+            group_idx=0,
+            session_id="chat-7",
+        )
+        removed = BlockRemoved(block_hashes=[9], medium="GPU", group_idx=0)
+        batch = KVEventBatch(ts=1.5, events=[stored, removed, AllBlocksCleared()])
+        batch.data_parallel_rank = 3  # as the publisher stamps it
+        answer["sample"] = base64.b64encode(msgspec.msgpack.Encoder().encode(batch)).decode()
+        answer["sample_fields"] = {
+            "ts": 1.5,
+            "data_parallel_rank": 3,
+            "events": [
+                {"type": "BlockStored", **msgspec.structs.asdict(stored)},
+                {"type": "BlockRemoved", **msgspec.structs.asdict(removed)},
+                {"type": "AllBlocksCleared"},
+            ],
+        }
+    answer["endpoints"] = [
+        ZmqEventPublisher.offset_endpoint_port(endpoint, rank) for endpoint, rank in endpoints
+    ]
+    return answer
+
+
 def answer(query: dict[str, Any]) -> dict[str, Any]:
     op = query.get("op")
     if op == "serve":
@@ -234,6 +296,10 @@ def answer(query: dict[str, Any]) -> dict[str, Any]:
         return metrics()
     if op == "draft_eplb":
         return draft_eplb(query["method"], query["model_type"])
+    if op == "kv_events":
+        return kv_events(
+            query.get("payload"), query.get("sample", False), query.get("endpoints", [])
+        )
     return {"ok": False, "error": f"unknown op {op!r}"}
 
 

@@ -1,0 +1,158 @@
+"""vLLM's KV cache events on the wire: what an engine started with ``--kv-events-config``
+publishes, and what the gateway reads to know which prefixes each DP rank holds.
+
+vLLM 0.33 (``vllm/distributed/kv_events.py``) publishes, per DP rank, one batch per engine
+step on a ZeroMQ PUB socket: a three-frame message (the topic, an 8-byte big-endian sequence
+number, the batch as MessagePack). A batch is an array ``[ts, events, data_parallel_rank]``;
+each event a map tagged by its class name: ``BlockStored`` (full blocks newly cached or reused:
+their hashes, the parent's, their token ids), ``BlockRemoved`` (evicted), ``AllBlocksCleared``
+(the prefix cache reset). Block hashes are 64-bit integers by default
+(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the hash's last 8 bytes) or the hash's bytes.
+Rank r publishes on the configured TCP port plus r.
+
+The structs below encode and decode exactly that: ``baton sim`` publishes with them, the
+gateway decodes real vLLM's and the simulator's with them alike. Fields vLLM adds later are
+ignored when decoding; only the ones routing needs are named.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import msgspec
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEvent",
+    "KVEventBatch",
+    "KVEventsConfig",
+    "KVEventsConfigError",
+    "decode_batch",
+    "encode_batch",
+    "external_hash",
+    "rank_endpoint",
+]
+
+BlockHash = int | bytes
+DEFAULT_ENDPOINT = "tcp://*:5557"  # vLLM's
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    group_idx: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    return _ENCODER.encode(batch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """A batch as vLLM encodes it; ``msgspec.DecodeError`` for anything else."""
+    return _DECODER.decode(payload)
+
+
+def external_hash(block_hash: bytes) -> int:
+    """A block hash as vLLM publishes it by default: its last 8 bytes, big-endian."""
+    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint DP rank ``rank`` publishes on, as vLLM offsets it: a TCP port plus the
+    rank (port 0 is left to the OS), an inproc name with ``_dp<rank>``."""
+    if rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    base, _, port = endpoint.rpartition(":")
+    if not base.startswith("tcp") or not port.isdigit():
+        raise KVEventsConfigError(f"endpoint {endpoint!r}: give tcp://HOST:PORT or inproc://NAME")
+    return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
+
+
+class KVEventsConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """vLLM's ``--kv-events-config`` (a JSON object), the fields a publisher uses."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = DEFAULT_ENDPOINT
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> KVEventsConfig:
+        """``--kv-events-config``'s JSON, as vLLM reads it: ``publisher`` defaults to ``zmq``
+        when events are enabled; an unknown field or publisher is an error naming it."""
+        try:
+            fields = json.loads(text)
+        except ValueError as exc:
+            raise KVEventsConfigError(f"not JSON: {exc}") from None
+        if not isinstance(fields, dict):
+            raise KVEventsConfigError('give a JSON object, e.g. {"enable_kv_cache_events": true}')
+        known = {
+            "enable_kv_cache_events",
+            "publisher",
+            "endpoint",
+            "topic",
+            "replay_endpoint",
+            "buffer_steps",
+            "hwm",
+            "max_queue_size",
+        }
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise KVEventsConfigError(f"unknown field(s) {unknown}; known: {sorted(known)}")
+        if fields.get("replay_endpoint") is not None:
+            raise KVEventsConfigError("replay_endpoint: the simulator keeps no replay buffer")
+        enabled = bool(fields.get("enable_kv_cache_events", False))
+        publisher = fields.get("publisher") or ("zmq" if enabled else "null")
+        if publisher not in ("zmq", "null"):
+            raise KVEventsConfigError(f"publisher {publisher!r}: give zmq or null")
+        config = cls(
+            enable_kv_cache_events=enabled,
+            publisher=publisher,
+            endpoint=str(fields.get("endpoint", DEFAULT_ENDPOINT)),
+            topic=str(fields.get("topic", "")),
+        )
+        rank_endpoint(config.endpoint, 1)  # the endpoint's shape, checked now
+        return config
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
