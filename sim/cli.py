@@ -242,6 +242,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_events = KVEventsConfig.parse(args.kv_events_config)
         except KVEventsConfigError as exc:
             raise CliError(f"--kv-events-config: {exc}") from None
+        if kv_events.endpoint.startswith("tcp://") and kv_events.endpoint.endswith(":0"):
+            # vLLM binds the node's IP on a port the OS picks and reports it in its log only
+            raise CliError("--kv-events-config: endpoint port 0: give a port, e.g. tcp://*:5557")
     _check_secrets(args)
     plugin = args.eplb_policy_plugin
     if plugin is not None and plugin not in policy_plugins():

@@ -1,6 +1,7 @@
 """KV events published as vLLM publishes them (``--kv-events-config``): one ZeroMQ PUB socket
-per DP rank, on the configured endpoint offset by the rank, each batch a three-frame message
-(topic, 8-byte big-endian sequence number, the MessagePack batch; baton/core/kv_events.py).
+per DP rank, on the configured endpoint offset by the rank (bound where the host is a wildcard,
+connected to otherwise, as vLLM does), each batch a three-frame message (topic, 8-byte
+big-endian sequence number, the MessagePack batch; baton/core/kv_events.py).
 
 A PUB socket never blocks its sender: past its high-water mark it drops, as vLLM's does, and a
 subscriber that joins late misses what came before (vLLM's replay socket is not simulated).
@@ -14,7 +15,14 @@ from collections.abc import Sequence
 
 import zmq
 
-from baton.core.kv_events import KVEvent, KVEventBatch, KVEventsConfig, encode_batch, rank_endpoint
+from baton.core.kv_events import (
+    KVEvent,
+    KVEventBatch,
+    KVEventsConfig,
+    binds,
+    encode_batch,
+    rank_endpoint,
+)
 
 __all__ = ["KVEventPublisher"]
 
@@ -31,7 +39,10 @@ class KVEventPublisher:
         self._sequence = 0
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._socket.set_hwm(_HWM)
-        self._socket.bind(self.endpoint)
+        if binds(self.endpoint):
+            self._socket.bind(self.endpoint)
+        else:
+            self._socket.connect(self.endpoint)
 
     def publish(self, events: Sequence[KVEvent]) -> None:
         """One step's events as one batch (nothing for no events, as vLLM sends none)."""

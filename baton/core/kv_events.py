@@ -8,7 +8,8 @@ each event a map tagged by its class name: ``BlockStored`` (full blocks newly ca
 their hashes, the parent's, their token ids), ``BlockRemoved`` (evicted), ``AllBlocksCleared``
 (the prefix cache reset). Block hashes are 64-bit integers by default
 (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the hash's last 8 bytes) or the hash's bytes.
-Rank r publishes on the configured TCP port plus r.
+Rank r publishes on the configured TCP port plus r. A publisher binds a wildcard endpoint
+(``tcp://*:5557``) and connects to any other (``tcp://host:5557``: a subscriber binds there).
 
 The structs below encode and decode exactly that: ``baton sim`` publishes with them, the
 gateway decodes real vLLM's and the simulator's with them alike. Fields vLLM adds later are
@@ -31,6 +32,7 @@ __all__ = [
     "KVEventBatch",
     "KVEventsConfig",
     "KVEventsConfigError",
+    "binds",
     "decode_batch",
     "encode_batch",
     "external_hash",
@@ -100,6 +102,12 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     if not base.startswith("tcp") or not port.isdigit():
         raise KVEventsConfigError(f"endpoint {endpoint!r}: give tcp://HOST:PORT or inproc://NAME")
     return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
+
+
+def binds(endpoint: str) -> bool:
+    """Whether a publisher binds ``endpoint`` (vLLM's rule: a wildcard host or an ipc or
+    inproc name) rather than connecting to it."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class KVEventsConfigError(ValueError):

@@ -26,12 +26,16 @@ BLOCK = 16
 
 
 class Subscriber:
-    """A SUB socket on one rank's endpoint: every batch published after it connected."""
+    """A SUB socket on one rank's endpoint (connected to it, or bound there for a publisher
+    that connects): every batch published after the two met."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, *, bind: bool = False) -> None:
         self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self.socket.connect(endpoint)
+        if bind:
+            self.socket.bind(endpoint)
+        else:
+            self.socket.connect(endpoint)
         self.sequences: list[int] = []
 
     def batches_until(
@@ -60,7 +64,7 @@ def _stored(batches: list[KVEventBatch]) -> list[BlockStored]:
 @pytest.fixture
 def engine(start_sim: Callable[..., SimHandle]) -> Iterator[tuple[SimHandle, list[Subscriber]]]:
     port = free_port_block(2)
-    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"}
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}", "topic": "kv"}
     sim = start_sim(
         "--data-parallel-size",
         "2",
@@ -133,3 +137,16 @@ def test_a_reset_prefix_cache_publishes_all_blocks_cleared_on_every_rank(
         subscriber.batches_until(
             lambda got: any(isinstance(e, AllBlocksCleared) for b in got for e in b.events)
         )
+
+
+def test_a_publisher_given_a_host_connects_to_a_subscriber_bound_there(
+    start_sim: Callable[..., SimHandle],
+) -> None:
+    port = free_port_block(1)
+    subscriber = Subscriber(f"tcp://127.0.0.1:{port}", bind=True)
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"}
+    sim = start_sim("--block-size", str(BLOCK), "--kv-events-config", json.dumps(config))
+    try:
+        _until_subscribed(sim, subscriber, 0)
+    finally:
+        subscriber.close()

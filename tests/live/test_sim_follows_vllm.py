@@ -5,16 +5,20 @@ sends the handoff by hand, as the gateway's two legs would."""
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import httpx
 import pytest
+import zmq
 
-from rigs.processes import eventually
-from rigs.vllm_live import LiveRig, live_spec
-from tests.helpers import scrape, scrape_by
+from baton.core.kv_events import BlockStored, decode_batch
+from rigs.processes import eventually, free_port_block
+from rigs.vllm_live import LiveEngine, LiveRig, live_spec
+from tests.helpers import SimHandle, scrape, scrape_by
 
 PROMPT = "handoff balance engine prompt token cache decode prefill " * 30
 
@@ -26,9 +30,16 @@ class Engine(Protocol):
 Pair = tuple[Engine, Engine]
 
 
+# every engine publishes its KV events (the rig moves each pod's endpoint to ports of its own)
+KV_EVENTS = {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", "topic": "kv"}
+
+
 @pytest.fixture(scope="module")
 def live(rig: LiveRig) -> Pair:
-    cell = rig.start_cell(live_spec(rig.env.model("tiny-qwen3-moe"), "tiny"))
+    spec = live_spec(
+        rig.env.model("tiny-qwen3-moe"), "tiny", args=["--kv-events-config", json.dumps(KV_EVENTS)]
+    )
+    cell = rig.start_cell(spec)
     return cell["prefill"], cell["decode"]
 
 
@@ -152,3 +163,83 @@ def test_fewer_block_ids_than_the_prompt_fills_kill_the_decode_engine(
         return status, True
 
     both(live, sim, short)
+
+
+def _stored_by(endpoint: str, url: str, prompts: list[str]) -> list[list[BlockStored]]:
+    """The BlockStored events an engine published for each of ``prompts``, sent one after
+    another as plain completions (its subscription first confirmed with probe prompts: a SUB
+    socket misses what came before it reached the publisher)."""
+    socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.connect(endpoint)
+
+    def complete(prompt: str) -> None:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+        assert answer.status_code == 200, answer.text
+
+    def drain(within_s: float) -> list[BlockStored]:
+        stored: list[BlockStored] = []
+        while socket.poll(int(within_s * 1000)):
+            topic, _, payload = socket.recv_multipart()
+            assert topic == b"kv"
+            stored += [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
+            within_s = 1.0  # the rest of a request's batches follow within a step or two
+        return stored
+
+    try:
+        deadline = time.monotonic() + 120
+        probe = 0
+        while not drain(2.0):
+            assert time.monotonic() < deadline, f"no KV events from {endpoint}"
+            complete(f"probe {probe} " + PROMPT)
+            probe += 1
+        drain(1.0)
+        found = []
+        for prompt in prompts:
+            complete(prompt)
+            found.append(drain(30.0))
+        return found
+    finally:
+        socket.close(linger=0)
+
+
+def test_kv_events_report_a_prompts_blocks_then_only_a_continuations_new_ones(
+    live: Pair, start_sim: Callable[..., SimHandle]
+) -> None:
+    """A prompt's full blocks, the first with no parent, then for a prompt that continues it
+    only the blocks past the shared ones, chained to the last shared block: on vLLM and on the
+    simulator alike (vLLM's tokens are its tokenizer's, which its /tokenize answers)."""
+    first = "kv events " + PROMPT * 2
+    longer = first + " and a continuation that runs well past one more block " * 40
+    port = free_port_block(2)
+    config = {**KV_EVENTS, "endpoint": f"tcp://*:{port}"}
+    sim = start_sim(
+        *("--served-model-name", "tiny", "--profile", "instant", "--block-size", "128"),
+        *("--kv-events-config", json.dumps(config)),
+    )
+    engine = live[0]
+    assert isinstance(engine, LiveEngine) and engine.kv_events is not None
+
+    def tokens(url: str, prompt: str) -> list[int]:
+        answer = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=60)
+        if answer.status_code == 404:  # the simulator: four bytes a token, little-endian
+            data = prompt.encode()
+            return [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data) - 3, 4)]
+        ids: list[int] = answer.json()["tokens"]
+        return ids
+
+    for url, endpoint in ((engine.url, engine.kv_events), (sim.url, f"tcp://127.0.0.1:{port}")):
+        once, then = _stored_by(endpoint, url, [first, longer])
+        block = once[0].block_size
+        hashes = [h for e in once for h in e.block_hashes]
+        first_tokens, longer_tokens = tokens(url, first), tokens(url, longer)
+        assert len(hashes) == len(first_tokens) // block, url
+        assert once[0].parent_block_hash is None, url
+        assert [t for e in once for t in e.token_ids] == first_tokens[: len(hashes) * block]
+        new = [h for e in then for h in e.block_hashes]
+        assert len(new) == len(longer_tokens) // block - len(hashes), url
+        assert then[0].parent_block_hash == hashes[-1], url
+        assert [t for e in then for t in e.token_ids] == longer_tokens[
+            len(hashes) * block : (len(hashes) + len(new)) * block
+        ], url

@@ -23,7 +23,8 @@ Requests (``op``):
 - ``kv_events``: vLLM's KV events codec (``vllm.distributed.kv_events``): ``payload`` (base64
   of a batch Baton encoded) decoded with vLLM's ``KVEventBatch``, answered as plain fields;
   ``sample``: a batch vLLM's block pool would publish, encoded by vLLM (base64), with its
-  fields; ``endpoints``: each endpoint and rank offset as vLLM's publisher offsets it.
+  fields; ``endpoints``: each endpoint and rank offset as vLLM's publisher offsets it, and
+  whether it binds the endpoint or connects to it.
 - ``metrics``: every ``vllm:*`` metric vLLM defines (its stat logger and the NIXL connector's),
   with type and label names, read from vLLM's installed source; the CacheConfig info gauge's
   labels from ``CacheConfig.metrics_info``.
@@ -281,6 +282,7 @@ def kv_events(
     answer["endpoints"] = [
         ZmqEventPublisher.offset_endpoint_port(endpoint, rank) for endpoint, rank in endpoints
     ]
+    answer["binds"] = [ZmqEventPublisher._is_bind_endpoint(endpoint) for endpoint, _ in endpoints]
     return answer
 
 

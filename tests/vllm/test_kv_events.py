@@ -1,6 +1,6 @@
 """The KV events codec (baton/core/kv_events.py) against vLLM 0.33's own: what the simulator's
 prefix cache publishes decodes with vLLM's structs, what vLLM publishes decodes with Baton's,
-and each DP rank's endpoint is the one vLLM's publisher binds."""
+and each DP rank's endpoint is the one vLLM's publisher binds or connects to."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from baton.core.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    binds,
     decode_batch,
     encode_batch,
     external_hash,
@@ -90,3 +91,5 @@ def test_each_dp_rank_publishes_on_the_endpoint_vllm_binds(vllm: Vllm) -> None:
     ]
     answer = vllm.ask("kv_events", endpoints=cases)
     assert answer["endpoints"] == [rank_endpoint(endpoint, rank) for endpoint, rank in cases]
+    assert answer["binds"] == [binds(endpoint) for endpoint, _ in cases]
+    assert answer["binds"] == [True, True, False, True, True]
