@@ -1354,9 +1354,9 @@ async def _share_case(
 def share(args: argparse.Namespace) -> dict[str, Any]:
     """Each case of :data:`SHARE_CASES`, its engines stepping at once, in rounds: each engine's
     prefill time or inter-token latency against the same engine stepping alone. Two engines
-    with whole steps of GPU work would each take twice as long; the part by which a step
-    stretches under a peer is the GPU's part of it, what the simulator's shared GPU takes
-    (sim/shared_gpu.py)."""
+    with whole steps of GPU work, shared evenly, would each take twice as long; what one peer
+    of each kind adds to a step of each kind is what the simulator's shared GPU takes
+    (sim/shared_gpu.py), and the four at once are its check."""
     state: Path = args.state
     engines = {e.name: e for e in _engines_up(state)}
     started = json.loads((state / "start.json").read_text())
@@ -1386,6 +1386,12 @@ def share(args: argparse.Namespace) -> dict[str, Any]:
             ]
             if mine and not case.endswith("alone"):
                 stretch[case][role] = statistics.fmean(mine) / alone[role]
+    figures = {
+        "prefill_beside_prefill": stretch["prefill-pair"]["prefill"] - 1,
+        "prefill_beside_decode": stretch["prefill-beside-decode"]["prefill"] - 1,
+        "decode_beside_prefill": stretch["prefill-beside-decode"]["decode"] - 1,
+        "decode_beside_decode": stretch["decode-pair"]["decode"] - 1,
+    }
     print(
         "stretch against alone: "
         + "; ".join(
@@ -1403,8 +1409,14 @@ def share(args: argparse.Namespace) -> dict[str, Any]:
         "samples": samples,
         "alone_s": alone,
         "stretch": stretch,
-        # two engines of one role at once: a step stretches by 1 + its GPU part
-        "gpu_part": {role: stretch[f"{role}-pair"][role] - 1 for role in ("prefill", "decode")},
+        # what one busy peer of each kind adds to a step of each kind (the profile's
+        # shared_gpu; a figure below 0 is noise about none, and the profile takes 0)
+        "shared_gpu": figures,
+        # the four engines at once, as the simulator's rule puts the pairs together
+        "all_four_predicted": {
+            "prefill": 1 + figures["prefill_beside_prefill"] + 2 * figures["prefill_beside_decode"],
+            "decode": 1 + 2 * figures["decode_beside_prefill"] + figures["decode_beside_decode"],
+        },
         # baton sim's steps and the late ones (the host behind the model; a late step's lag
         # is left out of its tokens' latency, so many late steps understate a stretch)
         "sim_steps": {k: steps_after[k] - steps_before.get(k, 0.0) for k in steps_after},

@@ -29,7 +29,14 @@ from sim.kv_publisher import KVEventPublisher
 from sim.kvcache import PrefixCache, chain_hash
 from sim.moe import MoERuntime, MoEStep
 from sim.request import FinishReason, RequestFailed, RequestState, SimRequest
-from sim.shared_gpu import PIECE_S, STEP_GAP_S, SharedGpu, step_gpu_part, step_piece
+from sim.shared_gpu import (
+    PIECE_S,
+    STEP_GAP_S,
+    SharedGpu,
+    prefill_part,
+    step_piece,
+    step_stretch,
+)
 from sim.stats import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Buckets
 from sim.tokenizer import BYTES_PER_TOKEN, word_for
 
@@ -493,10 +500,10 @@ class DPGroup:
             self.lag_given_up_s += caught_up - start
             start = caught_up
             duration = self.begin_step(start)
+            assert self.last_step is not None  # begin_step has set it
+            prefill = prefill_part(self.last_step)
             if self.gpu is not None:
-                assert self.last_step is not None  # begin_step has set it
-                part = step_gpu_part(self.config.profile.shared_gpu, self.last_step)
-                end = await self._share_gpu(self.gpu, start, duration, part)
+                end = await self._share_gpu(self.gpu, start, duration, prefill)
             else:
                 end = start + duration
                 await self._until(end)
@@ -507,7 +514,7 @@ class DPGroup:
             if self.gpu is not None and self.has_work:
                 # The next step starts at this one's end in simulated time: peers looking
                 # while this host streams tokens and schedules see the GPU still in use.
-                self.gpu.busy_until(self.sim_clock.wall_deadline(end) + STEP_GAP_S)
+                self.gpu.busy_until(self.sim_clock.wall_deadline(end) + STEP_GAP_S, prefill)
             start = end
 
     async def _until(self, end: float) -> None:
@@ -519,21 +526,22 @@ class DPGroup:
         await asyncio.sleep(max(0.0, delay))
 
     async def _share_gpu(
-        self, gpu: SharedGpu, start: float, work_s: float, gpu_part: float
+        self, gpu: SharedGpu, start: float, work_s: float, prefill: float
     ) -> float:
-        """Run a step of ``work_s`` (its time alone on the GPU), ``gpu_part`` of it GPU work,
-        in pieces, each at this engine's share of the GPU among the engines stepping then;
-        returns when it ends."""
+        """Run a step of ``work_s`` (its time alone on the GPU), ``prefill`` of it prefill, in
+        pieces, each stretched by the peers stepping then; returns when it ends."""
         clock = self.sim_clock
         loop = asyncio.get_running_loop()
+        shares = self.config.profile.shared_gpu
         now, left = start, work_s
         piece_s = PIECE_S / clock.time_scale
         while True:
             peers = gpu.peers_busy(loop.time())  # the loop's clock: the peers' too
-            length, done = step_piece(left, peers, piece_s, gpu_part)
+            stretch = step_stretch(shares, prefill, peers)
+            length, done = step_piece(left, stretch, piece_s)
             now, left = now + length, left - done
             # a peer looking now sees this step's end as if the sharing stays as it is
-            gpu.busy_until(clock.wall_deadline(now + left * (1 + peers * gpu_part)))
+            gpu.busy_until(clock.wall_deadline(now + left * stretch), prefill)
             if left <= 1e-12:
                 await self._until(now)
                 return now

@@ -60,14 +60,17 @@ class NVLinkProfile(_Strict):
 
 
 class SharedGpuProfile(_Strict):
-    """The part of a step that is GPU work, for engines sharing one GPU (``baton sim
-    --shared-gpu``): while a peer steps, CUDA time-slices that part between them and the rest
-    (the host's scheduling, sampling and launches) runs beside the peer's kernels. Measured as
-    how much a step stretches while a second engine steps the same shape (``baton bench gpu
-    --step share``); 1 is a step that is GPU work throughout."""
+    """How much an engine's step stretches for each peer stepping beside it on one GPU
+    (``baton sim --shared-gpu``): CUDA time-slices the engines' contexts, and not evenly, nor
+    over a whole step (the host's part of a step runs beside a peer's kernels). Each figure is
+    the stretch one busy peer of that kind adds to a step of this kind, as ``baton bench gpu
+    --step share`` measures it (a pair's stretch less 1). 1 each: steps that are GPU work
+    throughout, shared evenly."""
 
-    prefill_gpu_part: float = Field(default=1.0, gt=0, le=1)
-    decode_gpu_part: float = Field(default=1.0, gt=0, le=1)
+    prefill_beside_prefill: float = Field(default=1.0, ge=0)
+    prefill_beside_decode: float = Field(default=1.0, ge=0)
+    decode_beside_prefill: float = Field(default=1.0, ge=0)
+    decode_beside_decode: float = Field(default=1.0, ge=0)
 
 
 class Profile(_Strict):

@@ -157,7 +157,9 @@ def test_engines_stepping_at_once_are_timed_against_each_alone(
     assert sorted((s["round"], s["case"], s["engine"]) for s in record["samples"]) == expected
     assert all(s["seconds"] > 0 for s in record["samples"])
     assert set(record["stretch"]) == {c for c in record["cases"] if not c.endswith("alone")}
-    assert set(record["gpu_part"]) == {"prefill", "decode"}
+    assert set(record["shared_gpu"]) == {
+        f"{me}_beside_{peer}" for me in ("prefill", "decode") for peer in ("prefill", "decode")
+    }
 
 
 def test_the_live_hazards_meet_vllm_as_it_is_and_the_gateway_handles_each(

@@ -15,46 +15,60 @@ from baton.core.profile import SharedGpuProfile, load_profile
 from sim.config import EngineConfig
 from sim.engine import DPGroup, SimClock
 from sim.request import SimRequest, make_request
-from sim.shared_gpu import SharedGpu, step_gpu_part, step_piece
+from sim.shared_gpu import SharedGpu, prefill_part, step_piece, step_stretch
 
 pytestmark = pytest.mark.unit
 
 
 def test_a_step_alone_runs_at_full_speed_and_beside_three_peers_at_a_quarter() -> None:
-    assert step_piece(0.004, 0, 0.01) == (0.004, 0.004)  # a decode step: one piece
-    assert step_piece(0.2, 3, 0.01) == pytest.approx((0.01, 0.0025))
+    even = SharedGpuProfile()
+    assert step_stretch(even, 1.0, []) == 1.0
+    assert step_piece(0.004, 1.0, 0.01) == (0.004, 0.004)  # a decode step: one piece
+    assert step_piece(0.2, step_stretch(even, 1.0, [1.0, 0.0, 0.0]), 0.01) == pytest.approx(
+        (0.01, 0.0025)
+    )
     # the last piece of a step beside one peer
-    assert step_piece(0.001, 1, 0.01) == pytest.approx((0.002, 0.001))
+    assert step_piece(0.001, step_stretch(even, 0.0, [0.0]), 0.01) == pytest.approx((0.002, 0.001))
 
 
 def test_an_engine_counts_the_peers_whose_step_has_not_ended(tmp_path: Path) -> None:
     mine, peer, idle = SharedGpu(tmp_path), SharedGpu(tmp_path), SharedGpu(tmp_path)
     try:
         now = time.monotonic()
-        assert mine.peers_busy(now) == 0  # every file says 0.0: nobody is stepping
-        peer.busy_until(now + 5)
-        idle.busy_until(now - 5)
-        assert mine.peers_busy(now) == 1
-        assert peer.peers_busy(now) == 0  # its own step is not a peer's
+        assert mine.peers_busy(now) == []  # every file says 0.0: nobody is stepping
+        peer.busy_until(now + 5, 0.75)
+        idle.busy_until(now - 5, 1.0)
+        assert mine.peers_busy(now) == [0.75]  # the busy peer's step, three quarters prefill
+        assert peer.peers_busy(now) == []  # its own step is not a peer's
         peer.close()  # an engine that stopped leaves the GPU
         assert not peer.path.exists()
-        assert mine.peers_busy(now + 2) == 0  # listed again after a second
+        assert mine.peers_busy(now + 2) == []  # listed again after a second
     finally:
         mine.close()
         idle.close()
 
 
-def test_only_the_gpu_part_of_a_step_is_shared() -> None:
-    # half the step is the host's: beside one peer the step takes 1.5x, beside three 2.5x
-    assert step_piece(0.2, 1, 0.01, 0.5) == pytest.approx((0.01, 0.01 / 1.5))
-    assert step_piece(0.001, 3, 0.01, 0.5) == pytest.approx((0.0025, 0.001))
+def test_each_busy_peer_adds_what_its_kind_adds_to_a_step_of_this_kind() -> None:
+    # as measured on an H100: a prefill slows beside a prefill and less beside a decode; a
+    # decode step, mostly the host's, does not slow
+    h100 = SharedGpuProfile(
+        prefill_beside_prefill=0.72,
+        prefill_beside_decode=0.41,
+        decode_beside_prefill=0.0,
+        decode_beside_decode=0.0,
+    )
+    assert step_stretch(h100, 1.0, [1.0]) == pytest.approx(1.72)
+    assert step_stretch(h100, 1.0, [1.0, 0.0, 0.0]) == pytest.approx(1 + 0.72 + 2 * 0.41)
+    assert step_stretch(h100, 0.0, [1.0, 1.0, 0.0]) == 1.0
+    # a step half prefill beside a peer half prefill: each pair weighed by time
+    mixed = 0.25 * (0.72 + 0.41)
+    assert step_stretch(h100, 0.5, [0.5]) == pytest.approx(1 + mixed)
 
 
-def test_a_steps_gpu_part_weighs_its_prefill_and_its_decode_by_their_time() -> None:
-    shares = SharedGpuProfile(prefill_gpu_part=0.8, decode_gpu_part=0.4)
+def test_a_steps_prefill_part_is_its_prefill_time_over_its_whole() -> None:
     mixed = StepTime(total_s=0.04, moe_s=0.005, rest_s=0.005, draft_s=0.0, prefill_s=0.03)
-    assert step_gpu_part(shares, mixed) == pytest.approx((0.03 * 0.8 + 0.01 * 0.4) / 0.04)
-    assert step_gpu_part(SharedGpuProfile(), mixed) == 1.0  # the default: all GPU work
+    assert prefill_part(mixed) == pytest.approx(0.75)
+    assert prefill_part(StepTime(0.0, 0.0, 0.0, 0.0, 0.0)) == 0.0
 
 
 def _modelled_prefills(
@@ -112,10 +126,10 @@ def test_two_engines_prefilling_at_once_each_take_about_twice_as_long(tmp_path: 
     assert sum(both) == pytest.approx(4 * alone, rel=0.2)
 
 
-def test_prefills_whose_steps_are_half_host_work_each_take_about_one_and_a_half_times(
+def test_prefills_that_each_add_half_to_the_other_each_take_about_one_and_a_half_times(
     tmp_path: Path,
 ) -> None:
-    half = SharedGpuProfile(prefill_gpu_part=0.5)
+    half = SharedGpuProfile(prefill_beside_prefill=0.5)
     [alone] = _modelled_prefills(tmp_path / "alone", 1, half)
     both = _modelled_prefills(tmp_path / "both", 2, half)
     for modelled in both:
