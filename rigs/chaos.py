@@ -209,16 +209,17 @@ class AgentLink:
 
     async def _commit(self, method: str, request: bytes, context: Context) -> bytes:
         switch_id = pb.CommitRequest.FromString(request).switch_id
-        drops = self._drops
-        with self._lock:
-            self._held.add(switch_id)
-        try:
-            await self._open.wait()
-        finally:
+        if not self._open.is_set():
+            drops = self._drops
             with self._lock:
-                self._held.discard(switch_id)
-        if self._drops != drops:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the link was cut")
+                self._held.add(switch_id)
+            try:
+                await self._open.wait()
+            finally:
+                with self._lock:
+                    self._held.discard(switch_id)
+            if self._drops != drops:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the link was cut")
         reply = await self._unary(method, request, context)
         if pb.CommitResponse.FromString(reply).ok:
             with self._lock:
