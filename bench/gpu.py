@@ -39,8 +39,8 @@ benchmark runs in steps (``--step``), each a command:
   vLLM does with each, sent by hand, and what Baton's gateway does with it; last, a decode
   engine killed mid-stream, which stays dead.
 - ``share`` (there): the engines stepping at once, two prefill, two decode, one of each and all
-  four, against each alone: how much a step stretches while a peer steps on the GPU (its GPU
-  part, which the simulator's shared GPU takes).
+  four, against each alone: what one busy peer of each kind adds to a step of each kind on the
+  GPU, which the simulator's shared GPU takes.
 - ``stop``: the engines' processes.
 
 ``--engines cpu`` runs the same steps on the CPU build of vLLM with a tiny model, so that the
@@ -77,7 +77,7 @@ import orjson
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.core.profile import load_profile
+from baton.core.profile import SharedGpuProfile, load_profile
 from bench.agentx import (
     Record,
     drive_sessions,
@@ -108,6 +108,7 @@ from rigs.vllm_live import (
 )
 from router.handoff import decode_body, prefill_body
 from sim.fit import DecodeSample, HandoffSample, PrefillSample, fit_profile, residuals
+from sim.shared_gpu import step_stretch
 
 __all__ = ["Fit", "Part", "add_arguments", "fit", "fitted_profile", "pack", "run"]
 
@@ -1281,9 +1282,10 @@ class ShareShapes:
     repeats: int  # rounds of every case, alternating
 
 
+_GPU_SHARE_SHAPES = ShareShapes(8192, 6, 64, 4096, 128, 3)
 SHARE_SHAPES = {
-    "gpu": ShareShapes(8192, 6, 64, 4096, 128, 3),
-    "sim": ShareShapes(8192, 6, 64, 4096, 128, 3),
+    "gpu": _GPU_SHARE_SHAPES,
+    "sim": _GPU_SHARE_SHAPES,  # the simulator on the GPU's shapes, to set beside them
     "cpu": ShareShapes(1024, 2, 8, 256, 8, 1),
 }
 # Which engines step in each case (start's names: the first cell's prefill and decode, then
@@ -1392,6 +1394,7 @@ def share(args: argparse.Namespace) -> dict[str, Any]:
         "decode_beside_prefill": stretch["prefill-beside-decode"]["decode"] - 1,
         "decode_beside_decode": stretch["decode-pair"]["decode"] - 1,
     }
+    taken = SharedGpuProfile(**{name: max(0.0, value) for name, value in figures.items()})
     print(
         "stretch against alone: "
         + "; ".join(
@@ -1414,8 +1417,8 @@ def share(args: argparse.Namespace) -> dict[str, Any]:
         "shared_gpu": figures,
         # the four engines at once, as the simulator's rule puts the pairs together
         "all_four_predicted": {
-            "prefill": 1 + figures["prefill_beside_prefill"] + 2 * figures["prefill_beside_decode"],
-            "decode": 1 + 2 * figures["decode_beside_prefill"] + figures["decode_beside_decode"],
+            "prefill": step_stretch(taken, 1.0, [1.0, 0.0, 0.0]),
+            "decode": step_stretch(taken, 0.0, [1.0, 1.0, 0.0]),
         },
         # baton sim's steps and the late ones (the host behind the model; a late step's lag
         # is left out of its tokens' latency, so many late steps understate a stretch)

@@ -21,12 +21,17 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from baton.core.files import describe_errors
-from baton.core.kv_events import KVEventsConfig, KVEventsConfigError
 from baton.core.model import MODEL
 from baton.core.profile import ProfileError, load_profile
 from baton.core.secrets import read_token
 from sim.cluster import load_cluster
-from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
+from sim.config import (
+    EngineConfig,
+    EplbConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    SpeculativeConfig,
+)
 from sim.moe import policy_plugins
 from sim.runner import SimProcess, start_cluster, start_single
 
@@ -236,15 +241,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     kv = _json_flag("--kv-transfer-config", args.kv_transfer_config, KVTransferConfig)
     eplb = _json_flag("--eplb-config", args.eplb_config, EplbConfig)
     spec = _json_flag("--speculative-config", args.speculative_config, SpeculativeConfig)
-    kv_events = None
-    if args.kv_events_config is not None:
-        try:
-            kv_events = KVEventsConfig.parse(args.kv_events_config)
-        except KVEventsConfigError as exc:
-            raise CliError(f"--kv-events-config: {exc}") from None
-        if kv_events.endpoint.startswith("tcp://") and kv_events.endpoint.endswith(":0"):
-            # vLLM binds the node's IP on a port the OS picks and reports it in its log only
-            raise CliError("--kv-events-config: endpoint port 0: give a port, e.g. tcp://*:5557")
+    kv_events = _json_flag("--kv-events-config", args.kv_events_config, KVEventsConfig)
     _check_secrets(args)
     plugin = args.eplb_policy_plugin
     if plugin is not None and plugin not in policy_plugins():

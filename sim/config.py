@@ -10,13 +10,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from baton.core.kv_events import KVEventsConfig
+from baton.core.kv_events import rank_endpoint
 from baton.core.profile import Profile
 from baton.core.vllm_eplb import VLLM_STEP_INTERVAL, VLLM_WINDOW_SIZE
 
-__all__ = ["EngineConfig", "EplbConfig", "KVTransferConfig", "SpeculativeConfig"]
+__all__ = ["EngineConfig", "EplbConfig", "KVEventsConfig", "KVTransferConfig", "SpeculativeConfig"]
 
 
 class KVTransferConfig(BaseModel):
@@ -38,6 +38,39 @@ class KVTransferConfig(BaseModel):
     def lease_duration_s(self) -> float:
         lease = self.kv_connector_extra_config.get("kv_lease_duration", 30)
         return float(lease) if isinstance(lease, int | float | str) else 30.0
+
+
+class KVEventsConfig(BaseModel):
+    """vLLM's ``KVEventsConfig`` fields a publisher uses (``--kv-events-config``); the publisher
+    is ``zmq`` when events are enabled and none is named, as vLLM defaults it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq"] | None = None
+    endpoint: str = "tcp://*:5557"
+    topic: str = ""
+    replay_endpoint: str | None = None
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, endpoint: str) -> str:
+        rank_endpoint(endpoint, 1)  # the shape vLLM offsets per rank
+        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+            # vLLM binds the node's IP on a port the OS picks and says which in its log only
+            raise ValueError("port 0: give a port, e.g. tcp://*:5557")
+        return endpoint
+
+    @field_validator("replay_endpoint")
+    @classmethod
+    def _no_replay(cls, replay_endpoint: str | None) -> None:
+        if replay_endpoint is not None:
+            raise ValueError("the simulator keeps no replay buffer: leave replay_endpoint out")
+        return None
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher in ("zmq", None)
 
 
 class EplbConfig(BaseModel):
@@ -101,7 +134,7 @@ class EngineConfig:
     time_scale: float = 1.0
     seed: int = 0
     # --kv-events-config: publish the prefix cache's KV events as vLLM does (None: none)
-    kv_events: KVEventsConfig | None = None
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     # --shared-gpu: a directory every engine on the same GPU names (sim/shared_gpu.py)
     shared_gpu: str | None = None
     # dcgm-exporter's series for each API server's GPUs (its tray) on this port, the next

@@ -87,7 +87,7 @@ class DPRank:
         self.cache = PrefixCache(
             config.kv_capacity_blocks,
             config.block_size,
-            journal=config.kv_events is not None and config.kv_events.publishes,
+            journal=config.kv_events.publishes,
         )
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -339,7 +339,7 @@ class DPGroup:
     def start(self) -> None:
         if self.config.shared_gpu is not None:
             self.gpu = SharedGpu(Path(self.config.shared_gpu))
-        if self.config.kv_events is not None and self.config.kv_events.publishes:
+        if self.config.kv_events.publishes:
             self.kv_publishers = {
                 rank: KVEventPublisher(self.config.kv_events, rank) for rank in self.ranks
             }

@@ -18,11 +18,11 @@ import zmq
 from baton.core.kv_events import (
     KVEvent,
     KVEventBatch,
-    KVEventsConfig,
     binds,
     encode_batch,
     rank_endpoint,
 )
+from sim.config import KVEventsConfig
 
 __all__ = ["KVEventPublisher"]
 

@@ -19,7 +19,6 @@ cleared; :meth:`PrefixCache.take_events` hands them over.
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -30,7 +29,7 @@ from baton.core.kv_events import (
     KVEvent,
     external_hash,
 )
-from sim.tokenizer import BYTES_PER_TOKEN
+from sim.tokenizer import BYTES_PER_TOKEN, decode_token_ids
 
 __all__ = ["Allocation", "PrefixCache", "block_hashes", "chain_hash"]
 
@@ -180,7 +179,7 @@ class PrefixCache:
                 BlockStored(
                     block_hashes=[external_hash(hashes[i]) for i in run],
                     parent_block_hash=external_hash(hashes[run[0] - 1]) if run[0] else None,
-                    token_ids=list(struct.unpack(f"<{len(data) // 4}I", data)),
+                    token_ids=decode_token_ids(data),
                     block_size=self.block_size,
                     lora_id=None,
                     medium="GPU",

@@ -24,6 +24,7 @@ from baton.core.model import BYTES_PER_TOKEN
 __all__ = [
     "BYTES_PER_TOKEN",
     "count_tokens",
+    "decode_token_ids",
     "encode_token_ids",
     "render_chat",
     "word_for",
@@ -40,6 +41,16 @@ def count_tokens(data: bytes) -> int:
 def encode_token_ids(token_ids: Sequence[int]) -> bytes:
     """The byte string whose tokens are ``token_ids`` (ids must fit in 32 bits)."""
     return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def decode_token_ids(data: bytes) -> list[int]:
+    """The token ids of ``data`` (whole tokens only): ``encode_token_ids`` backwards."""
+    return list(
+        struct.unpack(
+            f"<{len(data) // BYTES_PER_TOKEN}I",
+            data[: len(data) // BYTES_PER_TOKEN * BYTES_PER_TOKEN],
+        )
+    )
 
 
 def _content_text(content: object) -> str:

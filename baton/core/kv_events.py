@@ -18,9 +18,6 @@ ignored when decoding; only the ones routing needs are named.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-
 import msgspec
 
 __all__ = [
@@ -30,8 +27,6 @@ __all__ = [
     "BlockStored",
     "KVEvent",
     "KVEventBatch",
-    "KVEventsConfig",
-    "KVEventsConfigError",
     "binds",
     "decode_batch",
     "encode_batch",
@@ -40,7 +35,6 @@ __all__ = [
 ]
 
 BlockHash = int | bytes
-DEFAULT_ENDPOINT = "tcp://*:5557"  # vLLM's
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -100,7 +94,7 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
         return f"{endpoint}_dp{rank}"
     base, _, port = endpoint.rpartition(":")
     if not base.startswith("tcp") or not port.isdigit():
-        raise KVEventsConfigError(f"endpoint {endpoint!r}: give tcp://HOST:PORT or inproc://NAME")
+        raise ValueError(f"endpoint {endpoint!r}: give tcp://HOST:PORT or inproc://NAME")
     return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
 
 
@@ -108,59 +102,3 @@ def binds(endpoint: str) -> bool:
     """Whether a publisher binds ``endpoint`` (vLLM's rule: a wildcard host or an ipc or
     inproc name) rather than connecting to it."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-class KVEventsConfigError(ValueError):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class KVEventsConfig:
-    """vLLM's ``--kv-events-config`` (a JSON object), the fields a publisher uses."""
-
-    enable_kv_cache_events: bool = False
-    publisher: str = "null"
-    endpoint: str = DEFAULT_ENDPOINT
-    topic: str = ""
-
-    @classmethod
-    def parse(cls, text: str) -> KVEventsConfig:
-        """``--kv-events-config``'s JSON, as vLLM reads it: ``publisher`` defaults to ``zmq``
-        when events are enabled; an unknown field or publisher is an error naming it."""
-        try:
-            fields = json.loads(text)
-        except ValueError as exc:
-            raise KVEventsConfigError(f"not JSON: {exc}") from None
-        if not isinstance(fields, dict):
-            raise KVEventsConfigError('give a JSON object, e.g. {"enable_kv_cache_events": true}')
-        known = {
-            "enable_kv_cache_events",
-            "publisher",
-            "endpoint",
-            "topic",
-            "replay_endpoint",
-            "buffer_steps",
-            "hwm",
-            "max_queue_size",
-        }
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise KVEventsConfigError(f"unknown field(s) {unknown}; known: {sorted(known)}")
-        if fields.get("replay_endpoint") is not None:
-            raise KVEventsConfigError("replay_endpoint: the simulator keeps no replay buffer")
-        enabled = bool(fields.get("enable_kv_cache_events", False))
-        publisher = fields.get("publisher") or ("zmq" if enabled else "null")
-        if publisher not in ("zmq", "null"):
-            raise KVEventsConfigError(f"publisher {publisher!r}: give zmq or null")
-        config = cls(
-            enable_kv_cache_events=enabled,
-            publisher=publisher,
-            endpoint=str(fields.get("endpoint", DEFAULT_ENDPOINT)),
-            topic=str(fields.get("topic", "")),
-        )
-        rank_endpoint(config.endpoint, 1)  # the endpoint's shape, checked now
-        return config
-
-    @property
-    def publishes(self) -> bool:
-        return self.enable_kv_cache_events and self.publisher == "zmq"

@@ -18,6 +18,7 @@ import zmq
 from baton.core.kv_events import BlockStored, decode_batch
 from rigs.processes import eventually, free_port_block
 from rigs.vllm_live import LiveEngine, LiveRig, live_spec
+from sim.tokenizer import decode_token_ids
 from tests.helpers import SimHandle, scrape, scrape_by
 
 PROMPT = "handoff balance engine prompt token cache decode prefill " * 30
@@ -221,19 +222,25 @@ def test_kv_events_report_a_prompts_blocks_then_only_a_continuations_new_ones(
     engine = live[0]
     assert isinstance(engine, LiveEngine) and engine.kv_events is not None
 
-    def tokens(url: str, prompt: str) -> list[int]:
-        answer = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=60)
-        if answer.status_code == 404:  # the simulator: four bytes a token, little-endian
-            data = prompt.encode()
-            return [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data) - 3, 4)]
-        ids: list[int] = answer.json()["tokens"]
+    def vllm_tokens(prompt: str) -> list[int]:
+        body = {"model": "tiny", "prompt": prompt}
+        ids: list[int] = httpx.post(f"{engine.url}/tokenize", json=body, timeout=60).json()[
+            "tokens"
+        ]
         return ids
 
-    for url, endpoint in ((engine.url, engine.kv_events), (sim.url, f"tcp://127.0.0.1:{port}")):
+    def sim_tokens(prompt: str) -> list[int]:  # the simulator has no /tokenize: its rule
+        return decode_token_ids(prompt.encode())
+
+    sim_endpoint = f"tcp://127.0.0.1:{port}"
+    for url, endpoint, tokens in (
+        (engine.url, engine.kv_events, vllm_tokens),
+        (sim.url, sim_endpoint, sim_tokens),
+    ):
         once, then = _stored_by(endpoint, url, [first, longer])
         block = once[0].block_size
         hashes = [h for e in once for h in e.block_hashes]
-        first_tokens, longer_tokens = tokens(url, first), tokens(url, longer)
+        first_tokens, longer_tokens = tokens(first), tokens(longer)
         assert len(hashes) == len(first_tokens) // block, url
         assert once[0].parent_block_hash is None, url
         assert [t for e in once for t in e.token_ids] == first_tokens[: len(hashes) * block]

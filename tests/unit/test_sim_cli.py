@@ -24,6 +24,15 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
         ),
         (["--eplb-config", '{"window_size": 0}'], "--eplb-config: field 'window_size'"),
         (
+            ["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:0"}'],
+            "port 0: give a port",
+        ),
+        (
+            ["--kv-events-config", '{"replay_endpoint": "tcp://*:5558"}'],
+            "no replay buffer: leave replay_endpoint out",
+        ),
+        (["--kv-events-config", '{"publisher": "kafka"}'], "--kv-events-config: field 'publisher'"),
+        (
             [
                 "--data-parallel-size",
                 "4",
@@ -58,6 +67,9 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
         "json",
         "kv-policy",
         "eplb-window",
+        "kv-events-port-0",
+        "kv-events-replay",
+        "kv-events-publisher",
         "dp-ranks",
         "time-scale",
         "profile-missing",
