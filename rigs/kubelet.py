@@ -15,7 +15,8 @@ runs no container. This process runs them, as a kubelet would from the pod spec:
   go: each Service's names (``NAME``, ``NAME.NAMESPACE``, ``NAME.NAMESPACE.svc`` and
   ``.cluster.local``) name one Running pod it selects, and each pod with a hostname and a
   subdomain its own name, as cluster DNS does. A Service's port is its pod's port: there is no
-  kube-proxy to translate them.
+  kube-proxy to translate them. An engine's KV events, which ZeroMQ publishes on every
+  interface, go to free ports of their own (the dev cluster's gateway does not read them).
 - **Volumes.** emptyDir and hostPath are directories; secret and configMap volumes hold their
   keys as files; mount paths in arguments and environment values name those directories.
 - **Credentials.** A pod whose service account token is mounted gets ``KUBECONFIG``, a
@@ -64,7 +65,7 @@ from rigs.containers import (
     container_name,
     image_present,
 )
-from rigs.processes import baton_command
+from rigs.processes import baton_command, kv_events_on_free_ports
 
 __all__ = ["Kubelet", "Launch", "NotRunnable", "hosts_entries", "launch_of", "main"]
 
@@ -100,6 +101,8 @@ def _program(command: Sequence[str], ip: str) -> list[str]:
         argv = baton_command("sim", *rest[1:])
         if "--host" not in argv and not any(a.startswith("--host=") for a in argv):
             argv += ["--host", ip]  # vLLM's default is every interface
+        # ZeroMQ binds its wildcard on every interface, where pods share the host's ports
+        kv_events_on_free_ports(argv)
     elif program == "baton":
         argv = baton_command(*rest)
     elif program in ("python", "python3"):

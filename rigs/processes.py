@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -25,6 +26,7 @@ __all__ = [
     "free_port",
     "free_port_block",
     "keep_decoding",
+    "kv_events_on_free_ports",
     "process_running",
     "reserve_ports",
     "stop_pid",
@@ -213,3 +215,18 @@ def keep_decoding(
 
     for index in range(requests):
         threading.Thread(target=run, args=(index,), daemon=True).start()
+
+
+def kv_events_on_free_ports(argv: list[str]) -> str | None:
+    """An engine's ``--kv-events-config`` endpoint moved, in ``argv``, to free ports (a pod's
+    port is its own; on one host, engines would share it), still a wildcard so that the
+    engine binds it as vLLM does: where DP rank 0 publishes on loopback (rank r on its port +
+    r), or None where the engine publishes no events."""
+    flags = [at + 1 for at, arg in enumerate(argv[:-1]) if arg == "--kv-events-config"]
+    if not flags or not json.loads(argv[flags[-1]]).get("enable_kv_cache_events"):
+        return None  # vLLM takes the last of a flag given twice
+    port = free_port_block(8)  # up to 8 DP ranks a pod
+    for at in flags:
+        config = {**json.loads(argv[at]), "endpoint": f"tcp://*:{port}"}
+        argv[at] = json.dumps(config, separators=(",", ":"))
+    return f"tcp://127.0.0.1:{port}"

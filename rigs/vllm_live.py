@@ -29,7 +29,14 @@ from baton.core.api import ModelDeploymentSpec
 from baton.core.labels import ROLE_LABEL
 from controller.placement import CellPlacement, PrefillInstance
 from controller.podspec import API_PORT, NIXL_PORT, render_cell
-from rigs.processes import ProcessExited, baton_command, eventually, free_port, free_port_block
+from rigs.processes import (
+    ProcessExited,
+    baton_command,
+    eventually,
+    free_port,
+    free_port_block,
+    kv_events_on_free_ports,
+)
 
 __all__ = [
     "MODELS",
@@ -267,21 +274,6 @@ def _on_loopback(command: list[str], *, port: int, rpc_port: int) -> list[str]:
     return [*command, "--host", "127.0.0.1"]
 
 
-def _kv_events_on_loopback(argv: list[str]) -> str | None:
-    """A ``--kv-events-config`` endpoint moved, in ``argv``, to free loopback ports (a pod's
-    port is its own; on one host, engines would share it): the endpoint of DP rank 0, or None
-    where the engine publishes no events."""
-    if "--kv-events-config" not in argv:
-        return None
-    at = argv.index("--kv-events-config") + 1
-    config = json.loads(argv[at])
-    if not config.get("enable_kv_cache_events"):
-        return None
-    port = free_port_block(8)  # up to 8 DP ranks a pod
-    argv[at] = _json_with(argv[at], endpoint=f"tcp://*:{port}")  # a wildcard: vLLM binds it
-    return f"tcp://127.0.0.1:{port}"
-
-
 def _json_with(value: str, **fields: Any) -> str:
     return json.dumps({**json.loads(value), **fields}, separators=(",", ":"))
 
@@ -422,7 +414,7 @@ class LiveRig:
         env |= self.env.environment()
         env.update(hooks)
         argv = self.env.command(container["command"], port=port, rpc_port=ports.rpc)
-        kv_events = _kv_events_on_loopback(argv)
+        kv_events = kv_events_on_free_ports(argv)
         log_path = self.directory / f"{name}.log"
         process = subprocess.Popen(
             argv,

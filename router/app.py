@@ -47,6 +47,7 @@ from router.errors import (
     error_body,
 )
 from router.handoff import Handoff, JsonReply
+from router.kv_subscriber import KVEventSubscriber
 from router.metrics import CHAT_ROUTE, COMPLETIONS_ROUTE, GatewayMetrics
 from router.pool import Pool
 from router.prober import Prober
@@ -54,6 +55,7 @@ from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.relay import SERVER_SEND, RelayResponse
 from router.settings import GatewayConfig, GatewaySettings
 from router.targets import PoolCell
+from router.tokens import load_tokenizer
 from router.upstream import UpstreamPool
 
 __all__ = ["Gateway", "create_app", "create_gateway"]
@@ -292,6 +294,15 @@ class _Api:
         else:
             self.routes = [self._route("", config.pool.cells if config.pool is not None else ())]
         self._shared: set[str] = set()  # models served by several routes, told once each
+        settings = config.settings
+        self.tokenizer = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
+        if self.tokenizer is None and any(
+            cell.kv_events for cell in (config.pool.cells if config.pool else ())
+        ):
+            log.warning(
+                "the pool names KV event publishers, but without --tokenizer they cannot be "
+                "read: prompts are keyed by their bytes"
+            )
 
     def _route(self, deployment: str, cells: Sequence[PoolCell]) -> _Route:
         settings = self.config.settings
@@ -301,6 +312,7 @@ class _Api:
             clock=time.monotonic,
             stall_after_s=settings.stall_after_s,
             max_requests_per_rank=settings.max_requests_per_rank,
+            kv_events_port=settings.kv_events_port,
         )
 
         def ejected(url: str, reason: str, panic: bool) -> None:
@@ -314,6 +326,15 @@ class _Api:
         )
         route = _Route(deployment, pool, prober, metrics)
         return route
+
+    def _subscriber(self, route: _Route) -> KVEventSubscriber:
+        metrics = route.metrics
+        return KVEventSubscriber(
+            route.pool,
+            refresh_s=self.config.settings.health_interval_s,
+            on_batch=lambda outcome: metrics.child(metrics.kv_event_batches, outcome).inc(),
+            on_gap=lambda: metrics.child(metrics.kv_event_gaps).inc(),
+        )
 
     def _ejected(self, route: _Route, url: str, reason: str, panic: bool) -> None:
         """An engine server left a pool: count it, and send the requests that wait on it for
@@ -373,10 +394,17 @@ class _Api:
             upstream = UpstreamPool(timeouts.connect_s, credentials)
             policy = settings.routing_policy()
             for route in self.routes:
-                route.handoff = Handoff(route.prober, upstream, policy, route.metrics, timeouts)
+                route.handoff = Handoff(
+                    route.prober, upstream, policy, route.metrics, timeouts, self.tokenizer
+                )
             await asyncio.gather(*(route.prober.start(session) for route in self.routes))
             loop = asyncio.get_running_loop()
             tasks = []
+            subscribers = [
+                self._subscriber(route) for route in self.routes if self.tokenizer is not None
+            ]
+            for subscriber in subscribers:
+                subscriber.start()
             if self.config.pool_file is not None:
                 prober = self.routes[0].prober
                 tasks.append(loop.create_task(watch_pool_file(self.config.pool_file, prober)))
@@ -398,6 +426,8 @@ class _Api:
                     watch.stop()
                 for route in self.routes:
                     await route.prober.stop()
+                for subscriber in subscribers:
+                    await subscriber.stop()
                 upstream.close()
 
     async def chat_completions(self, request: Request) -> Response:

@@ -65,10 +65,11 @@ from router.policy import (
     needs_prefill,
     prompt_bytes,
 )
-from router.prefix import block_hashes
+from router.prefix import PromptBlocks, block_hashes, token_block_keys
 from router.prober import Prober
 from router.relay import DecodeRelay, Timing
 from router.stream import DecodeStream, FirstToken, StreamState
+from router.tokens import PromptTokenizer
 from router.upstream import UpstreamPool, UpstreamResponse
 
 __all__ = [
@@ -141,8 +142,12 @@ class Handoff:
         policy: RoutingPolicy,
         metrics: GatewayMetrics,
         timeouts: Timeouts,
+        tokenizer: PromptTokenizer | None = None,
     ) -> None:
+        """``tokenizer``: the engines' (``router/tokens.py``), to key prompts by the token
+        blocks the engines cache and report; None keys them by bytes."""
         self.prober = prober
+        self.tokenizer = tokenizer
         self.pool = prober.pool
         self.upstream = upstream
         self.policy = policy
@@ -166,19 +171,17 @@ class Handoff:
         """Run the P/D sequence for one validated request body (``raw`` is its exact bytes)."""
         timing = Timing(started=time.perf_counter())
         key = affinity_key(headers, body, request_id)
-        prompt = prompt_bytes(body)
         request = _Request(route, body, raw, request_id, key, timing)
-        prompt_tokens = estimate_prompt_tokens(body, prompt)
+        blocks, prompt_tokens = await self._prompt_blocks(body)
         await self._admit()
         choice = None
         if needs_prefill(prompt_tokens, self.policy):
-            blocks = block_hashes(prompt)
             snapshot = self.pool.snapshot(blocks)
             choice = choose_prefill(snapshot, key, prompt_tokens, self.policy)
             if choice is not None:
                 # recorded now, so that a request sharing the prefix while this one runs
                 # follows it to the rank that will hold it
-                self.pool.routed(choice.view.name, choice.view.dp_rank, blocks)
+                self.pool.routed(choice.view.name, choice.view.dp_rank, blocks.keys)
                 self.metrics.child(
                     self.metrics.affinity, key.source.value, "miss" if choice.spilled else "hit"
                 ).inc()
@@ -191,6 +194,23 @@ class Handoff:
         (self.metrics.pd_routes if prefilled else self.metrics.decode_only_routes).inc()
         timing.prefill_done = time.perf_counter()
         return await self._decode(request, choice.view.cell if choice else None, prefilled)
+
+    async def _prompt_blocks(self, body: Mapping[str, object]) -> tuple[PromptBlocks, int]:
+        """The prompt's block keys and its tokens: counted by the engines' tokenizer where the
+        gateway has it (off the loop where that takes long), else estimated from its bytes."""
+        if self.tokenizer is not None:
+            if self.tokenizer.blocking:
+                packed = await asyncio.to_thread(self.tokenizer.packed, body)
+            else:
+                packed = self.tokenizer.packed(body)
+            if packed is not None:
+                size = self.pool.kv_block_size()
+                return PromptBlocks(token_block_keys(packed, size), size), -(-len(packed) // 4)
+        prompt = prompt_bytes(body)
+        tokens = estimate_prompt_tokens(body, prompt)
+        if self.tokenizer is not None:  # keys of another space would match nothing
+            return PromptBlocks(), tokens
+        return PromptBlocks(block_hashes(prompt)), tokens
 
     async def _admit(self) -> None:
         """Wait for a decode rank below the pool's bound of requests, or refuse with 429."""
@@ -250,6 +270,7 @@ class Handoff:
         prompt = usage.get("prompt_tokens")
         if isinstance(prompt, int) and isinstance(cached, int):
             self.metrics.cached_tokens.inc(cached)
+            self.metrics.indexed_tokens.inc(min(target.cached_tokens, prompt))
             self.metrics.uncached_tokens.inc(prompt - cached)
             # what the index knew a rank held, and the engine computed anyway, by cause
             away = min(choice.routed_away_tokens, prompt)

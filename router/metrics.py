@@ -38,6 +38,8 @@ OUTCOMES = ("ok", "rejected", "error", "engine_error", "stream_error", "client_d
 UPSTREAM_REASONS = ("error", "status", "timeout", "connection")  # router.errors' UpstreamErrors
 EJECTION_REASONS = ("failed_health_check", "unanswered_health_checks")  # router.pool's
 ADMISSION_WAITS = ("waited", "saturated")  # router.prober's decode_place, past "free"
+# router.kv_subscriber's batches: applied, or not vLLM's format (counted, skipped)
+KV_EVENT_OUTCOMES = ("applied", "undecodable")
 _DEPLOYMENT = "modeldeployment"
 FALLBACK_REASONS = (
     *UPSTREAM_REASONS,
@@ -221,6 +223,13 @@ class GatewayMetrics:
             [_DEPLOYMENT, "cause"],
             registry=r,
         )
+        self.indexed_tokens_counter = Counter(
+            "baton_gateway_prompt_tokens_indexed",
+            "Prompt tokens the prefix index said the chosen prefill rank held: what the gateway "
+            'expected prefill to find cached (compare with prompt_tokens{kind="cached"}).',
+            [_DEPLOYMENT],
+            registry=r,
+        )
         self.output_tokens_counter = Counter(
             "baton_gateway_output_tokens", "Generated tokens returned.", [_DEPLOYMENT], registry=r
         )
@@ -309,6 +318,28 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.kv_event_batches = Counter(
+            "baton_gateway_kv_event_batches",
+            "Batches of KV events read from the prefill engines' publishers (vLLM's "
+            "--kv-events-config): applied to the prefix index, or undecodable (skipped).",
+            [_DEPLOYMENT, "outcome"],
+            registry=r,
+        )
+        self.kv_event_gaps = Counter(
+            "baton_gateway_kv_event_gaps",
+            "Gaps in a publisher's sequence numbers (batches dropped on the way): the rank's "
+            "blocks are forgotten until it reports them again.",
+            [_DEPLOYMENT],
+            registry=r,
+        )
+        self.kv_event_blocks = Gauge(
+            "baton_gateway_kv_event_blocks",
+            "KV blocks each prefill DP rank (target#rank) holds, as its KV events reported them "
+            "to this gateway (the GPU tier's blocks of the prefix cache).",
+            [_DEPLOYMENT, "target"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         # label values set on the pool gauges so far (workers only: see set_pool_gauges)
         self._pool_series: dict[Gauge, set[tuple[str, ...]]] = {}
         self.deployment = ""
@@ -329,6 +360,7 @@ class GatewayMetrics:
         self.e2e = self.child(self.e2e_histogram)
         self.output_tokens = self.child(self.output_tokens_counter)
         self.cached_tokens = self.child(self.prompt_tokens, "cached")
+        self.indexed_tokens = self.child(self.indexed_tokens_counter)
         self.uncached_tokens = self.child(self.prompt_tokens, "uncached")
         # both causes served from the start, at 0: a share of them is a ratio from the first scrape
         self.routed_away_tokens = self.child(self.not_reused, "routed_away")
@@ -350,6 +382,9 @@ class GatewayMetrics:
             self.child(self.ejections, reason)
         for result in ADMISSION_WAITS:
             self.child(self.admission_waits, result)
+        for outcome in KV_EVENT_OUTCOMES:
+            self.child(self.kv_event_batches, outcome)
+        self.child(self.kv_event_gaps)
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """``metric.labels(deployment, *labels)``, remembered: prometheus_client's lookup costs
@@ -401,6 +436,7 @@ class GatewayMetrics:
             self.prefill_dp_ranks: {(name,): n for name, n in pool.prefill_dp_ranks().items()},
             self.healthy_targets: {labels: n for labels, n in pool.healthy_targets().items()},
             self.panic: {(role,): float(panic) for role, panic in pool.panic.items()},
+            self.kv_event_blocks: {(rank,): n for rank, n in pool.kv_blocks_held().items()},
         }
 
     @property
@@ -412,6 +448,7 @@ class GatewayMetrics:
             self.prefill_dp_ranks,
             self.healthy_targets,
             self.panic,
+            self.kv_event_blocks,
         )
 
     def stream_ended(

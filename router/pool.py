@@ -4,11 +4,11 @@ The pool owns every piece of mutable routing state: which targets are healthy (t
 active checks of ``/health``, plus passive ejection by a circuit breaker) and which of them it
 routes to (all but the dead while a role's pool is in panic), how many requests and uncached
 prompt tokens this gateway has in flight at each target, which prompt prefixes each prefill DP
-rank was sent (``router/prefix.py``), and the load other gateway replicas put on each target as
-the engines last reported it: their ``vllm:num_requests_running`` plus ``vllm:num_requests_
-waiting`` less this gateway's share (so several replicas converge on the same view while each
-keeps its own count exact). It hands out immutable :class:`PoolSnapshot` objects for the pure
-policy to choose over.
+rank was sent or its engine reports holding (``router/prefix.py``), and the load other gateway
+replicas put on each target as the engines last reported it: their
+``vllm:num_requests_running`` plus ``vllm:num_requests_waiting`` less this gateway's share (so
+several replicas converge on the same view while each keeps its own count exact). It hands out
+immutable :class:`PoolSnapshot` objects for the pure policy to choose over.
 
 Pure: no I/O and no clock of its own (it is given one). ``router/prober.py`` probes the engines
 and scrapes their load on the loop and records what it finds here; targets come as cells
@@ -22,9 +22,10 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from baton.core.kv_events import KVEventBatch, rank_endpoint
 from router.policy import DecodeRankView, PoolSnapshot, PrefillView
-from router.prefix import BLOCK_TOKENS, PrefixIndex
-from router.targets import PoolCell
+from router.prefix import KVEventLedger, PrefixIndex, PromptBlocks
+from router.targets import PoolCell, kv_events_host
 
 __all__ = [
     "MISSED_PROBES",
@@ -111,6 +112,7 @@ class _Target:
     rank_tokens: dict[int, int] = field(default_factory=dict)
     rank_others: dict[int, int] = field(default_factory=dict)
     stalled: bool = False  # decode only: its server runs requests but makes no progress
+    kv_events: str = ""  # prefill only: where DP rank 0 publishes its KV events, "" for nowhere
 
     def healthy(self, now: float) -> bool:
         return self.up and not self.stalled and self.breaker.allows(now)
@@ -141,6 +143,8 @@ class Server:
     stalled: bool = False
 
 
+_NO_PROMPT = PromptBlocks()
+
 # Health checks a server may leave unanswered in a row before it is ejected (Kubernetes' probe
 # default failureThreshold), unless it showed another sign of life meanwhile (it answered /metrics,
 # a request through it succeeded): then it is busy, not gone. An answer other than 200, or a
@@ -165,13 +169,16 @@ class Pool:
         breaker: Callable[[], Breaker] = Breaker,
         prefixes: PrefixIndex | None = None,
         max_requests_per_rank: int = 0,
+        kv_events_port: int = 0,
     ) -> None:
         """``clock``: monotonic seconds (the breakers', the stall bound's and the health rounds'
         time); ``stall_after_s``: seconds a decode server may run requests without counting a
         token before it is routed around; ``breaker`` makes each target's circuit breaker;
         ``prefixes``: the index of what each prefill DP rank was sent (a default one);
         ``max_requests_per_rank``: the requests a decode rank may hold, this gateway's and other
-        replicas' (0: no bound; see :meth:`has_place`)."""
+        replicas' (0: no bound; see :meth:`has_place`); ``kv_events_port``: the port every
+        prefill engine's DP rank 0 publishes its KV events on, at the engine's host, where its
+        cell names no endpoint of its own (0: none)."""
         self.clock = clock
         self.panic: dict[str, bool] = {"prefill": False, "decode": False}
         self._ejected: list[tuple[Server, str]] = []  # in this health check round
@@ -183,6 +190,8 @@ class Pool:
         self.stall_after_s = stall_after_s
         self._new_breaker = breaker
         self.prefixes = prefixes or PrefixIndex()
+        self.ledger = KVEventLedger(self.prefixes)
+        self.kv_events_port = kv_events_port
         self._prefills = 0
         self._mean_uncached_tokens = 0.0
         self.prefill: dict[str, _Target] = {}
@@ -207,6 +216,11 @@ class Pool:
             for url in cell.prefill:
                 prefill[url] = self.prefill.get(url) or self._target(url, url, cell.name)
                 prefill[url].cell = cell.name
+                prefill[url].kv_events = cell.kv_events.get(url) or (
+                    f"tcp://{kv_events_host(url)}:{self.kv_events_port}"
+                    if self.kv_events_port
+                    else ""
+                )
             for spec in cell.decode:
                 for rank in spec.ranks or (-1,):
                     name = f"{spec.url}#{rank}" if rank >= 0 else spec.url
@@ -233,12 +247,11 @@ class Pool:
     def _target(self, name: str, url: str, cell: str) -> _Target:
         return _Target(name, url, cell, self._new_breaker())
 
-    def snapshot(self, prompt_blocks: Sequence[bytes] = ()) -> PoolSnapshot:
+    def snapshot(self, prompt: PromptBlocks = _NO_PROMPT) -> PoolSnapshot:
         """The targets as the policy sees them now: a prefill view per DP rank (per instance
-        while its ranks are not known), each with how many tokens of the prompt whose
-        ``prefix.block_hashes`` are ``prompt_blocks`` that rank was sent."""
+        while its ranks are not known), each with how many tokens of ``prompt`` it holds."""
         now = self.clock()
-        held = self.prefixes.match(prompt_blocks)  # "<url>#<rank>" -> leading blocks
+        held = self.prefixes.match(prompt.keys)  # "<url>#<rank>" -> leading blocks
         prefill, decode = self._routable(self.prefill, now), self._routable(self.decode, now)
         return PoolSnapshot(
             prefill=tuple(
@@ -247,7 +260,7 @@ class Pool:
                     t.cell,
                     prefill[t.name],
                     self._rank_tokens(t, rank),
-                    held.get(f"{t.name}#{rank}", 0) * BLOCK_TOKENS,
+                    held.get(f"{t.name}#{rank}", 0) * prompt.tokens_per_block,
                     rank,
                     self._rank_requests(t, rank),
                 )
@@ -354,7 +367,39 @@ class Pool:
         """What ``targets`` (prefill instances) were sent is gone: their engine died or left."""
         ranks = {f"{t.name}#{rank}" for t in targets for rank in range(-1, max(t.dp_ranks, 1))}
         if ranks:
-            self.prefixes.forget(ranks)
+            self.ledger.forget(ranks)
+
+    def kv_event_endpoints(self) -> dict[str, str]:
+        """Where each prefill DP rank publishes its KV events -> the rank as the index names it
+        (``<url>#<rank>``; ``#-1`` while the instance's ranks are not known, or it has one)."""
+        endpoints = {}
+        for target in self.prefill.values():
+            if target.kv_events:
+                for rank in range(max(target.dp_ranks, 1)):
+                    label = rank if target.dp_ranks > 1 else -1
+                    endpoints[rank_endpoint(target.kv_events, rank)] = f"{target.name}#{label}"
+        return endpoints
+
+    def kv_blocks_held(self) -> dict[str, int]:
+        """Per prefill DP rank (``<url>#<rank>``), the KV blocks its events say it holds (0
+        for one that reported none, or publishes none)."""
+        return {
+            f"{t.name}#{rank}": self.ledger.held.get(f"{t.name}#{rank}", 0)
+            for t in self.prefill.values()
+            for rank in (range(t.dp_ranks) if t.dp_ranks > 1 else (-1,))
+        }
+
+    def kv_events(self, rank: str, sequence: int, batch: KVEventBatch) -> None:
+        """A batch of KV events DP rank ``rank`` published as number ``sequence``."""
+        self.ledger.apply(rank, sequence, batch)
+
+    def kv_block_size(self) -> int:
+        """The prefill engines' tokens per KV block: as their events or metrics state it, else
+        vLLM's default."""
+        if self.ledger.block_size:
+            return self.ledger.block_size
+        sizes = [self._servers[t.url].block_size for t in self.prefill.values()]
+        return next((size for size in sizes if size), 16)
 
     def block_size(self, name: str) -> int:
         """The KV block size target ``name``'s engine reports, or 0 before its first sync."""

@@ -14,7 +14,14 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from baton.core.follow import DeploymentRef
 from router.handoff import Timeouts
@@ -73,6 +80,20 @@ class GatewaySettings(BaseModel):
         gt=0,
         description="seconds a request waits for a decode rank below --max-requests-per-rank",
     )
+    tokenizer: str = Field(
+        "",
+        description="the engines' tokenizer, to key prompts by the token blocks the engines "
+        "cache: the model's directory (its tokenizer.json), or 'sim' for baton sim engines "
+        "(none: prompts are keyed by their bytes)",
+    )
+    kv_events_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="the port each prefill engine's DP rank 0 publishes its KV events on "
+        "(vLLM's --kv-events-config; rank r on PORT+r), read to know what each rank holds; "
+        "needs --tokenizer (0: none)",
+    )
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest request body")
     body_timeout_s: float = Field(
         60.0, gt=0, description="seconds a client may take to send its request body"
@@ -88,6 +109,25 @@ class GatewaySettings(BaseModel):
     keep_alive_timeout_s: int = Field(
         75, gt=0, description="seconds an idle kept-alive client connection stays open"
     )
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_files(cls, value: str) -> str:
+        if value and value != "sim" and not (Path(value) / "tokenizer.json").is_file():
+            raise ValueError(
+                f"no tokenizer.json in {value}: give the model's directory (the files vLLM "
+                "reads its tokenizer from), or 'sim' for baton sim engines"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _events_need_tokens(self) -> GatewaySettings:
+        if self.kv_events_port and not self.tokenizer:
+            raise ValueError(
+                "--kv-events-port: the engines' KV events name token blocks, so give "
+                "--tokenizer too (the model's directory, or 'sim')"
+            )
+        return self
 
     @classmethod
     def add_flags(cls, parser: argparse.ArgumentParser) -> None:
@@ -162,5 +202,7 @@ class GatewayConfig:
 def _describe_flags(exc: ValidationError) -> str:
     return "; ".join(
         f"--{str(error['loc'][0]).removesuffix('_s').replace('_', '-')}: {error['msg']}"
+        if error["loc"]
+        else error["msg"].removeprefix("Value error, ")  # a rule over several flags
         for error in exc.errors()
     )

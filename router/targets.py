@@ -6,8 +6,9 @@ their state, ``router/prober.py`` talks to them."""
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from baton.core.files import load_yaml_model
 
@@ -16,6 +17,7 @@ __all__ = [
     "PoolCell",
     "PoolSpec",
     "engine_url",
+    "kv_events_host",
     "load_pool_file",
     "parse_decode_flag",
 ]
@@ -48,17 +50,34 @@ class DecodeServerSpec(BaseModel):
         return engine_url(url)
 
 
+def kv_events_host(url: str) -> str:
+    """The host of an engine URL, where its KV events publisher is reached."""
+    host = urlsplit(url).hostname or ""
+    return f"[{host}]" if ":" in host else host
+
+
 class PoolCell(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
     prefill: tuple[str, ...] = ()
     decode: tuple[DecodeServerSpec, ...] = Field(min_length=1)
+    # prefill URL -> where its DP rank 0 publishes KV events (tcp://HOST:PORT; rank r: PORT + r)
+    kv_events: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("prefill")
     @classmethod
     def _http_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(engine_url(url) for url in urls)
+
+    @model_validator(mode="after")
+    def _kv_events_of_prefill(self) -> PoolCell:
+        for url, endpoint in self.kv_events.items():
+            if url not in self.prefill:
+                raise ValueError(f"kv_events names {url}, which is not one of the cell's prefill")
+            if not endpoint.startswith("tcp://") or not endpoint.rpartition(":")[2].isdigit():
+                raise ValueError(f"kv_events of {url}: give tcp://HOST:PORT, not {endpoint!r}")
+        return self
 
 
 class PoolSpec(BaseModel):

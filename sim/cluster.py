@@ -18,7 +18,8 @@ a DEP32 decode group (8 hybrid-LB API servers of 4 local ranks, or one server fo
       #    eplb_policy_plugin: baton
     prefill:
       - {name: cell-0-prefill, instances: 18, data_parallel_size: 2, port: 8100,
-         side_channel_port: 5600}
+         side_channel_port: 5600, kv_events_port: 5557}
+      # kv_events_port: instance i's DP rank r publishes its KV events on it + 2i + r
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from baton.core.files import load_yaml_model
 from baton.core.model import MODEL, SERVED_MODEL_NAME, SPECULATIVE_METHOD, SPECULATIVE_TOKENS
 from baton.core.profile import load_profile
-from sim.config import EngineConfig, EplbConfig, KVTransferConfig, SpeculativeConfig
+from sim.config import (
+    EngineConfig,
+    EplbConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    SpeculativeConfig,
+)
 from sim.moe import policy_plugins
 
 __all__ = [
@@ -105,6 +112,8 @@ class PrefillInstancesSpec(_Spec):
     port: int = Field(ge=1, le=65535)
     side_channel_port: int = Field(ge=1, le=65535)
     max_num_seqs: int = Field(default=256, ge=1)
+    # where instance i's DP rank 0 publishes its KV events (rank r: + r); None publishes none
+    kv_events_port: int | None = Field(default=None, ge=1, le=65535)
 
 
 class ClusterSpec(_Spec):
@@ -176,5 +185,11 @@ def engine_configs(spec: ClusterSpec) -> Iterator[tuple[EngineConfig, list[int],
                 kv_transfer=KVTransferConfig(**_NIXL, engine_id=f"{prefill.name}-{i}"),
                 side_channel_port=prefill.side_channel_port + i * prefill.data_parallel_size,
                 seed=spec.seed * 7919 + 1000 + i,
+                kv_events=KVEventsConfig(
+                    enable_kv_cache_events=True,
+                    endpoint=f"tcp://*:{prefill.kv_events_port + i * prefill.data_parallel_size}",
+                )
+                if prefill.kv_events_port is not None
+                else KVEventsConfig(),
             )
             yield config, [prefill.port + i], prefill.data_parallel_size

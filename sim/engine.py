@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from baton.core.perf import PrefillChunk, RankBatch, StepTime, step_seconds
+from baton.core.sim_tokenizer import BYTES_PER_TOKEN, word_for
 from sim.config import EngineConfig
 from sim.kv_publisher import KVEventPublisher
 from sim.kvcache import PrefixCache, chain_hash
@@ -38,7 +39,6 @@ from sim.shared_gpu import (
     step_stretch,
 )
 from sim.stats import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Buckets
-from sim.tokenizer import BYTES_PER_TOKEN, word_for
 
 __all__ = ["DPGroup", "DPRank", "SimClock", "VirtualClock"]
 

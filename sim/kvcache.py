@@ -29,7 +29,7 @@ from baton.core.kv_events import (
     KVEvent,
     external_hash,
 )
-from sim.tokenizer import BYTES_PER_TOKEN, decode_token_ids
+from baton.core.sim_tokenizer import BYTES_PER_TOKEN, decode_token_ids
 
 __all__ = ["Allocation", "PrefixCache", "block_hashes", "chain_hash"]
 

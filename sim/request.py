@@ -2,7 +2,8 @@
 
 The HTTP layer builds a :class:`SimRequest` from a validated body, the engine moves it through
 WAITING -> (WAITING_FOR_REMOTE_KVS) -> RUNNING -> FINISHED, and the HTTP layer drains its output
-as it appears. Output is text made of 4-byte words (see ``sim.tokenizer``), so tokens = words.
+as it appears. Output is text made of 4-byte words (see ``baton.core.sim_tokenizer``), so
+tokens = words.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from baton.core.sim_tokenizer import count_tokens
 from sim.kvcache import Allocation, block_hashes
-from sim.tokenizer import count_tokens
 
 __all__ = ["FinishReason", "RequestFailed", "RequestState", "SimRequest", "make_request"]
 

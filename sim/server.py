@@ -25,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from baton.core.secrets import read_token
+from baton.core.sim_tokenizer import count_tokens, encode_token_ids, render_chat
 from sim.config import EngineConfig
 from sim.engine import DPGroup
 from sim.faults import FaultInjector
@@ -37,7 +38,6 @@ from sim.protocol import (
     validation_message,
 )
 from sim.request import FinishReason, RequestFailed, RequestState, SimRequest, make_request
-from sim.tokenizer import count_tokens, encode_token_ids, render_chat
 
 __all__ = ["ApiServer"]
 

@@ -18,6 +18,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from baton.core.model import SERVED_MODEL_NAME
+from baton.core.sim_tokenizer import render_chat
 from rigs.processes import ProcessExited
 from tests.helpers import ROOT, baton_command, eventually, free_port, scrape_by, stop_process
 
@@ -74,6 +75,13 @@ def test_baton_up_prints_the_rack_map_and_streams_through_the_gateway(
     )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert len(text) == 16 * 4
+    # the prompt's blocks, reported by the prefill rank that computed them, reach the gateway
+    prompt_blocks = len(render_chat(messages)) // (4 * 16)
+
+    def reported() -> float:
+        return sum(scrape_by(url, "baton_gateway_kv_event_blocks", "target").values())
+
+    eventually(lambda: reported() >= prompt_blocks, timeout=60)
 
 
 def test_sigterm_stops_every_process_and_frees_the_ports(

@@ -356,6 +356,36 @@ def test_the_gateways_workers_value_is_its_workers_flag() -> None:
     assert "emptyDir" in volumes[tmp["name"]]
 
 
+def test_the_gateway_reads_kv_events_with_the_tokenizer_files_of_an_extra_volume() -> None:
+    objects = render(
+        "b",
+        "--set",
+        "gateway.modelDeployments={serving/dsv4}",
+        "--set-json",
+        'gateway.extraVolumes=[{"name": "weights", "persistentVolumeClaim": '
+        '{"claimName": "weights", "readOnly": true}}]',
+        "--set-json",
+        'gateway.extraVolumeMounts=[{"name": "weights", "mountPath": "/models", "readOnly": true}]',
+        "--set-json",
+        'gateway.settings={"tokenizer": "/models/dsv4", "kv_events_port": 5557}',
+    )
+    [gateway] = [
+        o
+        for o in objects
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "b-baton-gateway"
+    ]
+    pod = gateway["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    args = gateway_parser().parse_args(container["args"])
+    assert (args.tokenizer, args.kv_events_port) == ("/models/dsv4", 5557)
+    assert {"name": "weights", "mountPath": "/models", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["weights"]["persistentVolumeClaim"]["claimName"] == "weights"
+    assert "tmp" in volumes  # the chart's own volumes stay
+
+
 @contextlib.contextmanager
 def created(api: client.ApiClient, namespace: str, objects: list[dict[str, Any]]) -> Iterator[None]:
     """``objects`` created one by one on the API server (a RayService with strict field

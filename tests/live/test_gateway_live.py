@@ -66,8 +66,18 @@ def chat(client: openai.OpenAI, text: str, stream: bool) -> tuple[str, Completio
 
 @pytest.fixture(scope="module")
 def cell(rig: LiveRig) -> dict[str, LiveEngine]:
+    # the prefill pod publishes its KV events as the controller renders it (the rig moves the
+    # endpoint to a port of its own)
     spec = live_spec(rig.env.model(MODEL), "tiny", api_key=True)
     return rig.start_cell(spec, SECRETS)
+
+
+def kv_event_flags(rig: LiveRig, prefill: LiveEngine) -> tuple[str, ...]:
+    """The gateway reads the prefill engine's KV events, keying prompts with the model's own
+    tokenizer files."""
+    assert prefill.kv_events is not None
+    port = prefill.kv_events.rpartition(":")[2]
+    return ("--tokenizer", str(rig.env.model(MODEL)), "--kv-events-port", port)
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +89,14 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def gateway(
-    cell: dict[str, LiveEngine], key_file: Path, start_gateway_module: Callable[..., SimHandle]
+    rig: LiveRig,
+    cell: dict[str, LiveEngine],
+    key_file: Path,
+    start_gateway_module: Callable[..., SimHandle],
 ) -> SimHandle:
     handle: SimHandle = start_gateway_module(
-        *gateway_flags(cell["prefill"], cell["decode"], key_file)
+        *gateway_flags(cell["prefill"], cell["decode"], key_file),
+        *kv_event_flags(rig, cell["prefill"]),
     )
     eventually(lambda: httpx.get(f"{handle.url}/ready", timeout=5).status_code == 200, 300)
     return handle
@@ -263,3 +277,56 @@ def test_an_unreachable_side_channel_is_decoded_alone_and_never_pulled_again(
     computed = moved(before, sources(decode))
     assert computed["external_kv_transfer"] == 0
     assert httpx.get(f"{decode.url}/health", timeout=60).status_code == 200
+
+
+def test_a_replica_knows_from_vllms_kv_events_the_blocks_its_prompt_will_find_cached(
+    rig: LiveRig,
+    cell: dict[str, LiveEngine],
+    key_file: Path,
+    gateway: SimHandle,
+    client: openai.OpenAI,
+    start_gateway_module: Callable[..., SimHandle],
+) -> None:
+    """The gateway's own rendering and tokenization of a chat and of a completion prompt, with
+    the model's tokenizer files, key the same blocks vLLM caches: a replica that never saw the
+    first prompt, knowing only what the engine's KV events said, expects exactly the tokens
+    vLLM then serves from cache."""
+    replica = start_gateway_module(
+        *gateway_flags(cell["prefill"], cell["decode"], key_file),
+        *kv_event_flags(rig, cell["prefill"]),
+    )
+    eventually(lambda: httpx.get(f"{replica.url}/ready", timeout=5).status_code == 200, 300)
+    system = "The prefill rank keeps every block of the cell in its cache. " * 40
+    firsts: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Which rank computed this?"},
+    ]
+    chat_usage = usage_of(
+        client.chat.completions.create(model="tiny", messages=firsts, max_tokens=2)
+    )
+    completion_usage = usage_of(
+        client.completions.create(model="tiny", prompt=f"kv events {system}", max_tokens=2)
+    )
+    stored = (chat_usage.prompt_tokens // BLOCK) + (completion_usage.prompt_tokens // BLOCK)
+
+    def blocks() -> float:
+        return scrape(replica.url, "baton_gateway_kv_event_blocks")
+
+    eventually(lambda: blocks() >= stored, timeout=120)
+    with openai.OpenAI(base_url=f"{replica.url}/v1", api_key="x", max_retries=0) as other:
+        for ask in (
+            lambda: other.chat.completions.create(
+                model="tiny",
+                messages=[firsts[0], {"role": "user", "content": "And which one decodes it?"}],
+                max_tokens=2,
+            ),
+            lambda: other.completions.create(
+                model="tiny", prompt=f"kv events {system} once more", max_tokens=2
+            ),
+        ):
+            expected = scrape(replica.url, "baton_gateway_prompt_tokens_indexed_total")
+            found = scrape(replica.url, "baton_gateway_prompt_tokens_total", kind="cached")
+            ask()
+            expected = scrape(replica.url, "baton_gateway_prompt_tokens_indexed_total") - expected
+            found = scrape(replica.url, "baton_gateway_prompt_tokens_total", kind="cached") - found
+            assert expected == found >= 2 * BLOCK

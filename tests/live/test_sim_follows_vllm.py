@@ -16,9 +16,9 @@ import pytest
 import zmq
 
 from baton.core.kv_events import BlockStored, decode_batch
+from baton.core.sim_tokenizer import decode_token_ids
 from rigs.processes import eventually, free_port_block
 from rigs.vllm_live import LiveEngine, LiveRig, live_spec
-from sim.tokenizer import decode_token_ids
 from tests.helpers import SimHandle, scrape, scrape_by
 
 PROMPT = "handoff balance engine prompt token cache decode prefill " * 30

@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
+from baton.core.sim_tokenizer import count_tokens
 from bench.trace import (
     BLOCK_TOKENS,
     TraceError,
@@ -20,7 +21,6 @@ from bench.trace import (
     reuse_lost,
     sessions,
 )
-from sim.tokenizer import count_tokens
 
 
 def _request(line: int, length: int, *ids: int, at: int = 0) -> TraceRequest:

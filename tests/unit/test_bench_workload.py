@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+from baton.core.sim_tokenizer import count_tokens
 from bench.workload import (
     SHAPE,
     Session,
@@ -14,7 +15,6 @@ from bench.workload import (
     start_turn,
     theoretical_reuse,
 )
-from sim.tokenizer import count_tokens
 
 
 def _first_sessions(seed: int, lanes: int) -> list[Session]:

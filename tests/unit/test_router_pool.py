@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from router.policy import AffinityKey, RoutingPolicy, affinity_key, choose_prefill, prompt_bytes
 from router.pool import Breaker, Pool
-from router.prefix import BLOCK_BYTES, BLOCK_TOKENS, block_hashes
+from router.prefix import BLOCK_BYTES, BLOCK_TOKENS, PromptBlocks, block_hashes
 from router.prober import engine_load
 from router.targets import DecodeServerSpec, PoolCell
 
@@ -196,7 +196,7 @@ def blocks(body: dict[str, object]) -> tuple[bytes, ...]:
 
 
 def cached(p: Pool, body: dict[str, object]) -> dict[str, int]:
-    return {v.name: v.cached_tokens for v in p.snapshot(blocks(body)).prefill}
+    return {v.name: v.cached_tokens for v in p.snapshot(PromptBlocks(blocks(body))).prefill}
 
 
 def tokens(body: dict[str, object]) -> int:
@@ -221,12 +221,14 @@ def test_a_cached_turn_in_flight_counts_its_uncached_tokens_and_keeps_the_next_s
     p.routed(P0, -1, blocks(second_history))
     body = conversation(TASK + "first", "done", "next")
     estimate = tokens(first_history) + 5_000
-    turn = choose_prefill(p.snapshot(blocks(body)), first, estimate, RoutingPolicy())
+    turn = choose_prefill(p.snapshot(PromptBlocks(blocks(body))), first, estimate, RoutingPolicy())
     assert turn is not None and turn.view.name == P0 and turn.uncached_tokens == 5_000
     p.begin_prefill(P0, turn.view.dp_rank, turn.uncached_tokens)
     body = conversation(TASK.upper() + "second", "done", "next")
     estimate = tokens(second_history) + 2_000
-    next_turn = choose_prefill(p.snapshot(blocks(body)), second, estimate, RoutingPolicy())
+    next_turn = choose_prefill(
+        p.snapshot(PromptBlocks(blocks(body))), second, estimate, RoutingPolicy()
+    )
     assert next_turn is not None and next_turn.view.name == P0 and not next_turn.spilled
     assert next_turn.uncached_tokens == 2_000
 
@@ -264,7 +266,7 @@ def test_the_dp_rank_sent_the_prefix_is_the_one_the_view_names() -> None:
     p.record_engine_load(P0, engine_load(engine_metrics({"0": (0, 0), "1": (0, 0)})))  # DEP2
     body = conversation(TASK)
     p.routed(P0, 1, blocks(body))
-    held = {v.unit: v.cached_tokens for v in p.snapshot(blocks(body)).prefill}
+    held = {v.unit: v.cached_tokens for v in p.snapshot(PromptBlocks(blocks(body))).prefill}
     assert held == {f"{P0}#0": 0, f"{P0}#1": tokens(body), P1: 0}
 
 

@@ -1,11 +1,28 @@
-"""router/prefix.py: the prompt's block hashes and the index of what each prefill rank was sent."""
+"""router/prefix.py: the prompt's block hashes, the index of what each prefill rank was sent,
+and the ledger that applies the engines' KV events to it."""
 
 from __future__ import annotations
 
+import struct
+
+import msgspec
 import pytest
 
+from baton.core.kv_events import BlockHash, BlockRemoved, BlockStored, KVEventBatch
+from baton.core.sim_tokenizer import count_tokens
 from router.policy import prompt_bytes
-from router.prefix import BLOCK_BYTES, PrefixIndex, block_hashes
+from router.prefix import (
+    BLOCK_BYTES,
+    KVEventLedger,
+    PrefixIndex,
+    block_hashes,
+    token_block_keys,
+)
+from router.tokens import SimTokenizer
+from sim.kvcache import PrefixCache
+from sim.kvcache import block_hashes as sim_block_hashes
+
+BLOCK_SIZE = 16  # tokens per KV block, the simulator's default and vLLM's
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 400}
 
@@ -92,3 +109,120 @@ def test_a_reset_rank_holds_nothing_and_others_keep_theirs() -> None:
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError, match="capacity_blocks"):
         PrefixIndex(0)
+
+
+# ---- KV events: the engine's report of what each rank holds, in token blocks
+
+
+def cache_with(capacity: int = 64) -> PrefixCache:
+    return PrefixCache(capacity, BLOCK_SIZE, journal=True)
+
+
+def cache_prompt(cache: PrefixCache, prompt: bytes) -> None:
+    """Prefill ``prompt`` on a simulator rank, as its engine step does, and finish it."""
+    hashes = sim_block_hashes(prompt, BLOCK_SIZE)
+    allocation = cache.allocate(hashes, count_tokens(prompt))
+    assert allocation is not None
+    cache.register(allocation, hashes, count_tokens(prompt), prompt)
+    cache.free(allocation)
+
+
+def publish(ledger: KVEventLedger, rank: str, cache: PrefixCache, sequence: int) -> int:
+    ledger.apply(rank, sequence, KVEventBatch(ts=0.0, events=cache.take_events()))
+    return sequence + 1
+
+
+def keys_of(prompt: bytes) -> tuple[bytes, ...]:
+    return token_block_keys(prompt, BLOCK_SIZE)  # the simulator's tokens are its bytes
+
+
+def test_the_ledger_keys_an_engines_stored_blocks_as_the_gateway_keys_the_prompt() -> None:
+    index = PrefixIndex()
+    ledger = KVEventLedger(index)
+    cache = cache_with()
+    document = b"The decode group holds thirty-two ranks. " * 20
+    first = document + b"First question?"
+    cache_prompt(cache, first)
+    publish(ledger, "p0#0", cache, 0)
+    follow_up = SimTokenizer().packed({"prompt": (document + b"Second question?").decode()})
+    assert follow_up is not None
+    held = index.match(keys_of(follow_up))
+    # every full block the follow-up shares with the cached prompt, and no more
+    assert held == {"p0#0": cache.cached_prefix_blocks(sim_block_hashes(follow_up, BLOCK_SIZE))}
+    assert held["p0#0"] == len(document) // (4 * BLOCK_SIZE)
+    assert ledger.block_size == BLOCK_SIZE and ledger.held == {"p0#0": len(keys_of(first))}
+
+
+def test_evicted_blocks_leave_the_index_and_a_cleared_cache_leaves_nothing() -> None:
+    index = PrefixIndex()
+    ledger = KVEventLedger(index)
+    cache = cache_with(capacity=8)
+    first, second = b"a" * (4 * BLOCK_SIZE * 6), b"b" * (4 * BLOCK_SIZE * 6)
+    cache_prompt(cache, first)
+    sequence = publish(ledger, "p0#0", cache, 0)
+    assert index.match(keys_of(first)) == {"p0#0": 6}
+    cache_prompt(cache, second)  # 8 blocks: four of the first prompt's are evicted for it
+    sequence = publish(ledger, "p0#0", cache, sequence)
+    assert index.match(keys_of(first)).get("p0#0", 0) == cache.cached_prefix_blocks(
+        sim_block_hashes(first, BLOCK_SIZE)
+    )
+    assert index.match(keys_of(second)) == {"p0#0": 6}
+    assert cache.reset()
+    publish(ledger, "p0#0", cache, sequence)
+    assert index.match(keys_of(second)) == {} and ledger.held == {} and len(ledger) == 0
+
+
+def stored(
+    hashes: list[int], parent: int | None, first_token: int, **fields: object
+) -> BlockStored:
+    ids = list(range(first_token, first_token + BLOCK_SIZE * len(hashes)))
+    event = BlockStored(list[BlockHash](hashes), parent, ids, BLOCK_SIZE, None, "GPU", None)
+    return msgspec.structs.replace(event, **fields)
+
+
+def test_a_gap_in_the_sequence_forgets_the_rank_and_an_unknown_parent_is_skipped() -> None:
+    index = PrefixIndex()
+    ledger = KVEventLedger(index)
+    ledger.apply("p0#0", 7, KVEventBatch(0.0, [stored([1, 2], None, 0)]))
+    ledger.apply("p0#1", 3, KVEventBatch(0.0, [stored([1], None, 0)]))
+    assert ledger.held == {"p0#0": 2, "p0#1": 1}
+    ledger.apply("p0#0", 9, KVEventBatch(0.0, [stored([3], 2, 2 * BLOCK_SIZE)]))
+    # batch 8 was lost: anything may have been evicted, and block 3's parent is forgotten
+    assert ledger.gaps == 1 and ledger.skipped_blocks == 1
+    assert "p0#0" not in ledger.held and ledger.held == {"p0#1": 1}
+
+
+def test_only_the_gpu_tier_of_the_first_cache_group_counts() -> None:
+    index = PrefixIndex()
+    ledger = KVEventLedger(index)
+    ledger.apply("r", 0, KVEventBatch(0.0, [stored([1, 2], None, 0)]))
+    ledger.apply(
+        "r",
+        1,
+        KVEventBatch(
+            0.0,
+            [
+                BlockRemoved([1, 2], "CPU"),  # the offload tier's copy goes; the GPU's stays
+                BlockRemoved([1, 2], "GPU", group_idx=1),  # a sliding window's group
+                stored([9], None, 500, group_idx=1),
+            ],
+        ),
+    )
+    assert ledger.held == {"r": 2}
+    ledger.apply("r", 2, KVEventBatch(0.0, [BlockRemoved([2], "GPU", group_idx=0)]))
+    assert ledger.held == {"r": 1}
+    packed = struct.pack(f"<{2 * BLOCK_SIZE}I", *range(2 * BLOCK_SIZE))
+    assert index.match(token_block_keys(packed, BLOCK_SIZE)) == {"r": 1}
+
+
+def test_replicas_fed_the_same_events_hold_the_same_blocks() -> None:
+    cache = cache_with(capacity=32)
+    ledgers = [KVEventLedger(PrefixIndex()) for _ in range(2)]
+    for n, text in enumerate([b"x" * 700, b"y" * 900, b"x" * 500 + b"z" * 600]):
+        cache_prompt(cache, text)
+        batch = KVEventBatch(0.0, cache.take_events())
+        for ledger in ledgers:
+            ledger.apply("p#0", n, batch)
+    probe = keys_of(b"x" * 700)
+    assert ledgers[0].index.match(probe) == ledgers[1].index.match(probe) != {}
+    assert ledgers[0].held == ledgers[1].held

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sim.tokenizer import count_tokens, encode_token_ids, render_chat, word_for
+from baton.core.sim_tokenizer import count_tokens, encode_token_ids, render_chat, word_for
 
 
 def test_every_four_bytes_make_one_token() -> None:

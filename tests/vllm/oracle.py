@@ -115,6 +115,7 @@ def serve(argv: list[str]) -> dict[str, Any]:
     fields["api_key"] = args.api_key
     fields["eplb_config"] = _plain(engine.eplb_config)
     fields["kv_transfer_config"] = _plain(engine.kv_transfer_config)
+    fields["kv_events_config"] = _plain(engine.kv_events_config)
     fields["speculative_config"] = _plain(engine.speculative_config)
     return {"ok": True, "args": fields}
 

@@ -95,6 +95,10 @@ def test_every_prefill_line_parses_as_a_dep2_instance(vllm: Vllm) -> None:
         assert (parsed["data_parallel_size"], parsed["data_parallel_size_local"]) == (2, 2)
         assert parsed["enable_expert_parallel"] and not parsed["enable_eplb"]
         assert parsed["kv_transfer_config"]["kv_connector"] == "NixlConnector"
+        # its KV events, published where the gateway reads them (rank r on port 5557 + r)
+        events = parsed["kv_events_config"]
+        assert events["enable_kv_cache_events"] and events["publisher"] == "zmq"
+        assert events["endpoint"] == "tcp://*:5557"
 
 
 @pytest.mark.parametrize(

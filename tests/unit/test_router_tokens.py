@@ -1,0 +1,133 @@
+"""router/tokens.py: a prompt's token ids as the engine will see them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+from baton.core.sim_tokenizer import encode_token_ids, render_chat
+from router.settings import GatewaySettings
+from router.tokens import HFTokenizer, SimTokenizer, load_tokenizer
+
+MESSAGES: list[dict[str, object]] = [
+    {"role": "system", "content": "You route prefills."},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "Which rank?"}, {"type": "text", "text": "Now."}],
+    },
+]
+# A template in the style of the models' own: the BOS token variable, a loop with `loop`
+# controls, tojson of a tool list, raise_exception for a role it does not know.
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n"
+    "{% if loop.last and tools %}<|tools|>{{ tools | tojson }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL = ["<s>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tools|>"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model's tokenizer files as transformers saves them: a byte-level BPE trained here, its
+    post-processor adding BOS, and the chat template in tokenizer_config.json."""
+    folder = tmp_path_factory.mktemp("model")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(["which rank routes the prefill now"] * 50, trainer=trainer)
+    bpe.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bpe.token_to_id("<s>"))]
+    )
+    bpe.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": {"content": "<s>"}, "eos_token": "<|end|>", "chat_template": TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def ids(packed: bytes | None) -> list[int]:
+    assert packed is not None
+    return [int(token) for token in np.frombuffer(packed, dtype="<u4")]
+
+
+def test_the_sim_tokenizer_is_the_simulators_template_and_byte_rule() -> None:
+    tokens = SimTokenizer()
+    assert tokens.packed({"messages": MESSAGES}) == render_chat(MESSAGES)
+    assert tokens.packed({"messages": MESSAGES, "add_generation_prompt": False}) == render_chat(
+        MESSAGES, False
+    )
+    assert tokens.packed({"prompt": "abcd efgh"}) == b"abcd efgh"
+    assert tokens.packed({"prompt": ["abcd"]}) == b"abcd"
+    assert tokens.packed({"prompt": [7, 2**31]}) == encode_token_ids([7, 2**31])
+    # what the engine renders otherwise, or refuses, is not guessed at
+    assert tokens.packed({"messages": MESSAGES, "continue_final_message": True}) is None
+    assert tokens.packed({"prompt": [-1]}) is None
+    assert tokens.packed({"prompt": ["a", "b"]}) is None
+
+
+def test_a_chat_is_rendered_with_the_models_template_and_tokenized_without_special_tokens(
+    model_dir: Path,
+) -> None:
+    tokens = HFTokenizer(model_dir)
+    tools = [{"type": "function", "function": {"name": "route<1>"}}]
+    rendered = (
+        "<s><|system|>You route prefills.<|end|>\n<|user|>Which rank?\nNow.<|end|>\n"
+        '<|tools|>[{"type": "function", "function": {"name": "route<1>"}}]<|end|><|assistant|>'
+    )
+    expected = tokens.tokenizer.encode(rendered, add_special_tokens=False).ids
+    assert ids(tokens.packed({"messages": MESSAGES, "tools": tools})) == expected
+    assert expected[0] == tokens.tokenizer.token_to_id("<s>")  # once: the template's, not twice
+
+
+def test_a_completion_prompt_gets_the_tokenizers_special_tokens_unless_asked_not_to(
+    model_dir: Path,
+) -> None:
+    tokens = HFTokenizer(model_dir)
+    bos = tokens.tokenizer.token_to_id("<s>")
+    plain = tokens.tokenizer.encode("which rank", add_special_tokens=False).ids
+    assert ids(tokens.packed({"prompt": "which rank"})) == [bos, *plain]
+    assert ids(tokens.packed({"prompt": "which rank", "add_special_tokens": False})) == plain
+    assert ids(tokens.packed({"prompt": [5, 6, 7]})) == [5, 6, 7]
+
+
+def test_a_chat_the_template_refuses_or_cannot_render_is_not_keyed(model_dir: Path) -> None:
+    tokens = HFTokenizer(model_dir)
+    assert tokens.packed({"messages": [{"role": "tool", "content": "x"}]}) is None
+    bare = model_dir.parent / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    assert HFTokenizer(bare).packed({"messages": MESSAGES}) is None  # no chat template
+    assert ids(load_tokenizer(str(bare)).packed({"prompt": [1]})) == [1]
+
+
+def test_a_tokenizer_directory_without_its_files_is_refused_naming_the_flag(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
+        HFTokenizer(tmp_path)
+    with pytest.raises(ValueError, match=r"--tokenizer: .*no tokenizer\.json in"):
+        GatewaySettings.from_flags(_flags(tokenizer=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"--kv-events-port: .*give --tokenizer too"):
+        GatewaySettings.from_flags(_flags(kv_events_port=5557))
+    assert GatewaySettings.from_flags(_flags(tokenizer="sim", kv_events_port=5557)).tokenizer
+
+
+def _flags(**values: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    GatewaySettings.add_flags(parser)
+    args = parser.parse_args([])
+    for name, value in values.items():
+        setattr(args, name, value)
+    return args
