@@ -26,7 +26,11 @@ choice, so routing state never has to be shared between them.
    two holding the longest prefixes, equals in the key's order (power of two choices): the
    key's first two when none holds any, so conversations that share only what no rank holds yet
    spread by key, and requests of many keys that share a prefix spill onto the rank that holds
-   it next, not onto each key's own.
+   it next, not onto each key's own. A prefix pulls a request only where it is more than
+   ``cache_threshold`` of the prompt (vllm-router's and SGLang's cache-aware default, 0.3):
+   conversations that share only a chat template's opening or a system prompt spread by key,
+   where otherwise every one would pile onto the first ranks that computed that opening (with
+   the engines' KV events, the index knows it to the block).
 4. Load bound, in uncached prompt tokens: what the engines will compute, since a prompt's
    cached prefix costs a rank next to nothing (an agentic turn resends its whole history,
    nearly all of it cached where the session's last turn ran). A candidate's load with the
@@ -180,6 +184,7 @@ class RoutingPolicy:
     prefill: PrefillPolicy = PrefillPolicy.AFFINITY
     imbalance_tokens: int = 8192  # one prefill step of spill-over allowance
     pd_threshold_tokens: int = 256  # vllm-router's default for skipping P/D
+    cache_threshold: float = 0.3  # the share of a prompt a cached prefix must pass to pull it
 
 
 def _digest(*parts: bytes) -> bytes:
@@ -316,7 +321,12 @@ def choose_prefill(
     # order (with none holding any, the key's first two). Leaving the first costs its cached
     # prefix; a spill goes where the prefix is too, when it is anywhere else, so that requests
     # sharing a hot prefix under many keys spill onto one more rank, not many.
-    pair = sorted(ranked, key=lambda view: -view.cached_tokens)[:2]  # stable: key order
+    def pull(view: PrefillView) -> int:  # the prefix, where it is enough to follow
+        return (
+            view.cached_tokens if view.cached_tokens > policy.cache_threshold * prompt_tokens else 0
+        )
+
+    pair = sorted(ranked, key=lambda view: -pull(view))[:2]  # stable: key order
     if policy.prefill is PrefillPolicy.LEAST_LOADED:
         view = min(ranked, key=load)
     elif len(pair) > 1 and load(pair[0]) > load(pair[1]) + _spill_bound(pair[0], pair[1], policy):

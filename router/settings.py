@@ -28,6 +28,7 @@ from router.handoff import Timeouts
 from router.policy import PrefillPolicy, RoutingPolicy
 from router.pool import STALL_AFTER_S
 from router.targets import PoolSpec
+from router.tokens import check_tokenizer
 
 __all__ = ["GatewayConfig", "GatewaySettings"]
 
@@ -48,6 +49,12 @@ class GatewaySettings(BaseModel):
         _ROUTING.imbalance_tokens,
         ge=0,
         description="uncached-token gap at which affinity spills to the 2nd choice",
+    )
+    cache_threshold: float = Field(
+        _ROUTING.cache_threshold,
+        ge=0,
+        le=1,
+        description="share of a prompt a rank's cached prefix must pass to pull the request there",
     )
     prefill_timeout_s: float = Field(
         _TIMEOUTS.prefill_s, gt=0, description="seconds for the prefill leg"
@@ -113,11 +120,8 @@ class GatewaySettings(BaseModel):
     @field_validator("tokenizer")
     @classmethod
     def _tokenizer_files(cls, value: str) -> str:
-        if value and value != "sim" and not (Path(value) / "tokenizer.json").is_file():
-            raise ValueError(
-                f"no tokenizer.json in {value}: give the model's directory (the files vLLM "
-                "reads its tokenizer from), or 'sim' for baton sim engines"
-            )
+        if value:
+            check_tokenizer(value)
         return value
 
     @model_validator(mode="after")
@@ -168,6 +172,7 @@ class GatewaySettings(BaseModel):
             prefill=self.policy,
             imbalance_tokens=self.imbalance_tokens,
             pd_threshold_tokens=self.pd_threshold_tokens,
+            cache_threshold=self.cache_threshold,
         )
 
     def timeouts(self) -> Timeouts:

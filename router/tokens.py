@@ -35,7 +35,7 @@ from tokenizers import Tokenizer
 
 from baton.core.sim_tokenizer import encode_token_ids, render_chat
 
-__all__ = ["HFTokenizer", "PromptTokenizer", "SimTokenizer", "load_tokenizer"]
+__all__ = ["HFTokenizer", "PromptTokenizer", "SimTokenizer", "check_tokenizer", "load_tokenizer"]
 
 
 class PromptTokenizer(Protocol):
@@ -87,13 +87,8 @@ class HFTokenizer:
 
     def __init__(self, directory: str | Path) -> None:
         folder = Path(directory)
-        source = folder / "tokenizer.json"
-        if not source.is_file():
-            raise ValueError(
-                f"--tokenizer {folder}: no tokenizer.json there; give the model's directory "
-                "(the files vLLM reads its tokenizer from), or 'sim' for baton sim engines"
-            )
-        self.tokenizer = Tokenizer.from_file(str(source))
+        check_tokenizer(str(folder))
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config_file = folder / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.special_tokens = {
@@ -154,6 +149,15 @@ class HFTokenizer:
     def _encode(self, text: str, *, special: bool) -> bytes:
         ids = self.tokenizer.encode(text, add_special_tokens=special).ids
         return np.asarray(ids, dtype="<u4").tobytes()
+
+
+def check_tokenizer(value: str) -> None:
+    """ValueError unless ``value`` is ``sim`` or a directory holding ``tokenizer.json``."""
+    if value != "sim" and not (Path(value) / "tokenizer.json").is_file():
+        raise ValueError(
+            f"no tokenizer.json in {value}: give the model's directory (the files vLLM reads "
+            "its tokenizer from), or 'sim' for baton sim engines"
+        )
 
 
 def load_tokenizer(value: str) -> PromptTokenizer:

@@ -452,6 +452,24 @@ def test_the_dp_rank_holding_the_prefix_takes_the_prompt() -> None:
     assert choice is not None and choice.view.dp_rank == 1 - keyed and not choice.spilled
 
 
+def test_conversations_that_share_only_an_opening_spread_by_key_not_onto_its_holders() -> None:
+    # Seen replaying a production trace with the engines' KV events: every prompt shared its
+    # first 16-token block, so the first two ranks that computed it held a prefix of every
+    # prompt, took every prefill and left 16 of 18 instances idle.
+    k = key("session-1")
+    first = chosen(snapshot(FOUR), k)
+    holders = [view for view in FOUR if view.name != first][:2]
+    opening = [replace(view, cached_tokens=16) if view in holders else view for view in FOUR]
+    assert chosen(snapshot(opening), k) == first
+    # a system prompt of 30% of the prompt is not enough either; a third of it is
+    system = [replace(v, cached_tokens=PROMPT * 3 // 10) if v in holders else v for v in FOUR]
+    assert chosen(snapshot(system), k) == first
+    history = [replace(v, cached_tokens=PROMPT // 3 + 1) if v in holders else v for v in FOUR]
+    assert chosen(snapshot(history), k) in {view.name for view in holders}
+    # a threshold of 0 follows any prefix, however short
+    assert chosen(snapshot(opening), k, replace(POLICY, cache_threshold=0.0)) != first
+
+
 def test_a_prompt_never_queues_on_a_busy_rank_past_the_bound_while_its_sibling_is_idle() -> None:
     # Seen replaying a production trace at 64x: a DP rank holding the prefix had seconds of
     # prefill queued while its sibling rank sat idle, since load was bounded per instance.
