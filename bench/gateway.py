@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,21 +233,22 @@ def _baton_phases(url: str) -> dict[str, float]:
     return phases
 
 
-def start_routers(prefill: str, decode: str) -> dict[str, tuple[subprocess.Popen[bytes], str]]:
+def start_routers(
+    prefill: str, decode: str, variants: Mapping[str, Sequence[str]] | None = None
+) -> dict[str, tuple[subprocess.Popen[bytes], str]]:
     """Baton's gateway and vllm-router (P/D, round robin) in front of the two engines, each
-    pinned to core 1: by name, their process and URL."""
+    pinned to core 1: by name, their process and URL; ``variants``: more Baton gateways, by
+    name, each with these flags besides."""
+
+    def baton_gateway(port: int, *flags: str) -> list[str]:
+        return baton_command(
+            "gateway",
+            *("--port", str(port), "--prefill", prefill, "--decode", decode),
+            *("--log-level", "warning", *flags),
+        )
+
     baton_port, vllm_port = free_port(), free_port()
-    baton = baton_command(
-        "gateway",
-        "--port",
-        str(baton_port),
-        "--prefill",
-        prefill,
-        "--decode",
-        decode,
-        "--log-level",
-        "warning",
-    )
+    baton = baton_gateway(baton_port)
     binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     vllm = [
         binary,
@@ -268,28 +269,35 @@ def start_routers(prefill: str, decode: str) -> dict[str, tuple[subprocess.Popen
         "warning",
     ]
     baton_url, vllm_url = f"http://127.0.0.1:{baton_port}", f"http://127.0.0.1:{vllm_port}"
-    return {
+    routers = {
         "baton": (spawn(baton, 1, url=baton_url), baton_url),
         "vllm-router": (spawn(vllm, 1, url=vllm_url), vllm_url),
     }
+    for name, flags in (variants or {}).items():
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        routers[name] = (spawn(baton_gateway(port, *flags), 1, url=url), url)
+    return routers
 
 
 Target = tuple[str, str, "subprocess.Popen[bytes] | None"]
 
 
 @contextmanager
-def direct_and_routed(profile: str) -> Iterator[list[Target]]:
+def direct_and_routed(
+    profile: str, variants: Mapping[str, Sequence[str]] | None = None
+) -> Iterator[list[Target]]:
     """A prefill and a decode engine of ``profile`` (core 0) and the routers in front of them
     (core 1), this process on core 0; what to measure: the decode engine directly, then each
-    router, by name with its URL and process (None for the engine). Stopped when the block
-    ends."""
+    router, by name with its URL and process (None for the engine); ``variants``: more Baton
+    gateways, by name with their extra flags. Stopped when the block ends."""
     processes: list[subprocess.Popen[bytes]] = []
     try:
         prefill_process, prefill = start_engine(profile)
         processes.append(prefill_process)
         decode_process, decode = start_engine(profile)
         processes.append(decode_process)
-        routers = start_routers(prefill, decode)
+        routers = start_routers(prefill, decode, variants)
         processes += [process for process, _ in routers.values()]
         pin(os.getpid(), 0)
         yield [("direct", decode, None)] + [

@@ -12,6 +12,12 @@ a short user turn, 2 output tokens) from ``CONCURRENCY`` clients:
   = body bytes / CPU per request;
 - TTFT p50, and the p50 added over sending the same requests straight to the decode engine
   (which skips prefill).
+
+Baton's gateway runs three ways: keying prompts by their bytes (``baton``), and tokenizing each
+prompt as the engines would, for their KV events (``--tokenizer``): with the simulator's rule
+(``baton+sim-tokens``), and with a Hugging Face tokenizer, the tiny BPE of the live vLLM tests'
+model, where ``make vllm-cpu-env`` built it (``baton+hf-tokens``; a 512-token vocabulary, so its
+speed per byte stands for a real model's only roughly).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import orjson
 
 from bench.gateway import MODEL, direct_and_routed, instant_profile
 from bench.procstat import cpu_seconds
+from rigs.vllm_live import cpu_vllm
 
 __all__ = ["run"]
 
@@ -119,9 +126,11 @@ def _measure(
 def run(quick: bool = False) -> dict[str, object]:
     rounds, body_mb = (1, 10) if quick else (3, BODY_MB)
     rows: list[_Figures] = []
+    variants = _tokenizing_variants()
+    routers = ("baton", *variants, "vllm-router")
     with (
         tempfile.TemporaryDirectory() as directory,
-        direct_and_routed(instant_profile(Path(directory), 0.0)) as targets,
+        direct_and_routed(instant_profile(Path(directory), 0.0), variants) as targets,
     ):
         for _ in range(rounds):  # interleaved: drift on a shared machine hits all alike
             for size_kb in SIZES_KB:
@@ -141,21 +150,25 @@ def run(quick: bool = False) -> dict[str, object]:
                     "ttft_p50_ms",
                 )
             }
-            for target in ("direct", "baton", "vllm-router")
+            for target in ("direct", *routers)
         }
         for size_kb in SIZES_KB
     }
     for figures in summary.values():
-        for target in ("baton", "vllm-router"):
+        for target in routers:
             figures[target]["added_ttft_p50_ms"] = (
                 figures[target]["ttft_p50_ms"] - figures["direct"]["ttft_p50_ms"]
             )
     ratios = {
-        size: figures["baton"]["router_cpu_ms_per_request"]
-        / figures["vllm-router"]["router_cpu_ms_per_request"]
+        size: {
+            target: figures[target]["router_cpu_ms_per_request"]
+            / figures["vllm-router"]["router_cpu_ms_per_request"]
+            for target in routers
+            if target != "vllm-router"
+        }
         for size, figures in summary.items()
     }
-    _print(summary, ratios)
+    _print(summary, ratios, routers)
     return {
         "benchmark": "gateway-prompts",
         "body_mb_per_size": body_mb,
@@ -166,11 +179,26 @@ def run(quick: bool = False) -> dict[str, object]:
     }
 
 
-def _print(summary: dict[str, dict[str, dict[str, float]]], ratios: dict[str, float]) -> None:
+def _tokenizing_variants() -> dict[str, list[str]]:
+    """The gateway tokenizing prompts: the simulator's rule, and a Hugging Face tokenizer
+    where the live tests' model was built."""
+    variants = {"baton+sim-tokens": ["--tokenizer", "sim"]}
+    try:
+        variants["baton+hf-tokens"] = ["--tokenizer", str(cpu_vllm().model("tiny-qwen3-moe"))]
+    except RuntimeError as exc:  # not built: measured without it, and said so
+        print(f"gateway-prompts: no Hugging Face tokenizer measured: {exc}", flush=True)
+    return variants
+
+
+def _print(
+    summary: dict[str, dict[str, dict[str, float]]],
+    ratios: dict[str, dict[str, float]],
+    routers: tuple[str, ...],
+) -> None:
     header = ("body", "target", "CPU ms/req", "req/s/core", "MB/s/core", "TTFT p50", "+p50")
     print("  ".join(f"{h:>12}" for h in header))
     for size, figures in summary.items():
-        for target in ("baton", "vllm-router"):
+        for target in routers:
             f = figures[target]
             cells = (
                 size,
@@ -182,4 +210,5 @@ def _print(summary: dict[str, dict[str, dict[str, float]]], ratios: dict[str, fl
                 f"{f['added_ttft_p50_ms']:+.1f} ms",
             )
             print("  ".join(f"{c:>12}" for c in cells))
-        print(f"  {size}: Baton CPU/request = {ratios[size]:.2f}x vllm-router's", flush=True)
+        for target, ratio in ratios[size].items():
+            print(f"  {size}: {target} CPU/request = {ratio:.2f}x vllm-router's", flush=True)

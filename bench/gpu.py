@@ -107,6 +107,7 @@ from rigs.vllm_live import (
     live_spec,
 )
 from router.handoff import decode_body, prefill_body
+from router.targets import DecodeServerSpec, PoolCell, PoolSpec
 from sim.fit import DecodeSample, HandoffSample, PrefillSample, fit_profile, residuals
 from sim.shared_gpu import step_stretch
 
@@ -259,6 +260,7 @@ class Engine:
     url: str
     pid: int
     log: str
+    kv_events: str = ""  # where a prefill engine's DP rank 0 publishes its KV events
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,10 +397,18 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_bytes = (
             platform.kv_cache_bytes if isinstance(platform, GpuVllm) else KV_CACHE_BYTES
         )
-    # what the later steps need to know of this start (the profile: the model and its KV)
+    # what the later steps need to know of this start (the profile: the model and its KV; the
+    # tokenizer the gateway keys prompts with, as the engines tokenize them)
+    tokenizer = "sim" if isinstance(platform, SimVllm) else str(model)
     (state / "start.json").write_text(
         json.dumps(
-            {"model": str(model), "shape": shape, "card": card, "kv_cache_bytes": kv_cache_bytes}
+            {
+                "model": str(model),
+                "shape": shape,
+                "card": card,
+                "kv_cache_bytes": kv_cache_bytes,
+                "tokenizer": tokenizer,
+            }
         )
     )
     directory = state / "engines"
@@ -422,7 +432,8 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
         rig.stop()  # a failed start leaves no engine holding the GPU
         raise
     engines = [
-        Engine(name, e.role, e.url, e.process.pid, str(e.log_path)) for name, e in cells.items()
+        Engine(name, e.role, e.url, e.process.pid, str(e.log_path), e.kv_events or "")
+        for name, e in cells.items()
     ]
     (state / "engines.json").write_text(json.dumps([asdict(e) for e in engines], indent=1))
     try:
@@ -599,19 +610,34 @@ def _reset_caches(engines: Sequence[Engine]) -> None:
         response.raise_for_status()
 
 
+def _tokenizer(state: Path) -> str | None:
+    """The tokenizer the engines of ``state`` were started with (None: not recorded)."""
+    started = json.loads((state / "start.json").read_text())
+    tokenizer: str | None = started.get("tokenizer")
+    return tokenizer
+
+
 @contextmanager
-def baton_gateway(engines: Sequence[Engine], directory: Path) -> Iterator[str]:
+def baton_gateway(
+    engines: Sequence[Engine], directory: Path, tokenizer: str | None = None
+) -> Iterator[str]:
+    """Baton's gateway in front of ``engines``, reading the prefill engines' KV events with
+    ``tokenizer`` where it is given (else keying prompts by their bytes)."""
     port = free_port()
+    prefill = [e for e in engines if e.role == "prefill"]
+    cell = PoolCell(
+        name="bench",
+        prefill=tuple(e.url for e in prefill),
+        decode=tuple(DecodeServerSpec(url=e.url) for e in engines if e.role == "decode"),
+        kv_events={e.url: e.kv_events for e in prefill if e.kv_events and tokenizer},
+    )
+    pool = directory / f"pool-{port}.json"
+    pool.write_text(PoolSpec(cells=(cell,)).model_dump_json())
     command = baton_command(
         "gateway",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *[a for e in engines if e.role == "prefill" for a in ("--prefill", e.url)],
-        *[a for e in engines if e.role == "decode" for a in ("--decode", e.url)],
-        "--log-level",
-        "warning",
+        *("--host", "127.0.0.1", "--port", str(port), "--pool", str(pool)),
+        *(("--tokenizer", tokenizer) if tokenizer else ()),
+        *("--log-level", "warning"),
     )
     log_path = directory / "gateway.log"
     with log_path.open("ab") as log:
@@ -634,7 +660,7 @@ def baton_gateway(engines: Sequence[Engine], directory: Path) -> Iterator[str]:
 @contextmanager
 def _router(name: str, engines: Sequence[Engine], directory: Path) -> Iterator[str]:
     if name == "baton":
-        with baton_gateway(engines, directory) as url:
+        with baton_gateway(engines, directory, _tokenizer(directory.parent)) as url:
             yield url
         return
     prefill = [e.url for e in engines if e.role == "prefill"]
@@ -918,7 +944,7 @@ def overhead(state: Path, requests: int) -> dict[str, Any]:
     decode = next(e for e in engines if e.role == "decode")
     directory = state / "routers"
     directory.mkdir(parents=True, exist_ok=True)
-    with baton_gateway([prefill, decode], directory) as url:
+    with baton_gateway([prefill, decode], directory, _tokenizer(state)) as url:
         records = asyncio.run(_overhead_pairs(url, prefill, decode, requests))
         # every gateway request must have been a handoff too, or the comparison is not one
         paths = _routing_paths(url)
