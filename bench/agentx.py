@@ -604,6 +604,14 @@ def gateway_affinity(gateway: str) -> dict[str, float]:
     return _gateway_counter(gateway, "baton_gateway_affinity_total", "result", ("hit", "miss"))
 
 
+def gateway_kv_events(gateway: str) -> dict[str, float]:
+    """Batches of the engines' KV events Baton's gateway read, by outcome (``applied``,
+    ``undecodable``): whether its prefix index heard from the engines at all."""
+    return _gateway_counter(
+        gateway, "baton_gateway_kv_event_batches_total", "outcome", ("applied", "undecodable")
+    )
+
+
 def gateway_not_reused(gateway: str) -> dict[str, float]:
     """Prompt tokens Baton's gateway had sent a prefill rank before and saw computed again, by
     cause (``routed_away``, ``absent``): its own record of where reuse went."""

@@ -83,6 +83,7 @@ from bench.agentx import (
     drive_sessions,
     fmt,
     gateway_affinity,
+    gateway_kv_events,
     gateway_not_reused,
     served_model,
     stream_into,
@@ -715,6 +716,7 @@ def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) ->
         records, theoretical, wall_s, unmeasured_s = load(url)
         affinity = gateway_affinity(url) if name == "baton" else None
         not_reused = gateway_not_reused(url) if name == "baton" else None
+        kv_events = gateway_kv_events(url) if name == "baton" else None
     after = {e.name: _sources(e.url) for e in engines}
     steps_after = _sim_steps(engines)
     delta = {e.name: {s: after[e.name][s] - before[e.name][s] for s in SOURCES} for e in engines}
@@ -743,6 +745,7 @@ def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) ->
         "affinity": affinity,
         # the gateway's own count, warmup included, of tokens a rank held and prefill computed
         "not_reused_tokens": not_reused,
+        "kv_event_batches": kv_events,
         "prompt_tokens_by_source": dict(by_role),
         "per_engine": delta,
         # every answered prompt's KV pulled by a decode engine, none computed there

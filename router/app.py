@@ -313,6 +313,7 @@ class _Api:
             stall_after_s=settings.stall_after_s,
             max_requests_per_rank=settings.max_requests_per_rank,
             kv_events_port=settings.kv_events_port,
+            prefix_index_blocks=settings.prefix_index_blocks,
         )
 
         def ejected(url: str, reason: str, panic: bool) -> None:

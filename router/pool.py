@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from baton.core.kv_events import KVEventBatch, rank_endpoint
 from router.policy import DecodeRankView, PoolSnapshot, PrefillView
-from router.prefix import KVEventLedger, PrefixIndex, PromptBlocks
+from router.prefix import INDEX_BLOCKS, KVEventLedger, PrefixIndex, PromptBlocks
 from router.targets import PoolCell, kv_events_host
 
 __all__ = [
@@ -167,14 +167,14 @@ class Pool:
         clock: Callable[[], float],
         stall_after_s: float = STALL_AFTER_S,
         breaker: Callable[[], Breaker] = Breaker,
-        prefixes: PrefixIndex | None = None,
+        prefix_index_blocks: int = INDEX_BLOCKS,
         max_requests_per_rank: int = 0,
         kv_events_port: int = 0,
     ) -> None:
         """``clock``: monotonic seconds (the breakers', the stall bound's and the health rounds'
         time); ``stall_after_s``: seconds a decode server may run requests without counting a
         token before it is routed around; ``breaker`` makes each target's circuit breaker;
-        ``prefixes``: the index of what each prefill DP rank was sent (a default one);
+        ``prefix_index_blocks``: the blocks the prefix index remembers (``router/prefix.py``);
         ``max_requests_per_rank``: the requests a decode rank may hold, this gateway's and other
         replicas' (0: no bound; see :meth:`has_place`); ``kv_events_port``: the port every
         prefill engine's DP rank 0 publishes its KV events on, at the engine's host, where its
@@ -189,7 +189,7 @@ class Pool:
         self.on_place_freed: Callable[[], None] = lambda: None
         self.stall_after_s = stall_after_s
         self._new_breaker = breaker
-        self.prefixes = prefixes or PrefixIndex()
+        self.prefixes = PrefixIndex(prefix_index_blocks)
         self.ledger = KVEventLedger(self.prefixes)
         self.kv_events_port = kv_events_port
         self._prefills = 0

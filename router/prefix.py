@@ -57,8 +57,11 @@ __all__ = [
 # estimate, coarse enough that a 500 KB prompt hashes in about a hundred steps.
 BLOCK_BYTES = 4096
 BLOCK_TOKENS = BLOCK_BYTES // BYTES_PER_TOKEN
-# Blocks remembered, over every rank: about 256M tokens of prefixes (two racks' prefill
-# instances hold about as much) in about 50 MB (measured with tracemalloc).
+# Blocks remembered, over every rank: of bytes, about 256M tokens of prefixes (two racks'
+# prefill instances hold about as much) in about 50 MB (measured with tracemalloc); of the
+# engines' token blocks, with their KV events, 4M tokens at 16 tokens a block in about 75 MB
+# (about 280 bytes a block with its ledger entry, measured by RSS): far less than the engines
+# hold, so ``--prefix-index-blocks`` raises it.
 INDEX_BLOCKS = 262_144
 
 
@@ -171,9 +174,8 @@ class KVEventLedger:
     offload tier's removals leave the GPU's copy.
     """
 
-    def __init__(self, index: PrefixIndex, capacity_blocks: int = INDEX_BLOCKS) -> None:
+    def __init__(self, index: PrefixIndex) -> None:
         self.index = index
-        self.capacity_blocks = capacity_blocks
         self.block_size = 0  # the engines' tokens per block, from their events (0: none yet)
         self._keys: OrderedDict[tuple[str, BlockHash], bytes] = OrderedDict()
         self._sequence: dict[str, int] = {}
@@ -228,7 +230,7 @@ class KVEventLedger:
             self._keys[(rank, engine_hash)] = parent
             self._keys.move_to_end((rank, engine_hash))
             keys.append(parent)
-        while len(self._keys) > self.capacity_blocks:
+        while len(self._keys) > self.index.capacity_blocks:  # the index's bound holds here too
             (oldest, _), _ = self._keys.popitem(last=False)
             self.held[oldest] -= 1
         self.index.routed(rank, keys)

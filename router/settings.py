@@ -27,6 +27,7 @@ from baton.core.follow import DeploymentRef
 from router.handoff import Timeouts
 from router.policy import PrefillPolicy, RoutingPolicy
 from router.pool import STALL_AFTER_S
+from router.prefix import INDEX_BLOCKS
 from router.targets import PoolSpec
 from router.tokens import check_tokenizer
 
@@ -100,6 +101,12 @@ class GatewaySettings(BaseModel):
         description="the port each prefill engine's DP rank 0 publishes its KV events on "
         "(vLLM's --kv-events-config; rank r on PORT+r), read to know what each rank holds; "
         "needs --tokenizer (0: none)",
+    )
+    prefix_index_blocks: int = Field(
+        INDEX_BLOCKS,
+        ge=1024,
+        description="prompt blocks the prefix index remembers over every prefill rank, least "
+        "recently used forgotten first (with KV events about 280 bytes and 16 tokens each)",
     )
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest request body")
     body_timeout_s: float = Field(

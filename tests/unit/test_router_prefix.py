@@ -226,3 +226,15 @@ def test_replicas_fed_the_same_events_hold_the_same_blocks() -> None:
     probe = keys_of(b"x" * 700)
     assert ledgers[0].index.match(probe) == ledgers[1].index.match(probe) != {}
     assert ledgers[0].held == ledgers[1].held
+
+
+def test_the_ledger_remembers_no_more_blocks_than_its_index_and_counts_what_it_forgot() -> None:
+    index = PrefixIndex(capacity_blocks=4)
+    ledger = KVEventLedger(index)
+    ledger.apply("r", 0, KVEventBatch(0.0, [stored([1, 2, 3], None, 0)]))
+    ledger.apply("s", 0, KVEventBatch(0.0, [stored([7, 8, 9], None, 900)]))
+    assert len(ledger) == 4 and len(index) == 4
+    assert ledger.held == {"r": 1, "s": 3}  # the oldest two blocks of r forgotten
+    # a block stored after a forgotten parent cannot be keyed: skipped, not guessed
+    ledger.apply("r", 1, KVEventBatch(0.0, [stored([4], 1, 3 * BLOCK_SIZE)]))
+    assert ledger.skipped_blocks == 1 and ledger.held["r"] == 1
