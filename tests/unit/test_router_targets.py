@@ -82,8 +82,18 @@ def test_pool_file_loads_cells_with_normalised_urls(tmp_path: Path) -> None:
             "field 'cells.0.decode.0.rank': Extra inputs are not permitted",
         ),
         ("cells: []\n", "field 'cells': Tuple should have at least 1 item"),
+        (
+            "cells:\n- name: c0\n  prefill: ['http://p']\n  decode: [{url: 'http://d'}]\n"
+            "  kv_events: {'http://q': 'tcp://q:5557'}\n",
+            "kv_events names http://q, which is not one of the cell's prefill",
+        ),
+        (
+            "cells:\n- name: c0\n  prefill: ['http://p']\n  decode: [{url: 'http://d'}]\n"
+            "  kv_events: {'http://p': 'p:5557'}\n",
+            "kv_events of http://p: give tcp://HOST:PORT, not 'p:5557'",
+        ),
     ],
-    ids=["yaml", "missing-decode", "bad-url", "unknown-field", "no-cells"],
+    ids=["yaml", "missing-decode", "bad-url", "unknown-field", "no-cells", "kv-unknown", "kv-url"],
 )
 def test_pool_file_errors_name_the_file_and_the_field(
     tmp_path: Path, text: str, needle: str
