@@ -20,7 +20,13 @@ from kubernetes import client
 from baton.core.labels import CLIQUE_LABEL, DEPLOYMENT_LABEL
 from controller.podspec import EPLB_TOKEN_DIR
 from rigs.devcluster import ControlPlane, patch_model_deployment_spec, pods
-from rigs.processes import baton_command, eventually, stop_process, wait_healthy
+from rigs.processes import (
+    baton_command,
+    eventually,
+    kv_events_on_free_ports,
+    stop_process,
+    wait_healthy,
+)
 from tests.helpers import scrape
 from tests.k8s.helpers import apply, read, start_gateway_following, wait_ready
 
@@ -59,8 +65,10 @@ def run_engine_pods(
             env = {e.name: e.value for e in container.env if e.value is not None}
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = ip  # what the fieldRef gives a real pod
             log = logs / f"{name}.log"
+            argv = [mounted.get(arg, arg) for arg in container.command] + ["--host", ip]
+            kv_events_on_free_ports(argv)  # ZeroMQ binds every interface: pods share this host's
             engine = subprocess.Popen(
-                [mounted.get(arg, arg) for arg in container.command] + ["--host", ip],
+                argv,
                 env={**os.environ, **env},
                 stdout=log.open("wb"),
                 stderr=subprocess.STDOUT,

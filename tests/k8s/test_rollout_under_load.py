@@ -22,7 +22,7 @@ from kubernetes import client, watch
 from baton.core.kube import raw_json
 from baton.core.labels import DEPLOYMENT_LABEL, REVISION_LABEL
 from rigs.devcluster import ControlPlane, add_trays, patch_model_deployment_spec, remove_nodes
-from rigs.processes import baton_command, eventually, stop_process
+from rigs.processes import baton_command, eventually, kv_events_on_free_ports, stop_process
 from tests.k8s.helpers import apply, read, start_gateway_following, wait_ready
 
 pytestmark = pytest.mark.usefixtures("controller")
@@ -90,8 +90,10 @@ class Kubelet:
             env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = ip  # what the fieldRef gives a real pod
             log = self.logs / f"{pod['metadata']['name']}-{uid[:8]}.log"
+            argv = [*container["command"], "--host", ip]
+            kv_events_on_free_ports(argv)  # ZeroMQ binds every interface: pods share this host's
             self.running[uid] = subprocess.Popen(
-                [*container["command"], "--host", ip],
+                argv,
                 env={**os.environ, **env},
                 stdout=log.open("wb"),
                 stderr=subprocess.STDOUT,
