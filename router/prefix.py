@@ -76,12 +76,12 @@ def block_hashes(prompt: bytes, block_bytes: int = BLOCK_BYTES) -> tuple[bytes, 
     return tuple(hashes)
 
 
-def token_block_keys(packed: bytes, block_size: int) -> tuple[bytes, ...]:
+def token_block_keys(packed: bytes, block_size: int, parent: bytes = b"") -> tuple[bytes, ...]:
     """The chained keys of the full blocks of ``packed`` (token ids, 4 little-endian bytes
-    each): block i's key hashes block i-1's key and block i's token ids."""
+    each): block i's key hashes block i-1's key (``parent`` before the first) and block i's
+    token ids."""
     span = block_size * 4
     keys: list[bytes] = []
-    parent = b""
     for start in range(0, len(packed) - span + 1, span):
         parent = hashlib.blake2b(parent + packed[start : start + span], digest_size=16).digest()
         keys.append(parent)
@@ -216,20 +216,14 @@ class KVEventLedger:
                 self.skipped_blocks += len(event.block_hashes)
                 return
             parent = known
-        keys = []
-        ids = event.token_ids
-        for i, engine_hash in enumerate(event.block_hashes):
-            span = ids[i * size : (i + 1) * size]
-            if len(span) < size:
-                break
-            parent = hashlib.blake2b(
-                parent + struct.pack(f"<{size}I", *span), digest_size=16
-            ).digest()
+        # keyed as the gateway keys a prompt: one rule, so the two always meet
+        packed = struct.pack(f"<{len(event.token_ids)}I", *event.token_ids)
+        keys = token_block_keys(packed, size, parent)[: len(event.block_hashes)]
+        for engine_hash, key in zip(event.block_hashes, keys, strict=False):
             if (rank, engine_hash) not in self._keys:
                 self.held[rank] = self.held.get(rank, 0) + 1
-            self._keys[(rank, engine_hash)] = parent
+            self._keys[(rank, engine_hash)] = key
             self._keys.move_to_end((rank, engine_hash))
-            keys.append(parent)
         while len(self._keys) > self.index.capacity_blocks:  # the index's bound holds here too
             (oldest, _), _ = self._keys.popitem(last=False)
             self.held[oldest] -= 1
