@@ -4,8 +4,10 @@ Agentic prompts run to tens of thousands of tokens: request bodies of 50-500 KB.
 the same instant engines (``baton sim`` prefill and decode on the ``instant`` profile, pinned to
 core 0; the load generator shares that core), with Baton's gateway and vllm-router (P/D mode,
 round robin) each pinned to core 1, side by side and interleaved round by round. Per body size,
-``BODY_MB`` of streamed chat requests (a system message of that size, different for every request,
-a short user turn, 2 output tokens) from ``CONCURRENCY`` clients:
+``BODY_MB`` of streamed chat requests (a system message of that size, a short user turn, 2 output
+tokens) from ``CONCURRENCY`` clients. With ``--prompts fresh`` (the default) every request's system
+message is its own; with ``--prompts shared`` every request sends the same one (an agent's
+instructions) and a user turn of its own, as agents do:
 
 - router CPU milliseconds per request: the router process's utime + stime over the requests;
 - what one core of it sustains at that size: requests/s = 1 / CPU per request, and prompt MB/s
@@ -22,6 +24,7 @@ speed per byte stands for a real model's only roughly).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import subprocess
@@ -54,17 +57,19 @@ class _Figures(TypedDict):
     ttft_p50_ms: float
 
 
-def _bodies(size_kb: int, count: int) -> list[bytes]:
-    """``count`` chat bodies of about ``size_kb`` KB, each system prompt its own."""
+def _bodies(size_kb: int, count: int, shared: bool = False) -> list[bytes]:
+    """``count`` chat bodies of about ``size_kb`` KB: each system prompt its own, or
+    (``shared``) one system prompt and each user turn its own."""
     bodies = []
     for index in range(count):
-        words = [_WORDS[(index * 7 + i * 13 + i // 5) % len(_WORDS)] for i in range(size_kb * 150)]
-        system = f"request {index}: " + " ".join(words)
+        seed = 0 if shared else index
+        words = [_WORDS[(seed * 7 + i * 13 + i // 5) % len(_WORDS)] for i in range(size_kb * 150)]
+        system = ("instructions: " if shared else f"request {index}: ") + " ".join(words)
         body = {
             "model": MODEL,
             "messages": [
                 {"role": "system", "content": system[: size_kb * 1000]},
-                {"role": "user", "content": "Summarise the above."},
+                {"role": "user", "content": f"Summarise the above, part {index}."},
             ],
             "max_tokens": 2,
             "stream": True,
@@ -105,9 +110,14 @@ async def _send(url: str, bodies: list[bytes]) -> list[float]:
 
 
 def _measure(
-    target: str, url: str, process: subprocess.Popen[bytes] | None, size_kb: int, count: int
+    target: str,
+    url: str,
+    process: subprocess.Popen[bytes] | None,
+    size_kb: int,
+    count: int,
+    shared: bool,
 ) -> _Figures:
-    bodies = _bodies(size_kb, count)
+    bodies = _bodies(size_kb, count, shared)
     asyncio.run(_send(url, bodies[:2]))  # warm the connection pools
     before = cpu_seconds(process.pid) if process is not None else 0.0
     ttfts = asyncio.run(_send(url, bodies))
@@ -123,8 +133,18 @@ def _measure(
     }
 
 
-def run(quick: bool = False) -> dict[str, object]:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument_group("gateway-prompts").add_argument(
+        "--prompts",
+        choices=("fresh", "shared"),
+        default="fresh",
+        help="every request's system prompt its own (default), or one shared by all",
+    )
+
+
+def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str, object]:
     rounds, body_mb = (1, 10) if quick else (3, BODY_MB)
+    prompts = args.prompts if args is not None else "fresh"
     rows: list[_Figures] = []
     variants = _tokenizing_variants()
     routers = ("baton", *variants, "vllm-router")
@@ -136,7 +156,7 @@ def run(quick: bool = False) -> dict[str, object]:
             for size_kb in SIZES_KB:
                 for name, url, process in targets:
                     count = body_mb * 1000 // size_kb
-                    rows.append(_measure(name, url, process, size_kb, count))
+                    rows.append(_measure(name, url, process, size_kb, count, prompts == "shared"))
     summary = {
         f"{size_kb} KB": {
             target: {
@@ -170,7 +190,8 @@ def run(quick: bool = False) -> dict[str, object]:
     }
     _print(summary, ratios, routers)
     return {
-        "benchmark": "gateway-prompts",
+        "benchmark": "gateway-prompts" if prompts == "fresh" else "gateway-prompts-shared",
+        "prompts": prompts,
         "body_mb_per_size": body_mb,
         "concurrency": CONCURRENCY,
         "rounds": rows,

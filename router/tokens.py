@@ -17,12 +17,24 @@ Either returns the ids packed as 4 little-endian bytes each (:func:`token_block_
 them as they are), or None for a prompt it cannot render as the engine would (a request that
 asks to continue its final message, a template that raises): such a request is routed by its
 affinity key alone. A rendering that differs from the engine's costs only cache matches.
+
+A long prompt is tokenized in chunks (:class:`ChunkedEncoder`), cut where the tokenizer's
+pre-tokenizer splits the text anyway, so that the chunks' tokens are the whole text's: the
+chunks are encoded in parallel, and each chunk's tokens are kept under a hash of the text up to
+its end, so that the prefix a prompt shares with an earlier one (a conversation's earlier turns,
+an agent's instructions, a document) is not tokenized again (llm-d's KV-cache manager keeps a
+store of tokenized prefixes for the same reason). A tokenizer whose chunks would not give the
+whole text's tokens, as a self-check at load finds, is run on the whole text.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Mapping
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Protocol
@@ -35,7 +47,31 @@ from tokenizers import Tokenizer
 
 from baton.core.sim_tokenizer import encode_token_ids, render_chat
 
-__all__ = ["HFTokenizer", "PromptTokenizer", "SimTokenizer", "check_tokenizer", "load_tokenizer"]
+__all__ = [
+    "ChunkedEncoder",
+    "HFTokenizer",
+    "PromptTokenizer",
+    "SimTokenizer",
+    "check_tokenizer",
+    "chunk_ends",
+    "load_tokenizer",
+]
+
+# Characters a chunk runs to before it is cut at the next place the text allows: about a
+# thousand tokens, so that a prompt continuing a cached one re-tokenizes about that much.
+CHUNK_CHARS = 4096
+# Token ids kept for chunks already tokenized, over every prompt (4 bytes each): 16M tokens,
+# a few hundred of the longest agentic prompts.
+TOKEN_CACHE_BYTES = 64 * 2**20
+# Where a byte-level BPE's pre-tokenizer (GPT-2's, Llama 3's, Qwen's, DeepSeek's expressions)
+# ends a piece whatever follows: before a lone space between two letters (the space opens the
+# next word's piece), and after a lone newline between a non-space and a letter.
+_CUT = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])|(?<=\S\n)(?=[^\W\d_])")
+# Text with both kinds of cut, tokenized whole and in chunks when a tokenizer is loaded.
+_SELF_CHECK = (
+    "Route the prefill, then the decode rank.\nHandoff: KV blocks move over NIXL; "
+    "the cell's trays hold 4 GPUs each.\nDEP32 decode groups balance 256 experts. "
+)
 
 
 class PromptTokenizer(Protocol):
@@ -80,6 +116,106 @@ class SimTokenizer:
         return None
 
 
+def chunk_ends(text: str, every: int = CHUNK_CHARS) -> list[int]:
+    """Where ``text``'s chunks end: at the first cut (``_CUT``) at least ``every`` characters
+    past the last; the final end is the text's. A cut depends only on the characters around it,
+    so two texts sharing a prefix share the ends within it."""
+    ends: list[int] = []
+    start = 0
+    while (cut := _CUT.search(text, start + every)) is not None:
+        ends.append(cut.start())
+        start = cut.start()
+    ends.append(len(text))
+    return ends
+
+
+class ChunkedEncoder:
+    """A tokenizer's ids for long texts, encoded in chunks (:func:`chunk_ends`) and kept per
+    chunk, least recently used forgotten past ``cache_bytes`` of ids. Thread-safe: prompts are
+    tokenized on worker threads."""
+
+    def __init__(self, tokenizer: Tokenizer, cache_bytes: int = TOKEN_CACHE_BYTES) -> None:
+        self.tokenizer = tokenizer
+        self.cache_bytes = cache_bytes
+        self._chunks: OrderedDict[bytes, bytes] = OrderedDict()  # text hash to its chunk's ids
+        self._held = 0  # bytes of ids in _chunks
+        self._lock = threading.Lock()
+        # tokens a completion prompt gets around its text (BOS, ...), None: not separable
+        self._special = self._special_tokens()
+        # False where chunks' ids would not be the whole text's
+        self.chunked = self._ids(_SELF_CHECK, chunked=True) == self._ids(_SELF_CHECK, chunked=False)
+        self.chunked &= not any(len(chunk_ends(t, 1)) > 1 for t in _added_texts(tokenizer))
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of token ids the cache holds."""
+        return self._held
+
+    def packed(self, text: str, *, special: bool) -> bytes:
+        """``text``'s ids, 4 little-endian bytes each; with the tokenizer's special tokens around
+        them when ``special``."""
+        if not self.chunked or (special and self._special is None):
+            return _pack(self.tokenizer.encode(text, add_special_tokens=special).ids)
+        body = self._chunked(text)
+        if not special or self._special is None:
+            return body
+        before, after = self._special
+        return before + body + after
+
+    def _chunked(self, text: str) -> bytes:
+        ends = chunk_ends(text)
+        keys: list[bytes] = []
+        key = b""
+        for start, end in zip([0, *ends], ends[:-1], strict=False):  # the last one is not kept
+            key = hashlib.blake2b(key + text[start:end].encode(), digest_size=16).digest()
+            keys.append(key)
+        parts: list[bytes] = []
+        with self._lock:
+            for key in keys:
+                ids = self._chunks.get(key)
+                if ids is None:
+                    break
+                self._chunks.move_to_end(key)
+                parts.append(ids)
+        starts = [0, *ends[:-1]]
+        todo = [text[starts[i] : ends[i]] for i in range(len(parts), len(ends))]
+        encoded = [
+            _pack(encoding.ids)
+            for encoding in (
+                self.tokenizer.encode_batch(todo, add_special_tokens=False)
+                if len(todo) > 1
+                else [self.tokenizer.encode(todo[0], add_special_tokens=False)]
+            )
+        ]
+        with self._lock:
+            for key, ids in zip(keys[len(parts) :], encoded, strict=False):
+                if key not in self._chunks:
+                    self._held += len(ids)
+                self._chunks[key] = ids
+            while self._held > self.cache_bytes and self._chunks:
+                self._held -= len(self._chunks.popitem(last=False)[1])
+        return b"".join(parts + encoded)
+
+    def _ids(self, text: str, *, chunked: bool) -> list[int]:
+        if not chunked:
+            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        ends = chunk_ends(text, 1)
+        encodings = self.tokenizer.encode_batch(
+            [text[start:end] for start, end in zip([0, *ends], ends, strict=False)],
+            add_special_tokens=False,
+        )
+        return [token for encoding in encodings for token in encoding.ids]
+
+    def _special_tokens(self) -> tuple[bytes, bytes] | None:
+        """The ids the post-processor puts before and after a text's own, from a probe."""
+        plain = list(self.tokenizer.encode("a", add_special_tokens=False).ids)
+        full = list(self.tokenizer.encode("a", add_special_tokens=True).ids)
+        for at in range(len(full) - len(plain) + 1):
+            if full[at : at + len(plain)] == plain:
+                return _pack(full[:at]), _pack(full[at + len(plain) :])
+        return None
+
+
 class HFTokenizer:
     """A model's Hugging Face tokenizer and chat template, from its files."""
 
@@ -89,6 +225,7 @@ class HFTokenizer:
         folder = Path(directory)
         check_tokenizer(str(folder))
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.encoder = ChunkedEncoder(self.tokenizer)
         config_file = folder / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.special_tokens = {
@@ -143,12 +280,11 @@ class HFTokenizer:
         if isinstance(prompt, list) and all(
             isinstance(item, int) and 0 <= item < 2**32 for item in prompt
         ):
-            return np.asarray(prompt, dtype="<u4").tobytes()
+            return _pack(prompt)
         return None
 
     def _encode(self, text: str, *, special: bool) -> bytes:
-        ids = self.tokenizer.encode(text, add_special_tokens=special).ids
-        return np.asarray(ids, dtype="<u4").tobytes()
+        return self.encoder.packed(text, special=special)
 
 
 def check_tokenizer(value: str) -> None:
@@ -163,6 +299,16 @@ def check_tokenizer(value: str) -> None:
 def load_tokenizer(value: str) -> PromptTokenizer:
     """``--tokenizer``: ``sim``, or the directory of a model's tokenizer files."""
     return SimTokenizer() if value == "sim" else HFTokenizer(value)
+
+
+def _pack(ids: Sequence[int]) -> bytes:
+    return np.asarray(ids, dtype="<u4").tobytes()
+
+
+def _added_texts(tokenizer: Tokenizer) -> list[str]:
+    """The added tokens' texts (special and not): matched before the pre-tokenizer, so a cut
+    inside one would split it."""
+    return [token.content for token in tokenizer.get_added_tokens_decoder().values()]
 
 
 def _token_text(token: object) -> str | None:

@@ -296,7 +296,8 @@ def test_a_replica_knows_from_vllms_kv_events_the_blocks_its_prompt_will_find_ca
         *kv_event_flags(rig, cell["prefill"]),
     )
     eventually(lambda: httpx.get(f"{replica.url}/ready", timeout=5).status_code == 200, 300)
-    system = "The prefill rank keeps every block of the cell in its cache. " * 40
+    # long enough that the gateway tokenizes it in two chunks (router/tokens.py)
+    system = "The prefill rank keeps every block of the cell in its cache. " * 80
     firsts: list[ChatCompletionMessageParam] = [
         {"role": "system", "content": system},
         {"role": "user", "content": "Which rank computed this?"},

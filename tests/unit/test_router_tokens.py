@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from baton.core.sim_tokenizer import encode_token_ids, render_chat
 from router.settings import GatewaySettings
-from router.tokens import HFTokenizer, SimTokenizer, load_tokenizer
+from router.tokens import ChunkedEncoder, HFTokenizer, SimTokenizer, chunk_ends, load_tokenizer
 
 MESSAGES: list[dict[str, object]] = [
     {"role": "system", "content": "You route prefills."},
@@ -131,3 +132,83 @@ def _flags(**values: object) -> argparse.Namespace:
     for name, value in values.items():
         setattr(args, name, value)
     return args
+
+
+class _Recorder:
+    """A real tokenizer, recording the texts it is asked to encode."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.texts: list[str] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> object:
+        self.texts.append(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> object:
+        self.texts.extend(texts)
+        return self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+    def get_added_tokens_decoder(self) -> object:
+        return self.tokenizer.get_added_tokens_decoder()
+
+
+def _prose(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    vocabulary = ["which", "rank", "routes", "the", "prefill", "now", "é", "中文", "x=1;", "(a)"]
+    parts = [rng.choice(vocabulary) for _ in range(words)]
+    return "".join(
+        p + rng.choice([" ", " ", " ", "  ", "\n", ".\n", "\n\n", "\t", ", "]) for p in parts
+    )
+
+
+def test_a_long_prompts_chunks_give_the_whole_texts_tokens(model_dir: Path) -> None:
+    tokens = HFTokenizer(model_dir)
+    assert tokens.encoder.chunked
+    whole = tokens.tokenizer
+    for seed in range(20):
+        text = _prose(3000 + 500 * seed, seed)
+        assert len(chunk_ends(text)) > 1
+        assert ids(tokens.packed({"prompt": text})) == whole.encode(text).ids
+        assert ids(tokens.packed({"prompt": text, "add_special_tokens": False})) == (
+            whole.encode(text, add_special_tokens=False).ids
+        )
+
+
+def test_a_prompt_continuing_an_earlier_one_tokenizes_only_what_is_new(model_dir: Path) -> None:
+    recorder = _Recorder(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+    encoder = ChunkedEncoder(recorder)  # type: ignore[arg-type]
+    first = _prose(20_000, 1)
+    encoder.packed(first, special=False)
+    recorder.texts.clear()
+    second = first + "and the decode rank answers.\nwhich rank now"
+    assert (
+        encoder.packed(second, special=False)
+        == np.asarray(
+            recorder.tokenizer.encode(second, add_special_tokens=False).ids, dtype="<u4"
+        ).tobytes()
+    )
+    # the chunks before the last cut in the first prompt came from the cache
+    assert sum(len(text) for text in recorder.texts) <= len(second) - chunk_ends(first)[-2]
+
+
+def test_the_chunk_cache_keeps_its_bound(model_dir: Path) -> None:
+    encoder = ChunkedEncoder(Tokenizer.from_file(str(model_dir / "tokenizer.json")), 50_000)
+    for seed in range(10):
+        encoder.packed(_prose(20_000, seed), special=False)
+    assert 0 < encoder.held_bytes <= 50_000
+
+
+def test_a_tokenizer_whose_chunks_would_differ_tokenizes_the_whole_text() -> None:
+    # SentencePiece's style: a word marker prepended to every text, so a chunk would gain one
+    metaspace = Tokenizer(models.BPE())
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    trainer = trainers.BpeTrainer(vocab_size=200, show_progress=False)
+    metaspace.train_from_iterator(["which rank routes the prefill now"] * 20, trainer=trainer)
+    encoder = ChunkedEncoder(metaspace)
+    assert not encoder.chunked
+    text = _prose(3000, 3)
+    assert (
+        encoder.packed(text, special=False)
+        == np.asarray(metaspace.encode(text).ids, dtype="<u4").tobytes()
+    )
