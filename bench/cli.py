@@ -29,6 +29,7 @@ BENCHMARKS = {
     "gateway": "bench.gateway",
     "gateway-workers": "bench.gateway_workers",
     "gateway-prompts": "bench.gateway_prompts",
+    "prefix-index": "bench.prefix_index",
     "placement": "bench.placement",
     "eplb": "bench.eplb",
     "controller": "bench.controller",

@@ -358,7 +358,7 @@ class Pool:
             target.rank_requests[dp_rank] -= 1
             target.rank_tokens[dp_rank] -= uncached_tokens
 
-    def routed(self, name: str, dp_rank: int, prompt_blocks: Sequence[bytes]) -> None:
+    def routed(self, name: str, dp_rank: int, prompt_blocks: Sequence[int]) -> None:
         """A prompt of ``prompt_blocks`` goes to DP rank ``dp_rank`` (-1: the engine chooses)
         of prefill instance ``name``: that rank will hold its prefix."""
         self.prefixes.routed(f"{name}#{dp_rank}", prompt_blocks)

@@ -106,7 +106,7 @@ class GatewaySettings(BaseModel):
         INDEX_BLOCKS,
         ge=1024,
         description="prompt blocks the prefix index remembers over every prefill rank, least "
-        "recently used forgotten first (with KV events about 280 bytes and 16 tokens each)",
+        "recently used forgotten first (with KV events about 180 bytes and 16 tokens each)",
     )
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest request body")
     body_timeout_s: float = Field(

@@ -191,7 +191,7 @@ def conversation(*contents: str, system: str | None = None) -> dict[str, object]
     return {"messages": messages}
 
 
-def blocks(body: dict[str, object]) -> tuple[bytes, ...]:
+def blocks(body: dict[str, object]) -> tuple[int, ...]:
     return block_hashes(prompt_bytes(body))
 
 

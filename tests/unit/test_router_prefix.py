@@ -31,11 +31,11 @@ def user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
 
-def blocks(body: dict[str, object]) -> tuple[bytes, ...]:
+def blocks(body: dict[str, object]) -> tuple[int, ...]:
     return block_hashes(prompt_bytes(body))
 
 
-def shared(a: tuple[bytes, ...], b: tuple[bytes, ...]) -> int:
+def shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     """Leading blocks two prompts share."""
     return next(
         (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
@@ -106,6 +106,27 @@ def test_a_reset_rank_holds_nothing_and_others_keep_theirs() -> None:
     assert index.match(prompt) == {"p1#0": 1} and len(index) == 1
 
 
+def test_a_forgotten_ranks_slot_goes_to_a_new_rank_without_its_blocks() -> None:
+    index = PrefixIndex()
+    prompt = block_hashes(b"p" * 3 * BLOCK_BYTES)
+    index.routed("old#0", prompt)
+    index.routed("kept#0", prompt[:1])
+    index.forget({"old#0"})
+    index.routed("new#0", block_hashes(b"n" * BLOCK_BYTES))  # takes old#0's slot
+    assert index.slot("new#0") == 0
+    assert index.match(prompt) == {"kept#0": 1}
+
+
+def test_a_pool_of_many_ranks_finds_each_ranks_run() -> None:
+    index = PrefixIndex()
+    prompt = block_hashes(b"p" * 200 * BLOCK_BYTES)
+    for rank in range(150):  # more ranks than a machine word has bits
+        index.routed(f"p{rank}#0", prompt[: rank + 1])
+    assert index.match(prompt) == {f"p{rank}#0": rank + 1 for rank in range(150)}
+    index.removed("p149#0", prompt[100:])
+    assert index.match(prompt)["p149#0"] == 100
+
+
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError, match="capacity_blocks"):
         PrefixIndex(0)
@@ -132,7 +153,7 @@ def publish(ledger: KVEventLedger, rank: str, cache: PrefixCache, sequence: int)
     return sequence + 1
 
 
-def keys_of(prompt: bytes) -> tuple[bytes, ...]:
+def keys_of(prompt: bytes) -> tuple[int, ...]:
     return token_block_keys(prompt, BLOCK_SIZE)  # the simulator's tokens are its bytes
 
 
