@@ -711,13 +711,22 @@ def _agentx_load(settings: AgentxSettings, concurrency: int, name: str) -> Load:
 def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) -> dict[str, Any]:
     _reset_caches(engines)
     before = {e.name: _sources(e.url) for e in engines}
+    phases_before = {e.name: _histograms(e.url, PHASE_HISTOGRAMS) for e in engines}
     steps_before = _sim_steps(engines)
     with _router(name, engines, directory) as url:
         records, theoretical, wall_s, unmeasured_s = load(url)
         affinity = gateway_affinity(url) if name == "baton" else None
         not_reused = gateway_not_reused(url) if name == "baton" else None
         kv_events = gateway_kv_events(url) if name == "baton" else None
+        # a fresh gateway a point: its phases are this point's
+        legs = (
+            _histograms(url, ("baton_gateway_phase_seconds",), "phase") if name == "baton" else {}
+        )
     after = {e.name: _sources(e.url) for e in engines}
+    phases_after = {e.name: _histograms(e.url, PHASE_HISTOGRAMS) for e in engines}
+    phases = _phase_means(phases_before, phases_after, {e.name: e.role for e in engines})
+    if legs:
+        phases.update(_phase_means({"gateway": {}}, {"gateway": legs}, {"gateway": "gateway"}))
     steps_after = _sim_steps(engines)
     delta = {e.name: {s: after[e.name][s] - before[e.name][s] for s in SOURCES} for e in engines}
     by_role: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(SOURCES, 0.0))
@@ -754,6 +763,9 @@ def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) ->
             "decode_pulled_tokens": by_role["decode"]["external_kv_transfer"],
             "answered_prompt_tokens": answered,
         },
+        # each role's engines' mean queue, prefill, pull, TTFT and inter-token time over the
+        # point (its unmeasured start too), and the gateway's legs
+        "phases": phases,
         "busiest_prefill_share": max(prefill_computed.values()) / total_prefill
         if total_prefill
         else None,
@@ -1094,17 +1106,51 @@ PROFILE_HISTOGRAMS = (
 )
 
 
-def _histograms(url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each of PROFILE_HISTOGRAMS on this engine, as they stand."""
-    totals = {name: [0.0, 0.0] for name in PROFILE_HISTOGRAMS}
+def _histograms(
+    url: str, names: Sequence[str] = PROFILE_HISTOGRAMS, label: str = ""
+) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each histogram of ``names`` on this engine (or gateway), as they stand;
+    per value of ``label`` as ``name/value`` where one is given."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for name in names:
+        totals[name] = [0.0, 0.0]
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
         for sample in family.samples:
-            for name, total in totals.items():
-                if sample.name == f"{name}_sum":
-                    total[0] += sample.value
-                elif sample.name == f"{name}_count":
-                    total[1] += sample.value
+            for name in names:
+                for end, at in (("_sum", 0), ("_count", 1)):
+                    if sample.name == f"{name}{end}":
+                        key = f"{name}/{sample.labels.get(label, '')}" if label else name
+                        totals[key][at] += sample.value
     return {name: (total[0], total[1]) for name, total in totals.items()}
+
+
+# Where a request's time went, as each engine's own histograms and the gateway's phases say:
+# the simulator's clock is set beside the GPU's phase by phase, not by TTFT alone.
+PHASE_HISTOGRAMS = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:nixl_xfer_time_seconds",
+    "vllm:inter_token_latency_seconds",
+)
+
+
+def _phase_means(
+    before: Mapping[str, Mapping[str, tuple[float, float]]],
+    after: Mapping[str, Mapping[str, tuple[float, float]]],
+    groups: Mapping[str, str],
+) -> dict[str, dict[str, float | None]]:
+    """Per group (``groups``: each source's), each histogram's mean over what it gained."""
+    gained: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    for source, group in groups.items():
+        for name, (total, count) in after[source].items():
+            was = before[source].get(name, (0.0, 0.0))
+            gained[group][name][0] += total - was[0]
+            gained[group][name][1] += count - was[1]
+    return {
+        group: {name: (t / c if c else None) for name, (t, c) in sorted(names.items())}
+        for group, names in gained.items()
+    }
 
 
 def _histogram_delta(
