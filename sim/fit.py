@@ -179,9 +179,10 @@ def fit_profile(
                 len(chunks),
                 sample.new_tokens,
                 sum(c.new_tokens * (c.context_tokens + c.new_tokens / 2) for c in chunks),
+                sum(c.context_tokens for c in chunks),
             ]
         )
-    overhead, per_token, per_context = _nnls(
+    overhead, per_token, per_context, context_read = _nnls(
         np.array(rows, dtype=float), np.array([s.seconds for s in prefill])
     )
     fixed, per_query, attention = _nnls(
@@ -209,6 +210,7 @@ def fit_profile(
             step_overhead_s=float(overhead),
             per_token_s=float(per_token),
             per_token_context_s=float(per_context),
+            context_read_per_token_s=float(context_read),
             max_num_batched_tokens=chunk_tokens,
         ),
         decode=DecodeProfile(

@@ -8,6 +8,7 @@ A step of a DP group (wide-EP lockstep: every rank runs every layer together):
     step = max over ranks of rank_time + MoE time + draft time + EPLB copy   (decode tokens present)
     rank_time = rest_fixed + rest_per_token * q + attention * sum(context * query tokens)
                 + prefill_overhead + sum over chunks n * (per_token + per_token_context * (c + n/2))
+                                                      + context_read * c
     MoE = moe_fixed + moe_per_token * (mean routed tokens per rank / balance) * reference_balance
 
 ``q`` is the rank's decode query tokens (1 + draft tokens per request); an idle rank still pays
@@ -81,7 +82,10 @@ def prefill_chunk_seconds(profile: Profile, chunk: PrefillChunk) -> float:
     """Compute time of one prefill chunk on one rank (attention grows with the context)."""
     p = profile.prefill
     n = chunk.new_tokens
-    return n * (p.per_token_s + p.per_token_context_s * (chunk.context_tokens + n / 2))
+    return (
+        n * (p.per_token_s + p.per_token_context_s * (chunk.context_tokens + n / 2))
+        + p.context_read_per_token_s * chunk.context_tokens
+    )
 
 
 def _rank_seconds(profile: Profile, batch: RankBatch, decoding: bool) -> tuple[float, float]:

@@ -38,6 +38,9 @@ class PrefillProfile(_Strict):
     step_overhead_s: float = Field(ge=0)
     per_token_s: float = Field(ge=0)
     per_token_context_s: float = Field(ge=0)
+    # a chunk reads its whole context's KV once, whatever its length: what a short prompt on a
+    # long cached prefix pays (memory-bound); 0 where the profile was not measured for it
+    context_read_per_token_s: float = Field(0.0, ge=0)
     max_num_batched_tokens: PositiveInt = 8192
 
 

@@ -26,7 +26,11 @@ KV_BYTES = 6912
 def _truth() -> Profile:
     base = load_profile()
     return base.model_copy(
-        update={"decode": base.decode.model_copy(update={"reference_balance": 1.0})}
+        update={
+            "decode": base.decode.model_copy(update={"reference_balance": 1.0}),
+            # a chunk reading its context: 0.3 ms per 65,536 tokens, as a Hopper's does
+            "prefill": base.prefill.model_copy(update={"context_read_per_token_s": 5e-9}),
+        }
     )
 
 
@@ -38,7 +42,15 @@ def _samples(
     def jitter(seconds: float) -> float:
         return seconds * (1 + draw.uniform(-noise, noise))
 
-    shapes = [(512, 0), (2048, 0), (8192, 0), (32768, 0), (2048, 65536), (8192, 98304)]
+    shapes = [
+        (512, 0),
+        (2048, 0),
+        (8192, 0),
+        (32768, 0),
+        (1024, 16384),
+        (2048, 65536),
+        (8192, 98304),
+    ]
     prefill = [
         PrefillSample(n, c, jitter(prefill_seconds(profile, PrefillSample(n, c, 0.0))))
         for n, c in shapes
@@ -87,7 +99,12 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_the_batch_budget_on_the_growing
 def test_samples_the_model_produced_give_its_constants_back() -> None:
     truth = _truth()
     fitted = _fit(truth, *_samples(truth))
-    for field in ("step_overhead_s", "per_token_s", "per_token_context_s"):
+    for field in (
+        "step_overhead_s",
+        "per_token_s",
+        "per_token_context_s",
+        "context_read_per_token_s",
+    ):
         assert getattr(fitted.prefill, field) == pytest.approx(getattr(truth.prefill, field))
     d, t = fitted.decode, truth.decode
     assert d.moe_fixed_s + d.rest_fixed_s == pytest.approx(t.moe_fixed_s + t.rest_fixed_s)
