@@ -1112,7 +1112,7 @@ def _histograms(
     """(sum, count) of each histogram of ``names`` on this engine (or gateway), as they stand;
     per value of ``label`` as ``name/value`` where one is given."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for name in names:
+    for name in () if label else names:  # each is there, at 0 where the page lacks it
         totals[name] = [0.0, 0.0]
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
         for sample in family.samples:
