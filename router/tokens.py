@@ -129,6 +129,12 @@ def chunk_ends(text: str, every: int = CHUNK_CHARS) -> list[int]:
     return ends
 
 
+def _pieces(text: str, every: int) -> list[str]:
+    """``text`` cut at :func:`chunk_ends`."""
+    ends = chunk_ends(text, every)
+    return [text[start:end] for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+
+
 class ChunkedEncoder:
     """A tokenizer's ids for long texts, encoded in chunks (:func:`chunk_ends`) and kept per
     chunk, least recently used forgotten past ``cache_bytes`` of ids. Thread-safe: prompts are
@@ -154,20 +160,18 @@ class ChunkedEncoder:
     def packed(self, text: str, *, special: bool) -> bytes:
         """``text``'s ids, 4 little-endian bytes each; with the tokenizer's special tokens around
         them when ``special``."""
-        if not self.chunked or (special and self._special is None):
+        around = self._special if special else (b"", b"")
+        if not self.chunked or around is None:
             return _pack(self.tokenizer.encode(text, add_special_tokens=special).ids)
-        body = self._chunked(text)
-        if not special or self._special is None:
-            return body
-        before, after = self._special
-        return before + body + after
+        before, after = around
+        return before + self._chunked(text) + after
 
     def _chunked(self, text: str) -> bytes:
-        ends = chunk_ends(text)
+        pieces = _pieces(text, CHUNK_CHARS)
         keys: list[bytes] = []
         key = b""
-        for start, end in zip([0, *ends], ends[:-1], strict=False):  # the last one is not kept
-            key = hashlib.blake2b(key + text[start:end].encode(), digest_size=16).digest()
+        for piece in pieces[:-1]:  # the last one is not kept: a longer text cuts it elsewhere
+            key = hashlib.blake2b(key + piece.encode(), digest_size=16).digest()
             keys.append(key)
         parts: list[bytes] = []
         with self._lock:
@@ -177,16 +181,7 @@ class ChunkedEncoder:
                     break
                 self._chunks.move_to_end(key)
                 parts.append(ids)
-        starts = [0, *ends[:-1]]
-        todo = [text[starts[i] : ends[i]] for i in range(len(parts), len(ends))]
-        encoded = [
-            _pack(encoding.ids)
-            for encoding in (
-                self.tokenizer.encode_batch(todo, add_special_tokens=False)
-                if len(todo) > 1
-                else [self.tokenizer.encode(todo[0], add_special_tokens=False)]
-            )
-        ]
+        encoded = [_pack(ids) for ids in self._encode(pieces[len(parts) :])]
         with self._lock:
             for key, ids in zip(keys[len(parts) :], encoded, strict=False):
                 if key not in self._chunks:
@@ -196,15 +191,15 @@ class ChunkedEncoder:
                 self._held -= len(self._chunks.popitem(last=False)[1])
         return b"".join(parts + encoded)
 
+    def _encode(self, pieces: Sequence[str]) -> list[list[int]]:
+        """Each piece's ids, without special tokens; several as one batch, in parallel."""
+        if len(pieces) == 1:
+            return [self.tokenizer.encode(pieces[0], add_special_tokens=False).ids]
+        return [e.ids for e in self.tokenizer.encode_batch(list(pieces), add_special_tokens=False)]
+
     def _ids(self, text: str, *, chunked: bool) -> list[int]:
-        if not chunked:
-            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
-        ends = chunk_ends(text, 1)
-        encodings = self.tokenizer.encode_batch(
-            [text[start:end] for start, end in zip([0, *ends], ends, strict=False)],
-            add_special_tokens=False,
-        )
-        return [token for encoding in encodings for token in encoding.ids]
+        pieces = _pieces(text, 1) if chunked else [text]
+        return [token for ids in self._encode(pieces) for token in ids]
 
     def _special_tokens(self) -> tuple[bytes, bytes] | None:
         """The ids the post-processor puts before and after a text's own, from a probe."""
