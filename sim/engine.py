@@ -153,12 +153,14 @@ class DPRank:
             query_tokens += query
             context_product += context * query
             budget -= query
+        prompts: list[tuple[SimRequest, int]] = []  # (request, prompt tokens this step)
         for request in self.running:
             if request.prefill_done or budget <= 0:
                 continue
+            if request.scheduled_at is None:  # its KV pulled: the prompt's last token again
+                request.scheduled_at = now
             chunk = min(request.prompt_tokens - request.num_computed, budget)
-            self._batch.append((request, chunk))
-            chunks.append(PrefillChunk(chunk, request.num_computed))
+            prompts.append((request, chunk))
             budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -173,9 +175,16 @@ class DPRank:
             request.scheduled_at = now
             self.running.append(request)
             chunk = min(request.prompt_tokens - request.num_computed, budget)
-            self._batch.append((request, chunk))
-            chunks.append(PrefillChunk(chunk, request.num_computed))
+            prompts.append((request, chunk))
             budget -= chunk
+        for request, chunk in prompts:
+            self._batch.append((request, chunk))
+            if chunk == 1:  # a one-token query runs as a decode does (vLLM's decode threshold)
+                decode_requests += 1
+                query_tokens += 1
+                context_product += request.num_computed
+            else:
+                chunks.append(PrefillChunk(chunk, request.num_computed))
         return RankBatch(
             decode_requests, query_tokens, context_product, tuple(chunks), self.clock_at(now)
         )
@@ -380,11 +389,13 @@ class DPGroup:
         self._wakeup.set()
 
     def admit_loaded(self, request: SimRequest) -> None:
-        """KV arrived from the prefill engine: the request decodes from the next step."""
+        """KV arrived from the prefill engine: from the next step, the request computes its
+        prompt's last token again to sample the first (vLLM's scheduler rewinds a full hit by
+        one token), then decodes."""
         rank = self.ranks[request.dp_rank]
         rank.loading.remove(request)
         request.state = RequestState.RUNNING
-        rank.count_prompt(request)
+        request.num_computed = request.prompt_tokens - 1
         rank.running.append(request)
         self._wakeup.set()
 

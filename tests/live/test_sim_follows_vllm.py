@@ -131,6 +131,38 @@ def test_a_client_gone_mid_stream_is_aborted_and_counted_as_no_finished_request(
     assert leave(sim) == (0, 0)
 
 
+def test_a_handoffs_decode_side_is_queued_then_scheduled_to_recompute_the_last_token(
+    live: Pair, sim: Pair
+) -> None:
+    # vLLM's scheduler takes a request out of WAITING_FOR_REMOTE_KVS once its KV has arrived
+    # and schedules the prompt's last token again, so that the next one can be sampled: the
+    # decode engine times a queue (the pull included) and a prefill, and counts no prompt
+    # token as computed
+    def timed(pair: Pair) -> tuple[float, ...]:
+        engine = pair[1]
+
+        def counts() -> tuple[float, float, float]:
+            return (
+                scrape(engine.url, "vllm:request_queue_time_seconds_count"),
+                scrape(engine.url, "vllm:request_prefill_time_seconds_count"),
+                scrape(engine.url, "vllm:prompt_tokens_by_source_total", source="local_compute"),
+            )
+
+        before = counts()
+        params = prefill(pair[0], "timed")
+        assert decode(engine, "timed", params) == 200
+
+        def grown() -> tuple[float, ...]:  # empty, falsy, until the queue time is counted
+            delta = tuple(now - was for now, was in zip(counts(), before, strict=True))
+            return delta if delta[0] else ()
+
+        # an engine's statistics reach its API server a step or two after the last token
+        return eventually(grown, timeout=60)
+
+    both(live, sim, timed)
+    assert timed(sim) == (1, 1, 0)
+
+
 def test_a_handoff_names_a_block_per_block_size_tokens_and_metrics_say_the_size(
     live: Pair, sim: Pair
 ) -> None:
