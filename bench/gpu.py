@@ -718,15 +718,24 @@ def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) ->
         affinity = gateway_affinity(url) if name == "baton" else None
         not_reused = gateway_not_reused(url) if name == "baton" else None
         kv_events = gateway_kv_events(url) if name == "baton" else None
-        # a fresh gateway a point: its phases are this point's
+        # a fresh gateway a point: its phases are this point's; its TTFT less its legs is
+        # its own time before the prefill leg and after the first decode byte
         legs = (
-            _histograms(url, ("baton_gateway_phase_seconds",), "phase") if name == "baton" else {}
+            {
+                **_histograms(url, ("baton_gateway_phase_seconds",), "phase"),
+                **_histograms(url, ("baton_gateway_time_to_first_token_seconds",)),
+            }
+            if name == "baton"
+            else {}
         )
     after = {e.name: _sources(e.url) for e in engines}
     phases_after = {e.name: _histograms(e.url, PHASE_HISTOGRAMS) for e in engines}
     phases = _phase_means(phases_before, phases_after, {e.name: e.role for e in engines})
     if legs:
         phases.update(_phase_means({"gateway": {}}, {"gateway": legs}, {"gateway": "gateway"}))
+    answered = [r.first - r.start for r in records if r.error is None and r.first is not None]
+    # the client's, over the same requests as the engines' means (the unmeasured start too)
+    phases["client"] = {"ttft_seconds": statistics.fmean(answered) if answered else None}
     steps_after = _sim_steps(engines)
     delta = {e.name: {s: after[e.name][s] - before[e.name][s] for s in SOURCES} for e in engines}
     by_role: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(SOURCES, 0.0))
