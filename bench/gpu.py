@@ -733,9 +733,9 @@ def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) ->
     phases = _phase_means(phases_before, phases_after, {e.name: e.role for e in engines})
     if legs:
         phases.update(_phase_means({"gateway": {}}, {"gateway": legs}, {"gateway": "gateway"}))
-    answered = [r.first - r.start for r in records if r.error is None and r.first is not None]
+    ttfts = [r.first - r.start for r in records if r.error is None and r.first is not None]
     # the client's, over the same requests as the engines' means (the unmeasured start too)
-    phases["client"] = {"ttft_seconds": statistics.fmean(answered) if answered else None}
+    phases["client"] = {"ttft_seconds": statistics.fmean(ttfts) if ttfts else None}
     steps_after = _sim_steps(engines)
     delta = {e.name: {s: after[e.name][s] - before[e.name][s] for s in SOURCES} for e in engines}
     by_role: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(SOURCES, 0.0))
