@@ -69,7 +69,7 @@ from router.prefix import PromptBlocks, block_hashes, token_block_keys
 from router.prober import Prober
 from router.relay import DecodeRelay, Timing
 from router.stream import DecodeStream, FirstToken, StreamState
-from router.tokens import PromptTokenizer
+from router.tokens import PromptTokenizer, prompt_as_ids
 from router.upstream import UpstreamPool, UpstreamResponse
 
 __all__ = [
@@ -128,6 +128,7 @@ class _Request:
     request_id: str
     key: AffinityKey
     timing: Timing
+    prompt: bytes = b""  # a ``"prompt": [ids]`` field both legs carry over the text's
 
     @property
     def stream(self) -> bool:
@@ -171,8 +172,13 @@ class Handoff:
         """Run the P/D sequence for one validated request body (``raw`` is its exact bytes)."""
         timing = Timing(started=time.perf_counter())
         key = affinity_key(headers, body, request_id)
-        request = _Request(route, body, raw, request_id, key, timing)
-        blocks, prompt_tokens = await self._prompt_blocks(body)
+        blocks, prompt_tokens, packed = await self._prompt_blocks(body)
+        prompt = b""
+        if self.tokenizer is not None and self.tokenizer.engines_ids:
+            prompt = prompt_as_ids(body, packed) or b""
+        if prompt:
+            self.metrics.prompts_as_ids.inc()
+        request = _Request(route, body, raw, request_id, key, timing, prompt)
         await self._admit()
         choice = None
         if needs_prefill(prompt_tokens, self.policy):
@@ -195,9 +201,12 @@ class Handoff:
         timing.prefill_done = time.perf_counter()
         return await self._decode(request, choice.view.cell if choice else None, prefilled)
 
-    async def _prompt_blocks(self, body: Mapping[str, object]) -> tuple[PromptBlocks, int]:
-        """The prompt's block keys and its tokens: counted by the engines' tokenizer where the
-        gateway has it (off the loop where that takes long), else estimated from its bytes."""
+    async def _prompt_blocks(
+        self, body: Mapping[str, object]
+    ) -> tuple[PromptBlocks, int, bytes | None]:
+        """The prompt's block keys, its tokens and its ids where known: counted by the engines'
+        tokenizer where the gateway has it (off the loop where that takes long), else estimated
+        from its bytes."""
         if self.tokenizer is not None:
             if self.tokenizer.blocking:
                 packed = await asyncio.to_thread(self.tokenizer.packed, body)
@@ -205,12 +214,13 @@ class Handoff:
                 packed = self.tokenizer.packed(body)
             if packed is not None:
                 size = self.pool.kv_block_size()
-                return PromptBlocks(token_block_keys(packed, size), size), -(-len(packed) // 4)
+                keys = token_block_keys(packed, size)
+                return PromptBlocks(keys, size), -(-len(packed) // 4), packed
         prompt = prompt_bytes(body)
         tokens = estimate_prompt_tokens(body, prompt)
         if self.tokenizer is not None:  # keys of another space would match nothing
-            return PromptBlocks(), tokens
-        return PromptBlocks(block_hashes(prompt)), tokens
+            return PromptBlocks(), tokens, None
+        return PromptBlocks(block_hashes(prompt)), tokens, None
 
     async def _admit(self) -> None:
         """Wait for a decode rank below the pool's bound of requests, or refuse with 429."""
@@ -238,7 +248,7 @@ class Handoff:
             data, status = await self._call(
                 target.name,
                 request.route,
-                prefill_body(request.raw, request.body),
+                prefill_body(request.raw, request.body, request.prompt),
                 engine_headers(request.request_id, target.dp_rank),
                 self.timeouts.prefill_s,
             )
@@ -349,7 +359,9 @@ class Handoff:
                 if prefilled is not None and not with_kv:
                     self.metrics.child(self.metrics.fallbacks, "decode_retry").inc()
             kv = prefilled if with_kv else None
-            payload = decode_body(request.raw, kv.kv_transfer_params if kv else None)
+            payload = decode_body(
+                request.raw, kv.kv_transfer_params if kv else None, request.prompt
+            )
             cached = kv.cached_tokens if kv is not None else None
             try:
                 if request.stream:
@@ -459,9 +471,10 @@ class Handoff:
         )
 
 
-def prefill_body(raw: bytes, body: Mapping[str, object]) -> bytes:
+def prefill_body(raw: bytes, body: Mapping[str, object], prompt: bytes = b"") -> bytes:
     """The prefill leg's body (step 2 of the module docstring): the client's bytes with fields
-    that override its own, for one token, not streamed, the KV kept for a remote decode."""
+    that override its own, for one token, not streamed, the KV kept for a remote decode; and
+    ``prompt``, a serialized ``"prompt"`` field, over the client's (its ids)."""
     fields: dict[str, object] = {"max_tokens": 1, "stream": False}
     if "max_completion_tokens" in body:
         fields["max_completion_tokens"] = 1
@@ -470,15 +483,18 @@ def prefill_body(raw: bytes, body: Mapping[str, object]) -> bytes:
     if "min_tokens" in body:
         fields["min_tokens"] = 0
     fields["kv_transfer_params"] = _PREFILL_KV
-    return _with_fields(raw, fields)
+    return _with_fields(raw, fields, prompt)
 
 
-def decode_body(raw: bytes, kv_transfer_params: Mapping[str, object] | None) -> bytes:
+def decode_body(
+    raw: bytes, kv_transfer_params: Mapping[str, object] | None, prompt: bytes = b""
+) -> bytes:
     """The decode leg's body: the client's bytes, with prefill's ``kv_transfer_params``
-    (verbatim) when the KV is to be pulled."""
-    if kv_transfer_params is None:
+    (verbatim) when the KV is to be pulled, and ``prompt`` as in :func:`prefill_body`."""
+    if kv_transfer_params is None and not prompt:
         return raw
-    return _with_fields(raw, {"kv_transfer_params": kv_transfer_params})
+    fields = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    return _with_fields(raw, fields, prompt)
 
 
 def missing_blocks(params: Mapping[str, object], block_size: int) -> int:
@@ -517,11 +533,13 @@ def engine_headers(request_id: str, dp_rank: int = -1) -> dict[str, str]:
     return headers
 
 
-def _with_fields(raw: bytes, fields: Mapping[str, object]) -> bytes:
-    """The client's body, byte for byte, with ``fields`` after its own: a JSON object's last
-    value of a key is the one read (Python's json, which vLLM's server parses with, orjson and
-    pydantic), so the prompt is never serialized again for a leg."""
+def _with_fields(raw: bytes, fields: Mapping[str, object], serialized: bytes = b"") -> bytes:
+    """The client's body, byte for byte, with ``fields`` and the ``serialized`` members after
+    its own: a JSON object's last value of a key is the one read (Python's json, which vLLM's
+    server parses with, orjson and pydantic), so the prompt is never serialized again for a
+    leg."""
     end = raw.rindex(b"}")
     head = raw[:end].rstrip()
-    separator = b"" if head.endswith(b"{") else b","
-    return head + separator + orjson.dumps(fields)[1:-1] + b"}"
+    members = [m for m in (orjson.dumps(fields)[1:-1], serialized) if m]
+    separator = b"" if head.endswith(b"{") or not members else b","
+    return head + separator + b",".join(members) + b"}"

@@ -233,6 +233,13 @@ class GatewayMetrics:
         self.output_tokens_counter = Counter(
             "baton_gateway_output_tokens", "Generated tokens returned.", [_DEPLOYMENT], registry=r
         )
+        self.prompts_as_ids_counter = Counter(
+            "baton_gateway_prompts_as_token_ids",
+            "Completion prompts sent to the engines as the token ids the gateway computed with "
+            "their tokenizer, which they then need not tokenize again.",
+            [_DEPLOYMENT],
+            registry=r,
+        )
         # Workers: the gateway's requests are the sum of each worker's exact count; those of a
         # worker that died went with it.
         self.in_flight = Gauge(
@@ -359,6 +366,7 @@ class GatewayMetrics:
         self.itl = self.child(self.itl_histogram)
         self.e2e = self.child(self.e2e_histogram)
         self.output_tokens = self.child(self.output_tokens_counter)
+        self.prompts_as_ids = self.child(self.prompts_as_ids_counter)
         self.cached_tokens = self.child(self.prompt_tokens, "cached")
         self.indexed_tokens = self.child(self.indexed_tokens_counter)
         self.uncached_tokens = self.child(self.prompt_tokens, "uncached")

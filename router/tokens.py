@@ -43,6 +43,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import numpy as np
+import orjson
 from tokenizers import Tokenizer
 
 from baton.core.sim_tokenizer import encode_token_ids, render_chat
@@ -55,6 +56,7 @@ __all__ = [
     "check_tokenizer",
     "chunk_ends",
     "load_tokenizer",
+    "prompt_as_ids",
 ]
 
 # Characters a chunk runs to before it is cut at the next place the text allows: about a
@@ -77,6 +79,9 @@ _SELF_CHECK = (
 class PromptTokenizer(Protocol):
     # True where tokenizing a long prompt takes long enough to run off the event loop
     blocking: bool
+    # True where the ids are the engines' own (their tokenizer's files): a completion's prompt
+    # may go to them as ids (:func:`prompt_as_ids`)
+    engines_ids: bool
 
     def packed(self, body: Mapping[str, object]) -> bytes | None:
         """The request's prompt token ids, 4 little-endian bytes each; None when unknown."""
@@ -96,6 +101,7 @@ class SimTokenizer:
     """``baton sim``'s tokenizer: its chat template, 4 bytes a token."""
 
     blocking = False
+    engines_ids = False  # the simulator tokenizes for nothing: its text is its ids
 
     def packed(self, body: Mapping[str, object]) -> bytes | None:
         chat = _chat_options(body)
@@ -215,6 +221,7 @@ class HFTokenizer:
     """A model's Hugging Face tokenizer and chat template, from its files."""
 
     blocking = True
+    engines_ids = True
 
     def __init__(self, directory: str | Path) -> None:
         folder = Path(directory)
@@ -280,6 +287,24 @@ class HFTokenizer:
 
     def _encode(self, text: str, *, special: bool) -> bytes:
         return self.encoder.packed(text, special=special)
+
+
+def prompt_as_ids(body: Mapping[str, object], packed: bytes | None) -> bytes | None:
+    """The ``"prompt": [ids]`` field a completion's legs may carry instead of its text, from the
+    engines' own tokenizer's ``packed`` ids, or None where the text must go: vLLM stamps a
+    request's arrival before it tokenizes the prompt (0.33's ``render_cmpl``), so each engine
+    would take the time again that the gateway already took to route it. Only a single text
+    prompt whose text the engine does not use beyond its ids: not with ``echo`` (the engine
+    would echo its detokenized ids) or ``truncate_prompt_tokens`` (kept on text)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if packed is None or not isinstance(prompt, str) or "messages" in body:
+        return None
+    if body.get("echo") or body.get("truncate_prompt_tokens") is not None:
+        return None
+    ids = np.frombuffer(packed, dtype="<u4")
+    return orjson.dumps({"prompt": ids}, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
 
 
 def check_tokenizer(value: str) -> None:

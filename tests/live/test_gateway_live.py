@@ -137,12 +137,16 @@ def test_every_prompt_token_reaches_decode_over_nixl_and_none_is_computed_there(
 
 
 def test_pd_greedy_output_equals_a_direct_run_token_for_token(
-    cell: dict[str, LiveEngine], client: openai.OpenAI
+    cell: dict[str, LiveEngine], gateway: SimHandle, client: openai.OpenAI
 ) -> None:
+    # the gateway sends both legs the prompt's ids, from the engines' own tokenizer files;
+    # the engine given the text tokenizes it itself
+    as_ids = scrape(gateway.url, "baton_gateway_prompts_as_token_ids_total")
     text = prompt("greedy", 500)
     through = client.completions.create(
         model="tiny", prompt=text, max_tokens=24, temperature=0, logprobs=1
     )
+    assert scrape(gateway.url, "baton_gateway_prompts_as_token_ids_total") == as_ids + 1
     direct = httpx.post(
         f"{cell['prefill'].url}/v1/completions",
         json={"model": "tiny", "prompt": text, "max_tokens": 24, "temperature": 0, "logprobs": 1},
@@ -150,6 +154,8 @@ def test_pd_greedy_output_equals_a_direct_run_token_for_token(
         timeout=300,
     ).json()
     assert through.choices[0].logprobs is not None
+    assert through.usage is not None
+    assert through.usage.prompt_tokens == direct["usage"]["prompt_tokens"]
     assert through.choices[0].logprobs.tokens == direct["choices"][0]["logprobs"]["tokens"]
     assert (
         through.choices[0].logprobs.token_logprobs

@@ -9,7 +9,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.handoff import missing_blocks, prefill_body
+from router.handoff import decode_body, missing_blocks, prefill_body
 
 
 def params(groups: object, tokens: object) -> dict[str, object]:
@@ -69,3 +69,19 @@ def test_the_prefill_leg_is_the_clients_bytes_with_its_own_fields_read_last() ->
     assert read["kv_transfer_params"]["do_remote_decode"] is True
     assert orjson.loads(leg) == read
     assert json.loads(prefill_body(b"{}", {}))["max_tokens"] == 1  # an empty body stays JSON
+
+
+def test_both_legs_carry_the_prompts_ids_over_the_clients_text() -> None:
+    body = {"model": "m", "prompt": "which rank", "max_tokens": 8}
+    raw = json.dumps(body).encode()
+    ids = b'"prompt":[1,2,3]'
+    params = {"remote_engine_id": "e"}
+    for leg in (
+        prefill_body(raw, body, ids),
+        decode_body(raw, params, ids),
+        decode_body(raw, None, ids),
+    ):
+        assert leg.startswith(raw[:-1])  # the client's bytes, as sent
+        assert json.loads(leg)["prompt"] == [1, 2, 3] == orjson.loads(leg)["prompt"]
+    assert json.loads(decode_body(raw, params, ids))["kv_transfer_params"] == params
+    assert decode_body(raw, None) == raw  # no ids, no KV: the client's bytes, untouched

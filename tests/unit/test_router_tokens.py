@@ -13,7 +13,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from baton.core.sim_tokenizer import encode_token_ids, render_chat
 from router.settings import GatewaySettings
-from router.tokens import ChunkedEncoder, HFTokenizer, SimTokenizer, chunk_ends, load_tokenizer
+from router.tokens import (
+    ChunkedEncoder,
+    HFTokenizer,
+    SimTokenizer,
+    chunk_ends,
+    load_tokenizer,
+    prompt_as_ids,
+)
 
 MESSAGES: list[dict[str, object]] = [
     {"role": "system", "content": "You route prefills."},
@@ -101,6 +108,30 @@ def test_a_completion_prompt_gets_the_tokenizers_special_tokens_unless_asked_not
     assert ids(tokens.packed({"prompt": "which rank"})) == [bos, *plain]
     assert ids(tokens.packed({"prompt": "which rank", "add_special_tokens": False})) == plain
     assert ids(tokens.packed({"prompt": [5, 6, 7]})) == [5, 6, 7]
+
+
+def test_a_completions_text_prompt_goes_to_the_engines_as_its_ids_where_nothing_needs_the_text(
+    model_dir: Path,
+) -> None:
+    tokens = HFTokenizer(model_dir)
+    assert tokens.engines_ids and not SimTokenizer.engines_ids
+
+    def sent(body: dict[str, object]) -> object:
+        field = prompt_as_ids(body, tokens.packed(body))
+        return None if field is None else json.loads(b"{" + field + b"}")["prompt"]
+
+    for prompt in ("which rank", ["which rank"]):
+        assert sent({"prompt": prompt}) == ids(tokens.packed({"prompt": "which rank"}))
+    assert sent({"prompt": "which rank", "add_special_tokens": False}) == ids(
+        tokens.packed({"prompt": "which rank", "add_special_tokens": False})
+    )
+    # the engine would echo its detokenized ids, or cut the text as it cuts text
+    assert sent({"prompt": "which rank", "echo": True}) is None
+    assert sent({"prompt": "which rank", "truncate_prompt_tokens": 4}) is None
+    # ids already, several prompts, a chat: as the client sent them
+    assert sent({"prompt": [5, 6, 7]}) is None
+    assert sent({"prompt": ["one", "two"]}) is None
+    assert sent({"messages": [{"role": "user", "content": "which rank"}]}) is None
 
 
 def test_a_chat_the_template_refuses_or_cannot_render_is_not_keyed(model_dir: Path) -> None:
