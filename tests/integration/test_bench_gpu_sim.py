@@ -22,6 +22,24 @@ def _saved(state: Path, name: str) -> dict[str, Any]:
     return record
 
 
+def _assert_phases(points: list[dict[str, Any]]) -> None:
+    """Where the time went, phase by phase, in Baton's point and vllm-router's."""
+    for point in points:
+        # a decode engine queues a handed-off request while it pulls the KV, then computes
+        # the prompt's last token, as vLLM's does
+        decode = point["phases"]["decode"]
+        pulled = decode["vllm:nixl_xfer_time_seconds"]
+        assert decode["vllm:request_queue_time_seconds"] >= pulled > 0
+        assert decode["vllm:request_prefill_time_seconds"] > 0
+        assert point["phases"]["prefill"]["vllm:time_to_first_token_seconds"] > 0
+        assert point["phases"]["client"]["ttft_seconds"] > 0
+    baton, vllm_router = points
+    # the client waits for all the gateway does before the first byte, and some more
+    ttft = baton["phases"]["gateway"]["baton_gateway_time_to_first_token_seconds"]
+    assert baton["phases"]["client"]["ttft_seconds"] >= ttft > 0
+    assert "gateway" not in vllm_router["phases"]  # vllm-router keeps no such record
+
+
 def test_the_simulator_runs_the_gpu_points_with_the_profile_fitted_on_a_gpu(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in SMALL_TRACE))
@@ -56,19 +74,7 @@ def test_the_simulator_runs_the_gpu_points_with_the_profile_fitted_on_a_gpu(tmp_
             assert point["handoff"]["decode_computed_tokens"] == 0
             assert point["handoff"]["decode_pulled_tokens"] > 0
             assert point["sim_steps"]["steps"] > 0  # the simulator's timeline, kept or not
-            # where the time went, phase by phase: a decode engine queues a handed-off request
-            # while it pulls the KV, then computes the prompt's last token, as vLLM's does
-            decode = point["phases"]["decode"]
-            pulled = decode["vllm:nixl_xfer_time_seconds"]
-            assert decode["vllm:request_queue_time_seconds"] >= pulled > 0
-            assert decode["vllm:request_prefill_time_seconds"] > 0
-            assert point["phases"]["prefill"]["vllm:time_to_first_token_seconds"] > 0
-            assert point["phases"]["client"]["ttft_seconds"] > 0
-        gateway = points[0]["phases"]["gateway"]
-        # the client waits for all the gateway does before the first byte, and some more
-        ttft = gateway["baton_gateway_time_to_first_token_seconds"]
-        assert points[0]["phases"]["client"]["ttft_seconds"] >= ttft > 0
-        assert "gateway" not in points[1]["phases"]  # vllm-router keeps no such record
+        _assert_phases(points)
         # the profile step measures vLLM: a simulator's clock is its profile already
         refused = _step(state, "--step", "profile", check=False)
         assert refused.returncode != 0
@@ -124,18 +130,6 @@ def test_agentx_sessions_run_through_each_router_on_the_same_engines(tmp_path: P
             assert point["handoff"]["decode_computed_tokens"] == 0  # every prompt handed off
             assert point["handoff"]["decode_pulled_tokens"] > 0
             assert point["sim_steps"]["steps"] > 0  # the simulator's timeline, kept or not
-            # where the time went, phase by phase: a decode engine queues a handed-off request
-            # while it pulls the KV, then computes the prompt's last token, as vLLM's does
-            decode = point["phases"]["decode"]
-            pulled = decode["vllm:nixl_xfer_time_seconds"]
-            assert decode["vllm:request_queue_time_seconds"] >= pulled > 0
-            assert decode["vllm:request_prefill_time_seconds"] > 0
-            assert point["phases"]["prefill"]["vllm:time_to_first_token_seconds"] > 0
-            assert point["phases"]["client"]["ttft_seconds"] > 0
-        gateway = points[0]["phases"]["gateway"]
-        # the client waits for all the gateway does before the first byte, and some more
-        ttft = gateway["baton_gateway_time_to_first_token_seconds"]
-        assert points[0]["phases"]["client"]["ttft_seconds"] >= ttft > 0
-        assert "gateway" not in points[1]["phases"]  # vllm-router keeps no such record
+        _assert_phases(points)
     finally:
         _step(state, "--step", "stop")
