@@ -172,10 +172,7 @@ class Handoff:
         """Run the P/D sequence for one validated request body (``raw`` is its exact bytes)."""
         timing = Timing(started=time.perf_counter())
         key = affinity_key(headers, body, request_id)
-        blocks, prompt_tokens, packed = await self._prompt_blocks(body)
-        prompt = b""
-        if self.tokenizer is not None and self.tokenizer.engines_ids:
-            prompt = prompt_as_ids(body, packed) or b""
+        blocks, prompt_tokens, prompt = await self._prompt_blocks(body)
         if prompt:
             self.metrics.prompts_as_ids.inc()
         request = _Request(route, body, raw, request_id, key, timing, prompt)
@@ -201,26 +198,30 @@ class Handoff:
         timing.prefill_done = time.perf_counter()
         return await self._decode(request, choice.view.cell if choice else None, prefilled)
 
-    async def _prompt_blocks(
-        self, body: Mapping[str, object]
-    ) -> tuple[PromptBlocks, int, bytes | None]:
-        """The prompt's block keys, its tokens and its ids where known: counted by the engines'
-        tokenizer where the gateway has it (off the loop where that takes long), else estimated
-        from its bytes."""
+    async def _prompt_blocks(self, body: Mapping[str, object]) -> tuple[PromptBlocks, int, bytes]:
+        """The prompt's block keys, its tokens, and the ``"prompt": [ids]`` field its legs carry
+        (empty: the client's prompt goes): counted by the engines' tokenizer where the gateway
+        has it (off the loop where that takes long), else estimated from its bytes."""
         if self.tokenizer is not None:
             if self.tokenizer.blocking:
-                packed = await asyncio.to_thread(self.tokenizer.packed, body)
+                packed, field = await asyncio.to_thread(self._tokenize, body)
             else:
-                packed = self.tokenizer.packed(body)
+                packed, field = self._tokenize(body)
             if packed is not None:
                 size = self.pool.kv_block_size()
-                keys = token_block_keys(packed, size)
-                return PromptBlocks(keys, size), -(-len(packed) // 4), packed
+                return PromptBlocks(token_block_keys(packed, size), size), len(packed) // 4, field
         prompt = prompt_bytes(body)
         tokens = estimate_prompt_tokens(body, prompt)
         if self.tokenizer is not None:  # keys of another space would match nothing
-            return PromptBlocks(), tokens, None
-        return PromptBlocks(block_hashes(prompt)), tokens, None
+            return PromptBlocks(), tokens, b""
+        return PromptBlocks(block_hashes(prompt)), tokens, b""
+
+    def _tokenize(self, body: Mapping[str, object]) -> tuple[bytes | None, bytes]:
+        """The prompt's ids and, where they are the engines' own, the field sending them."""
+        assert self.tokenizer is not None  # called only where the gateway has one
+        packed = self.tokenizer.packed(body)
+        field = prompt_as_ids(body, packed) if self.tokenizer.engines_ids else None
+        return packed, field or b""
 
     async def _admit(self) -> None:
         """Wait for a decode rank below the pool's bound of requests, or refuse with 429."""
