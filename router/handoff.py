@@ -16,6 +16,8 @@
      decode alone, and the prefill instance counts a failure.
 3. Decode: the client's body, byte for byte, plus prefill's ``kv_transfer_params`` verbatim, to
    the least-loaded DP rank of the same cell (``X-data-parallel-rank``), same ``X-Request-Id``.
+   Both legs carry a completion's text prompt as the ids the gateway tokenized it to, where
+   its tokenizer is the engines' (``router.tokens.prompt_as_ids``).
    - before the first generated token reaches the client, a failure retries on another rank
      with the same KV only if the failed engine never received the request (no connection):
      an engine that did may have pulled the blocks, and vLLM answers a replayed handoff 200
