@@ -190,6 +190,7 @@ class Handoff:
                 self.metrics.child(
                     self.metrics.affinity, key.source.value, "miss" if choice.spilled else "hit"
                 ).inc()
+        self.metrics.route_seconds.observe(time.perf_counter() - timing.started)
         prefilled: _Prefilled | None = None
         if choice is not None:
             outcome = await self._prefill(choice, request)

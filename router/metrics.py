@@ -171,8 +171,9 @@ class GatewayMetrics:
         )
         self.phase = Histogram(
             "baton_gateway_phase_seconds",
-            "Time per phase: prefill (call), handoff (prefill done to first "
-            "decode byte), decode (first to last decode byte).",
+            "Time per phase: route (arrival to the first leg: tokenizing, admission, "
+            "the choice), prefill (call), handoff (prefill done to first decode byte), "
+            "decode (first to last decode byte).",
             [_DEPLOYMENT, "phase"],
             buckets=PHASE_BUCKETS,
             registry=r,
@@ -373,6 +374,7 @@ class GatewayMetrics:
         # both causes served from the start, at 0: a share of them is a ratio from the first scrape
         self.routed_away_tokens = self.child(self.not_reused, "routed_away")
         self.absent_tokens = self.child(self.not_reused, "absent")
+        self.route_seconds = self.child(self.phase, "route")
         self.prefill_seconds = self.child(self.phase, "prefill")
         self.handoff_seconds = self.child(self.phase, "handoff")
         self.decode_seconds = self.child(self.phase, "decode")

@@ -148,6 +148,31 @@ def test_chat_goes_through_prefill_then_decode(stack: Stack) -> None:
     stack.assert_nothing_leaked()
 
 
+def test_a_handoffs_time_is_split_into_its_phases_from_arrival_to_first_token(
+    stack: Stack,
+) -> None:
+    stream = stack.client().completions.create(
+        model=MODEL, prompt=LONG, max_tokens=4, stream=True, extra_body={"ignore_eos": True}
+    )
+    assert len(list(stream)) >= 4
+
+    def phases() -> dict[str, float]:
+        return {
+            phase: stack.gateway_metric("baton_gateway_phase_seconds_count", phase=phase)
+            for phase in ("route", "prefill", "handoff", "decode")
+        }
+
+    # the decode phase ends with the stream's last byte, which the client may read first
+    eventually(lambda: phases()["decode"] == 1)
+    assert phases() == {"route": 1, "prefill": 1, "handoff": 1, "decode": 1}
+    to_first_token = sum(
+        stack.gateway_metric("baton_gateway_phase_seconds_sum", phase=phase)
+        for phase in ("route", "prefill", "handoff")
+    )
+    ttft = stack.gateway_metric("baton_gateway_time_to_first_token_seconds_sum")
+    assert 0 < to_first_token <= ttft
+
+
 def test_streamed_completion_with_usage_reports_prefill_cached_tokens(stack: Stack) -> None:
     client = stack.client()
     for turn in range(2):
