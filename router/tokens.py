@@ -101,7 +101,7 @@ class SimTokenizer:
     """``baton sim``'s tokenizer: its chat template, 4 bytes a token."""
 
     blocking = False
-    engines_ids = False  # the simulator tokenizes for nothing: its text is its ids
+    engines_ids = True  # the simulator's ids are its text's 4-byte words
 
     def packed(self, body: Mapping[str, object]) -> bytes | None:
         chat = _chat_options(body)
@@ -300,6 +300,8 @@ def prompt_as_ids(body: Mapping[str, object], packed: bytes | None) -> bytes | N
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if packed is None or not isinstance(prompt, str) or "messages" in body:
+        return None
+    if len(packed) % 4:  # not whole ids (a simulator's text of no whole number of tokens)
         return None
     if body.get("echo") or body.get("truncate_prompt_tokens") is not None:
         return None

@@ -381,6 +381,7 @@ class DPGroup:
                 500, "EngineCore encountered an issue. See stack trace for the root cause."
             )
         request.dp_rank = dp_rank
+        request.queued_at = self.clock.now()
         rank = self.ranks[dp_rank]
         if request.state is RequestState.WAITING_FOR_REMOTE_KVS:
             rank.loading.append(request)
@@ -435,8 +436,8 @@ class DPGroup:
         if request.finish_reason is not FinishReason.ABORT:
             rank.success[request.finish_reason.value] += 1
             rank.e2e.observe(request.finished_at - request.arrival)
-            if request.scheduled_at is not None:
-                rank.queue_time.observe(request.scheduled_at - request.arrival)
+            if request.scheduled_at is not None and request.queued_at is not None:
+                rank.queue_time.observe(request.scheduled_at - request.queued_at)
         for callback in self.on_finished:
             callback(request)
         # A request held for a remote decode keeps its blocks; the NIXL side frees them.

@@ -77,6 +77,7 @@ class SimRequest:
     # the group's given-up lag at its last token: an inter-token latency leaves out the lag
     # given up since (the host's delay, not the modelled engine's)
     lag_given_up_at_last_token: float = 0.0
+    queued_at: float | None = None  # in the engine core's queue, past the API server
     scheduled_at: float | None = None
     finished_at: float | None = None
     finish_reason: FinishReason | None = None

@@ -24,6 +24,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
+from baton.core.perf import api_server_ready
 from baton.core.secrets import read_token
 from baton.core.sim_tokenizer import count_tokens, encode_token_ids, render_chat
 from sim.config import EngineConfig
@@ -108,6 +109,7 @@ class ApiServer:
             else None
         )
         self._tasks: set[asyncio.Task[None]] = set()
+        self._tokenizer_free_at = 0.0  # simulated time its tokenizing thread is free from
         self._runner: web.AppRunner | None = None
         self.app = self._build_app()
 
@@ -222,7 +224,11 @@ class ApiServer:
         except ValidationError as exc:
             return _error(400, *validation_message(exc))
         try:
-            request = self._build_request(http, body, chat)
+            request, tokenized = self._build_request(http, body, chat)
+        except RequestFailed as exc:
+            return _error(exc.status, exc.message)
+        await self._before_queue(request, tokenized=tokenized)
+        try:
             dp_rank = self._choose_rank(http)
             if request.remote_prefill is not None:
                 self._reserve_remote(request, dp_rank)
@@ -247,6 +253,19 @@ class ApiServer:
             elif self._request_log is not None and request.failure is None:
                 self._log_finished(request)
 
+    async def _before_queue(self, request: SimRequest, *, tokenized: bool) -> None:
+        """The API server's time between the request's arrival and its engine core's queue
+        (the profile's ``frontend``): a text prompt waits for the one tokenizing thread."""
+        now = self.group.clock.now()
+        ready, self._tokenizer_free_at = api_server_ready(
+            self.config.profile.frontend,
+            now,
+            self._tokenizer_free_at,
+            request.prompt_tokens if tokenized else None,
+        )
+        if ready > now:
+            await self.group.sim_clock.sleep(ready - now)
+
     def _log_finished(self, request: SimRequest) -> None:
         """One line of the request log: where the request ran, when (simulated seconds), and
         what the rank's prefix cache held for it. ``prompt`` is the BLAKE2b-128 of the prompt's
@@ -269,7 +288,8 @@ class ApiServer:
 
     def _build_request(
         self, http: web.Request, body: CompletionRequest | ChatCompletionRequest, chat: bool
-    ) -> SimRequest:
+    ) -> tuple[SimRequest, bool]:
+        """The request, and whether its API server tokenizes its prompt (text, not ids)."""
         if body.model is not None and body.model not in self.config.served_model_names:
             raise RequestFailed(404, f"The model `{body.model}` does not exist.")
         if body.n != 1:
@@ -280,11 +300,11 @@ class ApiServer:
             )
         if chat:
             assert isinstance(body, ChatCompletionRequest)
-            prompt = render_chat(body.messages, body.add_generation_prompt)
+            prompt, tokenized = render_chat(body.messages, body.add_generation_prompt), True
             requested = body.requested_max_tokens
         else:
             assert isinstance(body, CompletionRequest)
-            prompt = self._completion_prompt(body.prompt)
+            prompt, tokenized = self._completion_prompt(body.prompt)
             requested = body.max_tokens
         prompt_tokens = count_tokens(prompt)
         limit = self.config.max_model_len
@@ -312,7 +332,7 @@ class ApiServer:
             seed = self._rng.getrandbits(63)
         params = body.kv_transfer_params or {}
         nixl = self.config.kv_transfer.nixl
-        return make_request(
+        request = make_request(
             prompt,
             external_id=http.headers.get("X-Request-Id") or uuid.uuid4().hex,
             max_tokens=max_tokens,
@@ -326,15 +346,19 @@ class ApiServer:
             do_remote_decode=bool(params.get("do_remote_decode")) and nixl,
             remote_prefill=params if params.get("do_remote_prefill") and nixl else None,
         )
+        return request, tokenized
 
-    def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]]) -> bytes:
+    def _completion_prompt(
+        self, prompt: str | list[int] | list[str] | list[list[int]]
+    ) -> tuple[bytes, bool]:
+        """The prompt's bytes, and whether the API server tokenizes it (text, not ids)."""
         if isinstance(prompt, str):
-            return prompt.encode()
+            return prompt.encode(), True
         ids = [item for item in prompt if isinstance(item, int)]
         if prompt and len(ids) == len(prompt):
             if any(not 0 <= item < 2**32 for item in ids):
                 raise RequestFailed(400, "prompt token ids must be in [0, 2**32)")
-            return encode_token_ids(ids)
+            return encode_token_ids(ids), False
         if len(prompt) == 1 and isinstance(prompt[0], str | list):
             return self._completion_prompt(prompt[0])
         raise RequestFailed(

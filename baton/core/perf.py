@@ -33,12 +33,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from baton.core.experts import Placement, moves_per_rank
-from baton.core.profile import Profile
+from baton.core.profile import FrontendProfile, Profile
 
 __all__ = [
     "PrefillChunk",
     "RankBatch",
     "StepTime",
+    "api_server_ready",
     "expected_tokens_per_step",
     "expert_copy_seconds",
     "prefill_chunk_seconds",
@@ -151,6 +152,18 @@ def step_seconds(
         )
     total = slowest + moe + draft + eplb_copy_s
     return StepTime(total, moe, slowest_rest, draft, slowest_prefill, eplb_copy_s)
+
+
+def api_server_ready(
+    frontend: FrontendProfile, now: float, tokenizer_free_at: float, prompt_tokens: int | None
+) -> tuple[float, float]:
+    """When a request that arrived at ``now`` reaches its engine core's queue, and when the API
+    server's one tokenizing thread is free again: ``prompt_tokens`` of text to tokenize (None:
+    the prompt came as ids) wait for the thread behind the prompts already on it."""
+    if prompt_tokens is None or not frontend.tokenize_per_token_s:
+        return now + frontend.request_s, tokenizer_free_at
+    tokenized = max(now, tokenizer_free_at) + prompt_tokens * frontend.tokenize_per_token_s
+    return tokenized + frontend.request_s, tokenized
 
 
 def expected_tokens_per_step(num_speculative_tokens: int, acceptance_rate: float) -> float:

@@ -18,6 +18,7 @@ from baton.core.files import describe_errors
 __all__ = [
     "DEFAULT_PROFILE",
     "DecodeProfile",
+    "FrontendProfile",
     "NVLinkProfile",
     "PrefillProfile",
     "Profile",
@@ -76,6 +77,16 @@ class SharedGpuProfile(_Strict):
     decode_beside_decode: float = Field(default=1.0, ge=0)
 
 
+class FrontendProfile(_Strict):
+    """An engine's API server, between a request's arrival and its engine core's queue (vLLM
+    stamps the arrival first): ``request_s`` for every request, and for a prompt sent as text,
+    its tokenizing, ``tokenize_per_token_s`` a token on the server's one tokenizing thread
+    (vLLM's ``renderer_num_workers``, 1 by default), so that prompts queue for it. 0: none."""
+
+    request_s: float = Field(default=0.0, ge=0)
+    tokenize_per_token_s: float = Field(default=0.0, ge=0)
+
+
 class Profile(_Strict):
     model: str
     hardware: str
@@ -86,6 +97,7 @@ class Profile(_Strict):
     decode: DecodeProfile
     nvlink: NVLinkProfile
     shared_gpu: SharedGpuProfile = SharedGpuProfile()
+    frontend: FrontendProfile = FrontendProfile()
 
 
 class ProfileError(ValueError):

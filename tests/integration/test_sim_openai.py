@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import yaml
 from openai.types.chat import ChatCompletionMessageParam
 
+from baton.core.profile import load_profile
+from baton.core.sim_tokenizer import decode_token_ids
 from tests.helpers import SimHandle, cached_tokens_of, usage_of
 
 MODEL = "dsv4-flash"
@@ -159,3 +164,30 @@ def test_reset_prefix_cache_in_dev_mode_forgets_what_the_engine_cached(
     assert reset.json() == {"success": True}
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     assert cached_tokens_of(again) == 0
+
+
+def test_the_api_server_tokenizes_a_text_prompt_before_the_queue_and_not_ids(
+    start_sim: Callable[..., SimHandle], tmp_path: Path
+) -> None:
+    """A profile's ``frontend``: every request's API-server time, and a text prompt's
+    tokenizing on top, between its arrival and its engine core's queue, as vLLM stamps them."""
+    profile = load_profile().model_dump()
+    profile["frontend"] = {"request_s": 0.2, "tokenize_per_token_s": 0.002}
+    profile_file = tmp_path / "profile.yaml"
+    profile_file.write_text(yaml.safe_dump(profile))
+    log = tmp_path / "requests.jsonl"
+    sim = start_sim(
+        "--served-model-name", MODEL, "--profile", str(profile_file), "--request-log", str(log)
+    )
+    text = "tray" * 200  # 200 tokens of the simulator's 4 bytes each: 0.4 s to tokenize
+    for request_id, prompt in (("text", text), ("ids", decode_token_ids(text.encode()))):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        answer = httpx.post(
+            f"{sim.url}/v1/completions", json=body, headers={"X-Request-Id": request_id}, timeout=60
+        )
+        assert answer.status_code == 200, answer.text
+    lines = {line["request_id"]: line for line in map(json.loads, log.read_text().splitlines())}
+    early = 0.001  # asyncio runs a timer up to its clock's resolution early
+    assert lines["text"]["scheduled"] - lines["text"]["arrival"] >= 0.2 + 0.4 - early
+    assert lines["ids"]["scheduled"] - lines["ids"]["arrival"] >= 0.2 - early
+    assert lines["text"]["prompt"] == lines["ids"]["prompt"]  # the same prompt either way

@@ -114,7 +114,7 @@ def test_a_completions_text_prompt_goes_to_the_engines_as_its_ids_where_nothing_
     model_dir: Path,
 ) -> None:
     tokens = HFTokenizer(model_dir)
-    assert tokens.engines_ids and not SimTokenizer.engines_ids
+    assert tokens.engines_ids and SimTokenizer.engines_ids
 
     def sent(body: dict[str, object]) -> object:
         field = prompt_as_ids(body, tokens.packed(body))
@@ -132,6 +132,17 @@ def test_a_completions_text_prompt_goes_to_the_engines_as_its_ids_where_nothing_
     assert sent({"prompt": [5, 6, 7]}) is None
     assert sent({"prompt": ["one", "two"]}) is None
     assert sent({"messages": [{"role": "user", "content": "which rank"}]}) is None
+
+
+def test_a_simulators_text_goes_as_ids_only_where_it_is_whole_tokens() -> None:
+    tokens = SimTokenizer()
+    whole = {"prompt": "four bytes a token!!"}  # 20 bytes
+    field = prompt_as_ids(whole, tokens.packed(whole))
+    assert field is not None
+    sent = json.loads(b"{" + field + b"}")["prompt"]
+    assert encode_token_ids(sent) == b"four bytes a token!!"
+    ragged = {"prompt": "three more"}  # 10 bytes: no ids carry it exactly
+    assert prompt_as_ids(ragged, tokens.packed(ragged)) is None
 
 
 def test_a_chat_the_template_refuses_or_cannot_render_is_not_keyed(model_dir: Path) -> None:
