@@ -41,6 +41,8 @@ benchmark runs in steps (``--step``), each a command:
 - ``share`` (there): the engines stepping at once, two prefill, two decode, one of each and all
   four, against each alone: what one busy peer of each kind adds to a step of each kind on the
   GPU, which the simulator's shared GPU takes.
+- ``frontend`` (there): an idle prefill engine's time before its queue for prompts sent as text
+  and as ids, and the simulator's profile's ``frontend`` fitted to it.
 - ``stop``: the engines' processes.
 
 ``--engines cpu`` runs the same steps on the CPU build of vLLM with a tiny model, so that the
@@ -109,6 +111,7 @@ from rigs.vllm_live import (
 )
 from router.handoff import decode_body, prefill_body
 from router.targets import DecodeServerSpec, PoolCell, PoolSpec
+from router.tokens import check_tokenizer
 from sim.fit import DecodeSample, HandoffSample, PrefillSample, fit_profile, residuals
 from sim.shared_gpu import step_stretch
 
@@ -374,6 +377,16 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
         engines = _load_engines(state)
         print(f"{len(engines)} engines already up", file=sys.stderr)
         return {"benchmark": "gpu-start", "reused": True, "engines": [asdict(e) for e in engines]}
+    if args.gateway_tokenizer is not None:
+        if args.engines != "sim":
+            raise SystemExit(
+                "baton bench gpu: --gateway-tokenizer is for --engines sim (vLLM engines' "
+                "gateway tokenizes with their own model's files)"
+            )
+        try:
+            check_tokenizer(str(args.gateway_tokenizer))
+        except ValueError as exc:
+            raise SystemExit(f"baton bench gpu: --gateway-tokenizer: {exc}") from None
     card: dict[str, Any] = {}
     platform: Platform
     if args.engines == "gpu":
@@ -401,6 +414,8 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     # what the later steps need to know of this start (the profile: the model and its KV; the
     # tokenizer the gateway keys prompts with, as the engines tokenize them)
     tokenizer = "sim" if isinstance(platform, SimVllm) else str(model)
+    if args.gateway_tokenizer is not None:  # with --engines sim alone, checked above
+        tokenizer = str(args.gateway_tokenizer)
     (state / "start.json").write_text(
         json.dumps(
             {
@@ -1169,7 +1184,7 @@ def _histogram_delta(
     (an engine's stats reach its API server a step or two after a request's last token)."""
 
     def gained() -> tuple[float, float] | None:
-        now = _histograms(url)[name]
+        now = _histograms(url, (name,))[name]
         grown = (now[0] - before[name][0], now[1] - before[name][1])
         return grown if grown[1] >= count else None
 
@@ -1354,6 +1369,71 @@ def fitted_profile(record: Mapping[str, Any], out: Path) -> dict[str, Any]:
 # ---- engines stepping at once: how much of a step the GPU's time-slicing stretches
 
 
+# --step frontend: prompt sizes (tokens) sent as text and as ids, within the CPU model's positions
+FRONTEND_TOKENS = {"gpu": (1024, 4096, 16384), "cpu": (128, 512, 2048)}
+FRONTEND_REPEATS = 3
+
+
+def frontend(args: argparse.Namespace) -> dict[str, Any]:
+    """An idle prefill engine's time between a request's arrival and its engine core's queue
+    (its TTFT less its queue and prefill times), for fresh prompts sent as text and, of the
+    same sizes, as the ids the engine's ``/tokenize`` gives: the simulator's profile's
+    ``frontend``, fitted (the ids' mean; the text's excess over it, a token, least squares)."""
+    if args.engines == "sim":
+        raise SystemExit(
+            "baton bench gpu --step frontend: measures vLLM engines, --engines gpu|cpu"
+        )
+    engines = _engines_up(args.state)
+    url = next(e for e in engines if e.role == "prefill").url
+    started = json.loads((args.state / "start.json").read_text())
+    seeds = itertools.count(3_000_000)
+    samples: list[dict[str, Any]] = []
+    for tokens in FRONTEND_TOKENS[args.engines]:
+        for _ in range(FRONTEND_REPEATS):
+            for form in ("text", "ids"):
+                prompt: str | list[int] = text(next(seeds), tokens)
+                if form == "ids":
+                    answer = httpx.post(
+                        f"{url}/tokenize", json={"model": "bench", "prompt": prompt}, timeout=60
+                    )
+                    answer.raise_for_status()
+                    prompt = answer.json()["tokens"]
+                before = _histograms(url, PHASE_HISTOGRAMS[:3])
+                body = {"model": "bench", "prompt": prompt, "max_tokens": 1}
+                response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+                response.raise_for_status()
+                ttft, queue, prefill = (
+                    _histogram_delta(url, before, name, 1)[0] for name in PHASE_HISTOGRAMS[:3]
+                )
+                samples.append(
+                    {
+                        "form": form,
+                        "prompt_tokens": response.json()["usage"]["prompt_tokens"],
+                        "before_queue_s": ttft - queue - prefill,
+                    }
+                )
+                print(f"frontend {samples[-1]}", file=sys.stderr)
+    ids = [sample["before_queue_s"] for sample in samples if sample["form"] == "ids"]
+    request_s = statistics.fmean(ids)
+    texts = [
+        (sample["prompt_tokens"], sample["before_queue_s"] - request_s)
+        for sample in samples
+        if sample["form"] == "text"
+    ]
+    per_token = sum(n * extra for n, extra in texts) / sum(n * n for n, _ in texts)
+    fitted = {"request_s": max(0.0, request_s), "tokenize_per_token_s": max(0.0, per_token)}
+    print(
+        f"frontend: {fitted['request_s'] * 1000:.2f} ms a request, "
+        f"{fitted['tokenize_per_token_s'] * 1e6:.3f} us a text prompt's token"
+    )
+    return {
+        "benchmark": "gpu-frontend",
+        "card": started["card"],
+        "samples": samples,
+        "frontend": fitted,
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class ShareShapes:
     """The shapes ``--step share`` runs on engines alone and at once."""
@@ -1529,6 +1609,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "fit",
             "hazards",
             "share",
+            "frontend",
             "stop",
         ],
         help="prepare the carry (here), start the engines, run the points, or stop them "
@@ -1552,6 +1633,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="--engines sim: give each engine a GPU of its own (the simulator's default before "
         "2026-12-06); without it the engines share one GPU's time, as on the device",
+    )
+    group.add_argument(
+        "--gateway-tokenizer",
+        type=Path,
+        help="--engines sim: the GPU model's tokenizer files (deploy/vllm/gpu/model.py writes "
+        "them), which Baton's gateway then tokenizes completions with, at the CPU cost it has "
+        "on the GPU's host, sending the simulator those ids; without it the gateway counts the "
+        "simulator's 4-byte tokens, at next to no cost",
     )
     group.add_argument(
         "--site", type=Path, default=STATE / "site", help="where install.sh put the wheels"
@@ -1631,7 +1720,7 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
     if args is None or args.step is None:
         raise SystemExit(
             "baton bench gpu: give --step "
-            "prepare|start|startup|points|agentx|overhead|profile|fit|hazards|share|stop "
+            "prepare|start|startup|points|agentx|overhead|profile|fit|hazards|share|frontend|stop "
             "(bench/gpu.py says how)"
         )
     args.state.mkdir(parents=True, exist_ok=True)
@@ -1660,6 +1749,8 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
         return hazards(args)
     if args.step == "share":
         return share(args)
+    if args.step == "frontend":
+        return frontend(args)
     if args.step == "stop":
         return stop(args.state)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
@@ -35,7 +35,7 @@ NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
 METRICS_DOC = ROOT / "docs" / "metrics.md"
 # A Mooncake-format trace (bench/trace.py): conversations of 2-4 blocks of 512 tokens, a follow-up
 # turn extending an earlier prompt.
-SMALL_TRACE = [
+SMALL_TRACE: list[dict[str, Any]] = [
     {"timestamp": 0, "input_length": 1100, "output_length": 8, "hash_ids": [1, 2, 3]},
     {"timestamp": 300, "input_length": 700, "output_length": 8, "hash_ids": [1, 4]},
     {"timestamp": 900, "input_length": 1600, "output_length": 8, "hash_ids": [1, 2, 3, 5]},

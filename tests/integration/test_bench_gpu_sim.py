@@ -3,10 +3,14 @@ profile fitted on a GPU, the points the GPU ran replayed on the simulator's cloc
 
 from __future__ import annotations
 
+import itertools
 import json
+import string
 import subprocess
 from pathlib import Path
 from typing import Any
+
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from tests.helpers import SMALL_TRACE, bench_gpu
 
@@ -79,6 +83,41 @@ def test_the_simulator_runs_the_gpu_points_with_the_profile_fitted_on_a_gpu(tmp_
         refused = _step(state, "--step", "profile", check=False)
         assert refused.returncode != 0
         assert "--engines gpu|cpu" in refused.stderr
+    finally:
+        _step(state, "--step", "stop")
+
+
+def _word_tokenizer(folder: Path) -> Path:
+    """Tokenizer files of the GPU model's kind (deploy/vllm/gpu/model.py, which needs
+    transformers): each word the benchmarks write one token, written with ``tokenizers``."""
+    words = (" " + "".join(w) for w in itertools.product(string.ascii_lowercase, repeat=3))
+    vocabulary = {token: i for i, token in enumerate(["<|end|>", "<|unk|>", *words])}
+    tokenizer = Tokenizer(models.WordLevel(vocabulary, unk_token="<|unk|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r" ?[^ ]+| "), behavior="isolated")
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+    return folder
+
+
+def test_the_gateway_can_tokenize_with_the_gpu_models_files_in_front_of_the_simulator(
+    tmp_path: Path,
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in SMALL_TRACE))
+    state = tmp_path / "state"
+    files = _word_tokenizer(tmp_path / "tokenizer")
+    _step(state, "--step", "start", "--gateway-tokenizer", str(files))
+    try:
+        window = ("--window", "0:4", "--warmup", "0", "--repeats", "1")
+        _step(state, "--step", "points", "--trace", str(trace), *window, "--trace-routers", "baton")
+        [point] = _saved(state, "gpu")["points"]
+        assert point["errors"] == 0, point["error_kinds"]
+        # the simulator counts the gateway's ids as the GPU's engines count the text: a token
+        # a word, so the trace's lengths hold
+        assert point["input_tokens"] == sum(r["input_length"] for r in SMALL_TRACE)
+        assert point["phases"]["gateway"]["baton_gateway_phase_seconds/route"] > 0
+        assert point["handoff"]["decode_computed_tokens"] == 0
     finally:
         _step(state, "--step", "stop")
 

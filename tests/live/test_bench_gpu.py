@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from baton.core.profile import load_profile
+from baton.core.profile import FrontendProfile, load_profile
 from tests.helpers import SMALL_TRACE, bench_gpu
 
 
@@ -29,6 +29,7 @@ def _step(state: Path, out: Path, *arguments: str) -> dict[str, Any]:
         "profile": "gpu-profile",
         "hazards": "gpu-hazards",
         "share": "gpu-share",
+        "frontend": "gpu-frontend",
         "stop": "gpu-stop",
     }[arguments[1]]
     record: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
@@ -160,6 +161,22 @@ def test_engines_stepping_at_once_are_timed_against_each_alone(
     assert set(record["shared_gpu"]) == {
         f"{me}_beside_{peer}" for me in ("prefill", "decode") for peer in ("prefill", "decode")
     }
+
+
+def test_the_api_servers_time_before_the_queue_is_measured_for_text_and_ids(
+    started: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    state, _ = started
+    record = _step(state, tmp_path, "--step", "frontend")
+    forms = [(s["form"], s["prompt_tokens"]) for s in record["samples"]]
+    assert {form for form, _ in forms} == {"text", "ids"}
+    # the ids /tokenize gave are the text's: the engine counts the same prompt either way
+    for text_form, ids_form in zip(forms[::2], forms[1::2], strict=True):
+        assert text_form[0] == "text" and ids_form[0] == "ids"
+        assert text_form[1] == ids_form[1]
+    assert all(s["before_queue_s"] >= 0 for s in record["samples"])
+    # what the simulator's profile takes, loadable as its own
+    FrontendProfile.model_validate(record["frontend"])
 
 
 def test_the_live_hazards_meet_vllm_as_it_is_and_the_gateway_handles_each(

@@ -87,7 +87,7 @@ def test_a_card_too_small_for_four_engines_is_refused_by_name() -> None:
         (
             (),
             "give --step prepare|start|startup|points|agentx|overhead|profile|fit|hazards|"
-            "share|stop",
+            "share|frontend|stop",
         ),
         (("--step", "fit"), "give --samples gpu-profile.json"),
         (("--step", "fit", "--samples", "missing.json"), "missing.json"),
@@ -99,6 +99,14 @@ def test_a_card_too_small_for_four_engines_is_refused_by_name() -> None:
         (
             ("--step", "points", "--engines", "cpu", "--trace", "t.jsonl", "--trace-routers", "x"),
             "unknown ['x']",
+        ),
+        (
+            ("--step", "start", "--engines", "sim", "--gateway-tokenizer", "nowhere"),
+            "--gateway-tokenizer: no tokenizer.json in nowhere",
+        ),
+        (
+            ("--step", "start", "--engines", "cpu", "--gateway-tokenizer", "nowhere"),
+            "--gateway-tokenizer is for --engines sim",
         ),
     ],
 )
