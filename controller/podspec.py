@@ -32,7 +32,7 @@ import json
 from typing import Any
 
 from baton.core.api import API_VERSION, KIND, MODEL_DIR, EnvVar, ModelDeploymentSpec
-from baton.core.eplb_report import REPORT_URL_ENV, TOKEN_ENV, WHERE_ENV
+from baton.core.eplb_report import POLICY_ENV, REPORT_URL_ENV, TOKEN_ENV, WHERE_ENV
 from baton.core.labels import (
     CELL_GATE,
     CELL_LABEL,
@@ -481,6 +481,8 @@ def _with_eplb(
         {"name": "PYTHONPATH", "value": PLUGIN_DIR},
         *({"name": variable, "value": where[key]} for key, variable in WHERE_ENV.items()),
     ]
+    if eplb.policy != "baton":  # rendered only then: a pod of the default keeps its hash
+        env.append({"name": POLICY_ENV, "value": eplb.policy})
     if eplb.report_url is not None:
         env.append({"name": REPORT_URL_ENV, "value": eplb.report_url})
     if token is not None:

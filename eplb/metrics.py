@@ -71,7 +71,7 @@ class EplbMetrics:
         self.engine_windows = Counter(
             "baton_eplb_engine_windows",
             "Rebalances vLLM engines made themselves (plugin mode), by who placed: baton, or "
-            "vllm_default after a fallback",
+            "vllm_default (the spec's policy, or after a fallback)",
             (*labels, "policy"),
             registry=registry,
         )

@@ -16,6 +16,11 @@ algorithm is deterministic numpy, identical on every rank.
 (:func:`simulated_engine_policy`), so the simulator's in-engine EPLB can run what vLLM engines
 run with the plugin.
 
+Who places is the pod's choice (``spec.eplb.policy``, rendered as ``POLICY_ENV``): Baton's
+algorithm by default, or ``vllm_default``, where vLLM's own policy places every window and the
+plugin only measures and reports it (the same balance and moves), so that a live group's figures
+under vLLM's policy can be set beside Baton's before switching.
+
 Fallbacks, each logged, each reported: a vLLM version this plugin was not written against leaves
 vLLM's policy in place (nothing is patched); any error in Baton's placement makes that window's
 placement vLLM's own. Nothing here raises into vLLM.
@@ -38,6 +43,7 @@ from pydantic import BaseModel
 
 from baton.core.eplb_report import (
     INACTIVE_PATH,
+    POLICY_ENV,
     REPORT_PATH,
     REPORT_URL_ENV,
     TOKEN_ENV,
@@ -59,6 +65,7 @@ __all__ = [
     "SUPPORTED_VLLM",
     "Rebalanced",
     "SimulatedPolicy",
+    "configured_policy",
     "place_and_report",
     "rebalance_window",
     "register",
@@ -103,6 +110,18 @@ class Rebalanced:
     experts_moved: int
 
 
+def configured_policy() -> Policy:
+    """Who places, as the pod's ``POLICY_ENV`` says: ``baton`` unless it names vLLM's policy
+    (an unknown value is logged and leaves Baton's)."""
+    value = os.environ.get(POLICY_ENV, "baton")
+    if value not in ("baton", "vllm_default"):
+        log.warning(
+            "%s=%r is neither baton nor vllm_default; Baton's algorithm places", POLICY_ENV, value
+        )
+        return "baton"
+    return "vllm_default" if value == "vllm_default" else "baton"
+
+
 def rebalance_window(
     load: np.ndarray,
     num_replicas: int,
@@ -111,24 +130,36 @@ def rebalance_window(
     num_ranks: int,
     old: np.ndarray | None,
     vllm_default: Callable[[], np.ndarray],
+    policy: Policy = "baton",
 ) -> Rebalanced:
-    """Baton's placement for a window vLLM hands its policy (keeping experts where they are
-    when ``old`` is a placement of the same shape), or ``vllm_default()`` if it fails."""
+    """The placement for a window vLLM hands its policy: Baton's (keeping experts where they
+    are when ``old`` is a placement of the same shape), or ``vllm_default()`` where ``policy``
+    says so or Baton's fails; with its balance and moves either way."""
     load = np.asarray(load, dtype=np.float64)
     num_experts = load.shape[1]
     previous = _placement(old, num_ranks, num_experts)
     placed: Placement | None
-    policy: Policy
-    fallback: str | None
-    try:
-        placed = rebalance(
-            load, num_ranks, num_replicas - num_experts, num_nodes, num_groups, previous=previous
-        )
-        phy2log, policy, fallback = placed.phy2log, "baton", None
-    except Exception as exc:  # vLLM's own policy places this window instead
-        log.warning("Baton's EPLB failed (%s: %s); vLLM's policy places", type(exc).__name__, exc)
-        phy2log, policy, fallback = vllm_default(), "vllm_default", type(exc).__name__
+    fallback: str | None = None
+    if policy == "vllm_default":
+        phy2log = vllm_default()
         placed = _placement(phy2log, num_ranks, num_experts)
+    else:
+        try:
+            placed = rebalance(
+                load,
+                num_ranks,
+                num_replicas - num_experts,
+                num_nodes,
+                num_groups,
+                previous=previous,
+            )
+            phy2log = placed.phy2log
+        except Exception as exc:  # vLLM's own policy places this window instead
+            log.warning(
+                "Baton's EPLB failed (%s: %s); vLLM's policy places", type(exc).__name__, exc
+            )
+            phy2log, policy, fallback = vllm_default(), "vllm_default", type(exc).__name__
+            placed = _placement(phy2log, num_ranks, num_experts)
     before = balance(load, previous) if previous is not None else None
     after = balance(load, placed) if placed is not None else 0.0
     moved = moves(previous, placed) if previous is not None and placed is not None else 0
@@ -210,7 +241,12 @@ def register() -> None:
     if getattr(default, "baton", False):
         return  # a forked worker inherits its parent's registration
     policies.EPLB_POLICIES["default"] = _policy_class(default, policies.AbstractEplbPolicy, version)
-    log.info("Baton's EPLB plugin active: vLLM %s rebalances with Baton's algorithm", version)
+    placer = (
+        "Baton's algorithm"
+        if configured_policy() == "baton"
+        else "its own policy, which the plugin measures and reports"
+    )
+    log.info("Baton's EPLB plugin active: vLLM %s rebalances with %s", version, placer)
 
 
 def _policy_class(default: Any, base: Any, version: str) -> Any:
@@ -273,11 +309,19 @@ def place_and_report(
     version: str,
     cell: str | None = None,
 ) -> np.ndarray:
-    """One window as the engine's policy answers it: Baton's placement (vLLM's on any error),
-    reported when ``reports()`` says this process is the group's reporter."""
+    """One window as the engine's policy answers it: the configured policy's placement (vLLM's
+    on any error of Baton's), reported when ``reports()`` says this process is the group's
+    reporter."""
     try:
         result = rebalance_window(
-            load, num_replicas, num_groups, num_nodes, num_ranks, old, vllm_default
+            load,
+            num_replicas,
+            num_groups,
+            num_nodes,
+            num_ranks,
+            old,
+            vllm_default,
+            configured_policy(),
         )
     except Exception:  # never into the engine: its own policy places this window
         log.exception("Baton's EPLB plugin failed; vLLM's policy places")

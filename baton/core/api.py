@@ -17,6 +17,7 @@ from typing import Annotated, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from baton.core.eplb_report import Policy
 from baton.core.labels import CLIQUE_LABEL, GPU_RESOURCE
 from baton.core.model import DRAFT, SPECULATIVE_METHOD, SPECULATIVE_TOKENS, TARGET
 from baton.core.vllm_eplb import VLLM_STEP_INTERVAL, VLLM_WINDOW_SIZE
@@ -693,6 +694,12 @@ class EplbSpec(_Resource):
         default=BATON_IMAGE,
         min_length=1,
         description="the image whose init container installs the plugin (plugin mode)",
+    )
+    policy: Policy = Field(
+        default="baton",
+        description="who places the experts in plugin mode: baton (Baton's algorithm) or "
+        "vllm_default (vLLM's own policy; the plugin only measures and reports each window, "
+        "to set a group's balance and moves under it beside Baton's before switching)",
     )
     report_url: str | None = Field(
         default=None,

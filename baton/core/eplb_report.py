@@ -9,7 +9,7 @@ per process, to ``POST /v1/inactive``.
 
 The engine learns where to report from its pod's environment, which the controller renders:
 ``REPORT_URL_ENV``, ``TOKEN_ENV``, and ``WHERE_ENV`` naming the report's namespace, deployment
-and cell.
+and cell; ``POLICY_ENV`` (``spec.eplb.policy``) says who places, ``baton`` when unset.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "INACTIVE_PATH",
+    "POLICY_ENV",
     "REPORT_PATH",
     "REPORT_URL_ENV",
     "TOKEN_ENV",
@@ -33,6 +34,7 @@ REPORT_PATH = "/v1/windows"
 INACTIVE_PATH = "/v1/inactive"
 REPORT_URL_ENV = "BATON_EPLB_REPORT_URL"
 TOKEN_ENV = "BATON_EPLB_TOKEN"
+POLICY_ENV = "BATON_EPLB_POLICY"
 WHERE_ENV = {"namespace": "BATON_NAMESPACE", "deployment": "BATON_DEPLOYMENT", "cell": "BATON_CELL"}
 
 Policy = Literal["baton", "vllm_default"]
@@ -55,7 +57,9 @@ class WindowReport(BaseModel):
     )
     balance_after: float = Field(ge=0, le=1, description="the window under the new placement")
     experts_moved: int = Field(ge=0, description="experts arriving on a rank")
-    policy: Policy = Field(description="who placed: Baton's algorithm, or vLLM's after a fallback")
+    policy: Policy = Field(
+        description="who placed: Baton's algorithm, or vLLM's (as configured, or after a fallback)"
+    )
     fallback: str | None = Field(default=None, description="why vLLM's policy placed, if it did")
     vllm_version: str
 

@@ -392,7 +392,7 @@ EPLB = (
     PanelSpec(
         "Engine rebalances by policy (plugin mode)",
         "Who placed the experts at each in-engine rebalance: Baton's plugin, or vLLM's own "
-        "policy after a fallback (vllm_default).",
+        "policy (vllm_default: as the spec's eplb.policy says, or after a fallback).",
         (increase_by("baton_eplb_engine_windows_total", "group, policy"),),
         unit="short",
         bars=True,

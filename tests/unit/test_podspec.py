@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from baton.core.api import BATON_IMAGE, ModelDeployment, ModelDeploymentSpec
-from baton.core.eplb_report import REPORT_URL_ENV, TOKEN_ENV, WHERE_ENV
+from baton.core.eplb_report import POLICY_ENV, REPORT_URL_ENV, TOKEN_ENV, WHERE_ENV
 from baton.core.labels import CELL_GATE, CELL_LABEL, DEPLOYMENT_LABEL, RANK_LABEL, ROLE_LABEL
 from controller.placement import DeploymentShape, plan_placement
 from controller.podspec import (
@@ -265,6 +265,19 @@ def test_plugin_mode_installs_the_plugin_from_batons_image_onto_the_engines_pyth
     for pod in pods(manifests, "prefill"):  # prefill instances run no EPLB
         assert "initContainers" not in pod["spec"]
         assert "--enable-eplb" not in pod["spec"]["containers"][0]["command"]
+
+
+def test_a_plugin_placing_with_vllms_policy_is_told_so_and_the_default_renders_nothing() -> None:
+    def policy_env(eplb: dict[str, object]) -> set[str | None]:
+        manifests, _ = rendered(eplb=eplb)
+        return {
+            next((e["value"] for e in env if e["name"] == POLICY_ENV), None)
+            for env in (p["spec"]["containers"][0]["env"] for p in pods(manifests, "decode"))
+        }
+
+    assert policy_env({"policy": "vllm_default"}) == {"vllm_default"}
+    # unset as before the field existed: running pods keep their template hash
+    assert policy_env({"policy": "baton"}) == policy_env({}) == {None}
 
 
 def test_agent_mode_serves_the_simulators_agent_with_its_token_as_a_file() -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from baton.core.eplb_report import REPORT_PATH
+from baton.core.eplb_report import POLICY_ENV, REPORT_PATH
+from baton.core.experts import balance, moves
 from baton.core.vllm_eplb import vllm_rebalance
 from eplb.algorithm import rebalance
 from eplb.plugin_install import install, plugin_modules
@@ -18,6 +19,7 @@ from eplb.vllm_plugin import (
     ENTRY_POINT_NAME,
     ENTRY_POINT_VALUE,
     SIMULATOR_ENTRY_POINT_GROUP,
+    configured_policy,
     place_and_report,
     rebalance_window,
     register,
@@ -54,6 +56,52 @@ def test_an_error_in_batons_placement_leaves_the_window_to_vllms_policy() -> Non
     result = rebalance_window(bad, EXPERTS + REDUNDANT, 1, 1, RANKS, None, lambda: theirs)
     assert np.array_equal(result.phy2log, theirs)
     assert (result.policy, result.fallback) == ("vllm_default", "ValueError")
+
+
+def test_a_window_vllms_policy_places_as_configured_is_measured_as_batons_would_be() -> None:
+    old = vllm_rebalance(load(1), RANKS, REDUNDANT)
+    theirs = vllm_rebalance(load(2), RANKS, REDUNDANT, previous=old)
+    result = rebalance_window(
+        load(2),
+        EXPERTS + REDUNDANT,
+        1,
+        1,
+        RANKS,
+        old.phy2log,
+        lambda: theirs.phy2log,
+        "vllm_default",
+    )
+    assert np.array_equal(result.phy2log, theirs.phy2log)
+    assert (result.policy, result.fallback) == ("vllm_default", None)  # chosen, not a fallback
+    assert result.balance_before == balance(load(2).astype(np.float64), old)
+    assert result.balance_after == balance(load(2).astype(np.float64), theirs)
+    assert result.experts_moved == moves(old, theirs) > 0
+
+
+def test_the_pods_policy_decides_who_places_and_an_unknown_one_leaves_batons(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    theirs = vllm_rebalance(load(3), RANKS, REDUNDANT).phy2log
+    ours = rebalance(load(3), RANKS, REDUNDANT).phy2log
+
+    def placed() -> np.ndarray:
+        return place_and_report(
+            load(3),
+            EXPERTS + REDUNDANT,
+            1,
+            1,
+            RANKS,
+            None,
+            lambda: theirs,
+            reports=lambda: False,
+            version="0.33.0",
+        )
+
+    assert configured_policy() == "baton" and np.array_equal(placed(), ours)
+    monkeypatch.setenv(POLICY_ENV, "vllm_default")
+    assert np.array_equal(placed(), theirs)
+    monkeypatch.setenv(POLICY_ENV, "round_robin")
+    assert configured_policy() == "baton" and np.array_equal(placed(), ours)
 
 
 def test_a_placement_with_empty_slots_is_no_previous_one() -> None:

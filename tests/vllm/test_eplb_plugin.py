@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from baton.core.api import ModelDeployment
+from baton.core.eplb_report import POLICY_ENV
 from baton.core.experts import Placement
 from baton.core.model import TARGET
 from baton.core.vllm_eplb import vllm_rebalance
@@ -53,8 +54,11 @@ def window() -> dict[str, Any]:
     }
 
 
-def call_policy(window: dict[str, Any], plugin: Path | None) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+def call_policy(
+    window: dict[str, Any], plugin: Path | None, pod_env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", POLICY_ENV)}
+    env |= pod_env or {}
     if plugin is not None:
         env["PYTHONPATH"] = str(plugin)
     done = subprocess.run(
@@ -106,6 +110,35 @@ def test_with_the_plugin_vllms_policy_entry_point_places_as_baton_does(
     answer = call_policy(window, plugin)
     assert answer["policy"] == "BatonEplbPolicy"
     expected = rebalance(np.array(window["weight"]), RANKS, REDUNDANT, previous=previous(window))
+    assert np.array_equal(np.array(answer["phy2log"]), expected.phy2log)
+
+
+def test_a_plugin_told_to_leave_placing_to_vllm_answers_with_vllms_own_placement(
+    window: dict[str, Any], plugin: Path
+) -> None:
+    deployment = ModelDeployment.model_validate(
+        {
+            "metadata": {"name": "dsv4"},
+            "spec": {
+                "model": "deepseek-ai/DeepSeek-V4.1-Flash",
+                "eplb": {"policy": "vllm_default"},
+            },
+        }
+    )
+    plan = plan_placement([DeploymentShape.of(deployment)], synthetic_topology(1))
+    pod = next(
+        m
+        for m in render_cell(
+            deployment.spec, plan.cells[0], deployment="dsv4", uid="u", namespace="serving"
+        )
+        if m["kind"] == "Pod" and m["spec"].get("initContainers")
+    )
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
+    answer = call_policy(window, plugin, {POLICY_ENV: env[POLICY_ENV]})
+    assert answer["policy"] == "BatonEplbPolicy"  # the plugin is in place, measuring
+    expected = vllm_rebalance(
+        np.array(window["weight"]), RANKS, REDUNDANT, previous=previous(window)
+    )
     assert np.array_equal(np.array(answer["phy2log"]), expected.phy2log)
 
 
