@@ -16,6 +16,7 @@ import yaml
 
 from baton.core.eplb_report import (
     INACTIVE_PATH,
+    POLICY_ENV,
     REPORT_PATH,
     REPORT_URL_ENV,
     TOKEN_ENV,
@@ -27,13 +28,12 @@ from baton.core.model import DRAFT, TARGET
 from baton.core.vllm_eplb import vllm_rebalance
 from eplb.reporter import Reporter
 from eplb.vllm_plugin import rebalance_window
+from rigs.processes import EplbReportsService, eplb_reports_service
 from sim.cluster import ClusterSpec, DecodeGroupSpec
 from sim.config import EplbConfig
 from tests.helpers import (
     ROOT,
-    EplbReportsService,
     baton_command,
-    eplb_reports_service,
     eventually,
     free_port,
     keep_decoding,
@@ -234,17 +234,19 @@ def test_a_model_the_service_does_not_know_is_refused_with_the_fix(
     assert "target (384 experts)" in error["message"]
 
 
+@pytest.mark.parametrize("policy", ["baton", "vllm_default"])
 def test_simulated_engines_with_the_plugin_rebalance_the_target_in_engine_and_report_it(
-    service: EplbReportsService, tmp_path: Path
+    service: EplbReportsService, tmp_path: Path, policy: str
 ) -> None:
-    # baton sim loads the plugin by its entry point, as vLLM does, and reports as a pod would.
+    # baton sim loads the plugin by its entry point, as vLLM does, and reports as a pod would;
+    # the pod's policy says who places (vllm_default: vLLM's own, the plugin measuring it).
     port = free_port()
     cluster = ClusterSpec(
         profile="instant",
         host="127.0.0.1",
         decode_groups=[
             DecodeGroupSpec(
-                name="cell-sim",
+                name=f"cell-sim-{policy}",
                 data_parallel_size=32,
                 api_servers=1,
                 port=port,
@@ -262,6 +264,7 @@ def test_simulated_engines_with_the_plugin_rebalance_the_target_in_engine_and_re
         TOKEN_ENV: TOKEN,
         WHERE_ENV["namespace"]: "serving",
         WHERE_ENV["deployment"]: "dsv4",
+        POLICY_ENV: policy,
     }
     log = tmp_path / "sim.log"
     engines = subprocess.Popen(
@@ -280,15 +283,15 @@ def test_simulated_engines_with_the_plugin_rebalance_the_target_in_engine_and_re
             return scrape(
                 service.metrics,
                 "baton_eplb_engine_windows_total",
-                group="cell-sim",
+                group=f"cell-sim-{policy}",
                 model=model,
-                policy="baton",
+                policy=policy,
             )
 
         assert eventually(lambda: windows("target") >= 2, timeout=60)
         # the cluster's draft is the study's DSpark draft, which vLLM 0.33's EPLB leaves out
         assert windows("draft") == 0
-        labels = {"group": "cell-sim", "model": "target"}
+        labels = {"group": f"cell-sim-{policy}", "model": "target"}
         assert 0 < scrape(service.metrics, "baton_eplb_balance", **labels, stage="achieved") <= 1
         assert scrape(service.metrics, "baton_eplb_experts_moved_total", **labels) > 0
     finally:
