@@ -78,8 +78,10 @@ log = logging.getLogger("baton.eplb.vllm_plugin")
 
 # The vLLM releases whose EPLB entry point and state this plugin was written against: 0.33, and
 # 0.32, whose vllm/distributed/eplb/policy is 0.33's line for line (tests/live checks it on the
-# CPU build of 0.32, where the plugin runs inside vLLM's loop).
-SUPPORTED_VLLM = ("0.32.", "0.33.")
+# CPU build of 0.32, where the plugin runs inside vLLM's loop); and 0.26, the newest release
+# built for the lent GPUs' torch (docs/vllm.md), whose policy package differs from 0.33's in
+# docstrings alone and is called with the same arguments (compared in the wheels' code, not run).
+SUPPORTED_VLLM = ("0.26.", "0.32.", "0.33.")
 # How vLLM finds the plugin: pyproject.toml declares the same entry point for installs of Baton.
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "baton_eplb"

@@ -115,7 +115,9 @@ def test_a_placement_with_empty_slots_is_no_previous_one() -> None:
 
 def test_only_the_vllm_releases_it_was_written_for_activate_it() -> None:
     assert supported("0.33.0") and supported("0.33.1") and supported("0.32.0+cpu")
+    assert supported("0.26.0")  # the lent GPUs' release
     assert not supported("0.34.0") and not supported("0.3.3") and not supported("0.31.1")
+    assert not supported("0.27.0")
 
 
 def test_outside_vllm_registering_changes_nothing_and_raises_nothing() -> None:
