@@ -43,6 +43,9 @@ benchmark runs in steps (``--step``), each a command:
   GPU, which the simulator's shared GPU takes.
 - ``frontend`` (there): an idle prefill engine's time before its queue for prompts sent as text
   and as ids, and the simulator's profile's ``frontend`` fitted to it.
+- ``eplb`` (there): vLLM's expert rebalancing in a decode group of ``--dp`` ranks of its own
+  (not the four engines), vLLM's policy against Baton's plugin at each of ``--cadences``
+  (``bench/eplb_engines.py``).
 - ``stop``: the engines' processes.
 
 ``--engines cpu`` runs the same steps on the CPU build of vLLM with a tiny model, so that the
@@ -80,6 +83,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.core.profile import SharedGpuProfile, load_profile
+from bench import eplb_engines
 from bench.agentx import (
     Record,
     drive_sessions,
@@ -302,11 +306,20 @@ def _card() -> tuple[str, int]:
     return name.strip(), int(mib) * 2**20
 
 
-def _write_model(platform: CpuVllm | GpuVllm, shape: str, state: Path) -> Path:
-    """The model directory, written by the engines' python (its transformers and tokenizers)."""
+def _write_model(
+    platform: CpuVllm | GpuVllm, shape: str, state: Path, weights: bool = False
+) -> Path:
+    """The model directory, written by the engines' python (its transformers and tokenizers);
+    with seeded random ``weights`` where the engines must not take dummy ones."""
     models = state / "models"
     subprocess.run(
-        [str(platform.python), str(MODEL_SCRIPT), shape, str(models)],
+        [
+            str(platform.python),
+            str(MODEL_SCRIPT),
+            *(["--weights"] if weights else []),
+            shape,
+            str(models),
+        ],
         check=True,
         capture_output=True,
     )
@@ -1610,6 +1623,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "hazards",
             "share",
             "frontend",
+            "eplb",
             "stop",
         ],
         help="prepare the carry (here), start the engines, run the points, or stop them "
@@ -1663,12 +1677,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budget-s", type=float, default=540.0, help="wall seconds this step may take"
     )
     group.add_argument(
-        "--requests", type=int, default=50, help="overhead: pairs of requests (gateway, direct)"
+        "--requests",
+        type=int,
+        default=50,
+        help="overhead: pairs of requests (gateway, direct); eplb: requests an arm",
     )
     group.add_argument(
         "--samples", type=Path, help="fit: a gpu-profile.json whose samples to fit again (here)"
     )
-    group.add_argument("--concurrency", type=int, default=16, help="agentx: session lanes at once")
+    group.add_argument(
+        "--concurrency", type=int, default=16, help="agentx: session lanes at once; eplb: lanes"
+    )
+    group.add_argument("--dp", type=int, default=2, help="eplb: the decode group's DP/EP ranks")
+    group.add_argument(
+        "--policies",
+        default="vllm_default,baton",
+        help="eplb: who places, in each cadence's order (vllm_default, baton)",
+    )
+    group.add_argument(
+        "--cadences",
+        help="eplb: comma-separated STEPS/WINDOW (default: cpu 16/8, gpu 3000/1000,300/100)",
+    )
+    group.add_argument(
+        "--redundant", type=int, help="eplb: redundant experts (default: cpu 2, gpu 8)"
+    )
     group.add_argument(
         "--agentx-duration", type=float, default=90.0, help="agentx: seconds measured a point"
     )
@@ -1720,7 +1752,8 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
     if args is None or args.step is None:
         raise SystemExit(
             "baton bench gpu: give --step "
-            "prepare|start|startup|points|agentx|overhead|profile|fit|hazards|share|frontend|stop "
+            "prepare|start|startup|points|agentx|overhead|profile|fit|hazards|share|frontend|eplb|"
+            "stop "
             "(bench/gpu.py says how)"
         )
     args.state.mkdir(parents=True, exist_ok=True)
@@ -1751,6 +1784,8 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
         return share(args)
     if args.step == "frontend":
         return frontend(args)
+    if args.step == "eplb":
+        return eplb_engines.eplb(args, functools.partial(_write_model, weights=True))
     if args.step == "stop":
         return stop(args.state)
     out.mkdir(parents=True, exist_ok=True)

@@ -223,6 +223,13 @@ def text(seed: int, tokens: int) -> str:
     return "".join(random.Random(seed).choices(_WORDS, k=tokens))
 
 
+def topic_text(seed: int, tokens: int, topic: int, width: int = 16) -> str:
+    """``tokens`` words of topic ``topic``'s ``width`` words alone: text of few distinct tokens,
+    which a MoE routes to few experts; another topic, other words."""
+    first = topic * width % len(_WORDS)
+    return "".join(random.Random(seed).choices(_WORDS[first : first + width], k=tokens))
+
+
 def new_messages(session: Session, turn: int) -> list[dict[str, str]]:
     """What turn ``turn`` adds to the conversation: the system prompt and the task at turn 0,
     later the reply the script records for the previous turn (not the one generated: AgentX

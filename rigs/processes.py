@@ -13,15 +13,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import httpx
 
 __all__ = [
+    "EplbReportsService",
     "ProcessExited",
     "baton_command",
     "busy_host",
+    "eplb_reports_service",
     "eventually",
     "free_port",
     "free_port_block",
@@ -39,6 +42,7 @@ __all__ = [
 _HANDED_OUT: set[int] = set()
 _RANDOM = random.Random(os.getpid())
 T = TypeVar("T")
+_ROOT = Path(__file__).resolve().parents[1]  # where `python -m baton.cli` finds Baton
 
 
 def baton_command(*arguments: str) -> list[str]:
@@ -230,3 +234,46 @@ def kv_events_on_free_ports(argv: list[str]) -> str | None:
         config = {**json.loads(argv[at]), "endpoint": f"tcp://*:{port}"}
         argv[at] = json.dumps(config, separators=(",", ":"))
     return f"tcp://127.0.0.1:{port}"
+
+
+@dataclass(frozen=True)
+class EplbReportsService:
+    """A running ``baton eplb`` taking engines' window reports."""
+
+    url: str  # the report endpoint
+    metrics: str
+    log_path: Path
+
+
+@contextlib.contextmanager
+def eplb_reports_service(
+    directory: Path, config: str, token: str | None = None
+) -> Iterator[EplbReportsService]:
+    """``baton eplb --report-port`` with ``config`` as its file (and ``token`` required of the
+    reports), once healthy; stopped after, and it must exit cleanly (its log says why not)."""
+    config_path = directory / "eplb.yaml"
+    config_path.write_text(config)
+    flags = []
+    if token is not None:
+        (directory / "token").write_text(token + "\n")
+        flags = ["--token-file", str(directory / "token")]
+    port, metrics_port = free_port(), free_port()
+    log_path = directory / "eplb.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [
+                *baton_command("eplb", "--config", str(config_path)),
+                *("--report-port", str(port), "--metrics-port", str(metrics_port), *flags),
+            ],
+            cwd=_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process, log_path)
+        yield EplbReportsService(url, f"http://127.0.0.1:{metrics_port}", log_path)
+    finally:
+        stop_process(process)
+    if process.returncode != 0:
+        raise ProcessExited(f"baton eplb exited with {process.returncode}:\n{log_path.read_text()}")

@@ -17,7 +17,7 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +101,12 @@ class GpuVllm:
     python: str = "python3"
     kv_cache_bytes: int = 16 * 1024**3
     memory_share: float = 0.2  # of the GPU, each engine: what vLLM checks is free at its start
+    gpus: int = 1  # on the machine: the n-th pod of a role gets GPU n modulo this, as its own
+
+    def pod_environment(self, index: int) -> dict[str, str]:
+        """The GPU the ``index``-th pod of its role sees, as a node's device plugin gives a pod
+        its own (on one GPU, every pod sees it)."""
+        return {"CUDA_VISIBLE_DEVICES": str(index % self.gpus)} if self.gpus > 1 else {}
 
     def model(self, name: str) -> Path:
         return self.models / name
@@ -367,10 +373,11 @@ class LiveRig:
         hooks: Mapping[str, str] | None = None,
         cells: int = 1,
         wait: bool = True,
+        roles: Collection[str] = ("decode", "prefill"),
     ) -> dict[str, LiveEngine]:
-        """Every engine pod of the spec's first ``cells`` cells, started together, by role
-        (``decode``, ``prefill``; more than one of a role: ``decode-1`` and so on), once all are
-        healthy (at once if not ``wait``). ``hooks``: environment of the test hooks
+        """The engine pods of ``roles`` of the spec's first ``cells`` cells, started together,
+        by role (``decode``, ``prefill``; more than one of a role: ``decode-1`` and so on), once
+        all are healthy (at once if not ``wait``). ``hooks``: environment of the test hooks
         deploy/vllm/cpu/rig offers, for every engine."""
         started: dict[str, LiveEngine] = {}
         for cell in range(cells):
@@ -387,10 +394,15 @@ class LiveRig:
             decode_group = DpPorts.free()
             for pod in pods:
                 role = pod["metadata"]["labels"][ROLE_LABEL]
+                if role not in roles:
+                    continue
                 count = sum(engine.role == role for engine in started.values())
                 name = role if count == 0 else f"{role}-{count}"
                 ports = decode_group if role == "decode" else DpPorts.free()
-                started[name] = self._start(pod, secrets or {}, ports, hooks or {})
+                pod_hooks = dict(hooks or {})
+                if isinstance(self.env, GpuVllm):
+                    pod_hooks |= self.env.pod_environment(count)
+                started[name] = self._start(pod, secrets or {}, ports, pod_hooks)
         if wait:
             self.wait_healthy(started.values())
         return started

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -221,48 +219,6 @@ def grafana_expr(expr: str, **chosen: str) -> str:
     return expr.replace("$__rate_interval", RATE_WINDOW).replace(
         f"${GPU_HOUR_PRICE}", GPU_HOUR_PRICE_DEFAULT
     )
-
-
-@dataclass(frozen=True)
-class EplbReportsService:
-    """A running ``baton eplb`` taking engines' window reports."""
-
-    url: str  # the report endpoint
-    metrics: str
-    log_path: Path
-
-
-@contextlib.contextmanager
-def eplb_reports_service(
-    directory: Path, config: str, token: str | None = None
-) -> Iterator[EplbReportsService]:
-    """``baton eplb --report-port`` with ``config`` as its file (and ``token`` required of the
-    reports), once healthy; stopped after, and it must exit cleanly."""
-    config_path = directory / "eplb.yaml"
-    config_path.write_text(config)
-    flags = []
-    if token is not None:
-        (directory / "token").write_text(token + "\n")
-        flags = ["--token-file", str(directory / "token")]
-    port, metrics_port = free_port(), free_port()
-    log_path = directory / "eplb.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [
-                *baton_command("eplb", "--config", str(config_path)),
-                *("--report-port", str(port), "--metrics-port", str(metrics_port), *flags),
-            ],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, process, log_path)
-        yield EplbReportsService(url, f"http://127.0.0.1:{metrics_port}", log_path)
-    finally:
-        stop_process(process)
-    assert process.returncode == 0, log_path.read_text()
 
 
 def clean_checkout(into: Path) -> Path:

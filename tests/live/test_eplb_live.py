@@ -29,9 +29,9 @@ from baton.core.experts import Placement
 from baton.core.vllm_eplb import vllm_rebalance
 from eplb.algorithm import rebalance
 from rigs.hazards import answer_with, prompt, serve_on_loopback
-from rigs.processes import eventually
+from rigs.processes import EplbReportsService, eplb_reports_service, eventually
 from rigs.vllm_live import LiveEngine, LiveRig, live_spec
-from tests.helpers import EplbReportsService, SimHandle, eplb_reports_service, scrape
+from tests.helpers import SimHandle, scrape
 from tests.live.conftest import (
     gateway_flags,
     moved,

@@ -87,8 +87,13 @@ def test_a_card_too_small_for_four_engines_is_refused_by_name() -> None:
         (
             (),
             "give --step prepare|start|startup|points|agentx|overhead|profile|fit|hazards|"
-            "share|frontend|stop",
+            "share|frontend|eplb|stop",
         ),
+        (("--step", "eplb", "--engines", "sim"), "--engines cpu or gpu"),
+        (("--step", "eplb", "--engines", "cpu", "--dp", "1"), "--dp must be at least 2"),
+        (("--step", "eplb", "--engines", "cpu", "--cadences", "16"), "give STEPS/WINDOW"),
+        (("--step", "eplb", "--engines", "cpu", "--cadences", "8/16"), "the window (1 to"),
+        (("--step", "eplb", "--engines", "cpu", "--policies", "x"), "--policies: unknown ['x']"),
         (("--step", "fit"), "give --samples gpu-profile.json"),
         (("--step", "fit", "--samples", "missing.json"), "missing.json"),
         (("--step", "points", "--engines", "cpu"), "--trace FILE is required"),

@@ -2,6 +2,10 @@
 downloaded. Run with the engines' python (transformers and tokenizers come with vLLM):
 ``model.py SHAPE OUT_DIR`` writes ``OUT_DIR/SHAPE``, a Hugging Face model directory without
 weights (the engines load random ones: ``--load-format dummy``): ``config.json`` and a tokenizer.
+``model.py --weights SHAPE OUT_DIR`` writes random weights too (seeded, ``model.safetensors``),
+where the engines must hold one weight per expert: vLLM's dummy weights fill each rank's expert
+tensor alike, slot by slot, so a redundant replica of an expert computes another expert's
+function, and expert rebalancing (``baton bench gpu --step eplb``) would change the answers.
 
 - ``deepseek-v2-lite-12l``: DeepSeek-V2-Lite's dimensions (huggingface.co/deepseek-ai/
   DeepSeek-V2-Lite: MLA with kv_lora_rank 512, rope 64, nope 128, v 128; layer 0 dense, then
@@ -26,11 +30,13 @@ import string
 import sys
 from pathlib import Path
 
+import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL = ["<|end|>", "<|pad|>", "<|unk|>"]
 _COMMON = {"bos_token_id": None, "eos_token_id": 0, "pad_token_id": 1, "dtype": "bfloat16"}
+WEIGHTS_SEED = 2026
 _V2_LITE: dict[str, object] = {
     **_COMMON,
     "model_type": "deepseek_v2",
@@ -122,10 +128,16 @@ def tokenizer(size: int, max_length: int) -> PreTrainedTokenizerFast:
     )
 
 
-def build(out: Path, shape: str) -> Path:
+def build(out: Path, shape: str, weights: bool = False) -> Path:
     config = CONFIGS[shape]
     target = out / shape
     target.mkdir(parents=True, exist_ok=True)
+    if weights and not (target / "model.safetensors").exists():
+        torch.manual_seed(WEIGHTS_SEED)
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(**config), dtype=torch.bfloat16
+        )
+        model.save_pretrained(target, safe_serialization=True, max_shard_size="100GB")
     AutoConfig.for_model(**config).save_pretrained(target)
     # vLLM reads the served dtype and token ids from config.json: keep them as written above
     written = json.loads((target / "config.json").read_text())
@@ -139,9 +151,12 @@ def build(out: Path, shape: str) -> Path:
 
 
 def main() -> None:
-    if len(sys.argv) != 3 or sys.argv[1] not in CONFIGS:
-        raise SystemExit(f"usage: model.py {{{','.join(CONFIGS)}}} OUT_DIR")
-    print(build(Path(sys.argv[2]), sys.argv[1]))
+    arguments = sys.argv[1:]
+    weights = arguments[:1] == ["--weights"]
+    arguments = arguments[weights:]
+    if len(arguments) != 2 or arguments[0] not in CONFIGS:
+        raise SystemExit(f"usage: model.py [--weights] {{{','.join(CONFIGS)}}} OUT_DIR")
+    print(build(Path(arguments[1]), arguments[0], weights))
 
 
 if __name__ == "__main__":

