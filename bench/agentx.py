@@ -122,6 +122,8 @@ class Record:
     output_tokens: int = 0
     cached_tokens: int | None = None
     error: str | None = None
+    # seconds between its chunks after the first, where asked for (a list to fill)
+    gaps: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -203,8 +205,9 @@ async def stream_into(
     started: float,
 ) -> bool:
     """Send a streamed chat or text completion and fill ``record`` (wall seconds since
-    ``started``) from its chunks and usage; whether it ended with tokens (else ``record.error``
-    says why)."""
+    ``started``) from its chunks and usage, and its ``gaps`` where it has a list for them;
+    whether it ended with tokens (else ``record.error`` says why)."""
+    last: float | None = None
     try:
         async with http.post(url, data=orjson.dumps(body), headers=headers) as response:
             if response.status != 200:
@@ -216,10 +219,15 @@ async def stream_into(
                     continue
                 chunk = orjson.loads(line[6:])
                 choices = chunk.get("choices") or []
-                if record.first is None and choices:
-                    choice = choices[0]
-                    if choice.get("text") or (choice.get("delta") or {}).get("content"):
-                        record.first = time.perf_counter() - started
+                if choices and (
+                    choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
+                ):
+                    now = time.perf_counter() - started
+                    if record.first is None:
+                        record.first = now
+                    elif record.gaps is not None and last is not None:
+                        record.gaps.append(now - last)
+                    last = now
                 usage = chunk.get("usage")
                 if usage:
                     record.prompt_tokens = usage.get("prompt_tokens") or 0

@@ -6,7 +6,8 @@ renders it in plugin mode (a pod per DP rank, each with its own API server, expe
 vLLM's EPLB with ``--redundant`` redundant experts, Baton's plugin put on the engine's
 ``PYTHONPATH`` by the pod's init container), with ``spec.eplb.policy`` the arm's:
 ``vllm_default`` (vLLM's own policy places; the plugin measures each window and reports it) or
-``baton``. EP rank 0's reports reach a running ``baton eplb`` through a relay that keeps each one.
+``baton``. EP rank 0's reports reach a running ``baton eplb`` through a relay that keeps each one
+(``rigs.hazards.ReportRelay``).
 Every arm gets the same traffic: ``--requests`` streamed completions on ``--concurrency`` lanes,
 to the ranks in turn, each prompt drawn from a few words of one topic, and the topic changing
 every third of the arm, so that the experts' load is skewed and then moves. Each arm records:
@@ -38,27 +39,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import re
 import statistics
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import suppress
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
-import orjson
 
-from baton.core.eplb_report import INACTIVE_PATH, REPORT_PATH, Policy
+from baton.core.eplb_report import Policy
+from bench.agentx import Record, stream_into
 from bench.workload import topic_text
-from rigs.hazards import answer_with, serve_on_loopback, value
+from rigs.hazards import ReportRelay, value
 from rigs.processes import eplb_reports_service
 from rigs.vllm_live import CpuVllm, GpuVllm, LiveEngine, LiveRig, cpu_vllm, live_spec
 
@@ -67,7 +64,6 @@ __all__ = [
     "Cadence",
     "ModelWriter",
     "Setup",
-    "WindowRelay",
     "compare_arms",
     "eplb",
     "rearrangements",
@@ -142,46 +138,6 @@ def rearrangements(log: str) -> tuple[int, list[float]]:
     return begun, [float(m.group(2)) for m in _TIMED.finditer(log) if m.group(1) is None]
 
 
-class WindowRelay:
-    """The EPLB service at ``target`` as the engines reach it: every report passes through and
-    is kept; the statuses of any the service refused too."""
-
-    def __init__(self, target: str) -> None:
-        self.target = target
-        self.reports: list[dict[str, Any]] = []
-        self.inactive: list[dict[str, Any]] = []
-        self.refused: list[int] = []
-        relay, lock = self, threading.Lock()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                headers = {"Content-Type": "application/json"}
-                if "Authorization" in self.headers:
-                    headers["Authorization"] = self.headers["Authorization"]
-                answer = httpx.post(
-                    relay.target + self.path, content=body, headers=headers, timeout=30
-                )
-                with lock:
-                    if answer.status_code >= 300:
-                        relay.refused.append(answer.status_code)
-                    elif self.path == REPORT_PATH:
-                        relay.reports.append(json.loads(body))
-                    elif self.path == INACTIVE_PATH:
-                        relay.inactive.append(json.loads(body))
-                # an engine stopped at its arm's end may have gone before its answer
-                with suppress(BrokenPipeError, ConnectionResetError):
-                    answer_with(self, answer)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self._server, self.url = serve_on_loopback(Handler)
-
-    def close(self) -> None:
-        self._server.shutdown()
-
-
 def _greedy(engine: LiveEngine) -> list[list[str]]:
     """The engine's greedy tokens for each reference prompt."""
     answers = []
@@ -203,59 +159,15 @@ def _greedy(engine: LiveEngine) -> list[list[str]]:
     return answers
 
 
-@dataclass(slots=True)
-class Stream:
-    """One request as the client saw it: wall seconds from the arm's start, and the gaps between
-    its chunks after the first (a rearrangement that stops the engine shows as one)."""
-
-    start: float
-    first: float | None = None
-    end: float | None = None
-    output_tokens: int = 0
-    gaps: list[float] = field(default_factory=list)
-    error: str | None = None
-
-
-async def _stream(
-    http: aiohttp.ClientSession, url: str, body: dict[str, Any], started: float
-) -> Stream:
-    record = Stream(time.perf_counter() - started)
-    last: float | None = None
-    try:
-        async with http.post(url, json=body) as response:
-            if response.status != 200:
-                record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                return record
-            async for line in response.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                chunk = orjson.loads(line[6:])
-                now = time.perf_counter() - started
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    if last is None:
-                        record.first = now
-                    else:
-                        record.gaps.append(now - last)
-                    last = now
-                if chunk.get("usage"):
-                    record.output_tokens = chunk["usage"].get("completion_tokens") or 0
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        record.error = type(exc).__name__
-        return record
-    record.end = time.perf_counter() - started
-    if record.first is None or not record.output_tokens:
-        record.error = "no tokens"
-    return record
-
-
 async def _traffic(
     ranks: Sequence[str], setup: Setup, requests: int, concurrency: int, deadline: float
-) -> tuple[list[Stream], float]:
+) -> tuple[list[Record], float]:
     """The arm's requests on ``concurrency`` lanes, the ranks in turn; the records and the wall
     seconds from the first request to the last answer. No request starts after ``deadline``."""
     sent = iter(range(requests))
-    records: list[Stream] = []
+    records: list[Record] = []
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
+    headers = {"Content-Type": "application/json"}
     async with aiohttp.ClientSession(timeout=timeout) as http:
         started = time.perf_counter()
 
@@ -273,7 +185,10 @@ async def _traffic(
                     "stream_options": {"include_usage": True},
                 }
                 url = f"{ranks[index % len(ranks)]}/v1/completions"
-                records.append(await _stream(http, url, body, started))
+                now = time.perf_counter() - started
+                record = Record(f"topic-{topic}", index, False, now, gaps=[])
+                records.append(record)
+                await stream_into(record, http, url, body, headers, started)
 
         await asyncio.gather(*(lane() for _ in range(concurrency)))
         return records, time.perf_counter() - started
@@ -293,7 +208,7 @@ def _arm(
     policy: Policy,
     cadence: Cadence,
     args: argparse.Namespace,
-    relay: WindowRelay,
+    relay: ReportRelay,
     metrics: str,
     deadline: float,
 ) -> dict[str, Any]:
@@ -344,7 +259,7 @@ def _arm(
         for r in served
         if r.end is not None and r.first is not None and r.output_tokens > 1
     ]
-    gaps = [gap for r in served for gap in r.gaps]
+    gaps = [gap for r in served for gap in r.gaps or ()]
     measured = [w["balance_before"] for w in windows[1:] if w["balance_before"] is not None]
     now_counted = _windows_counted(metrics)
     return {
@@ -477,7 +392,7 @@ def eplb(args: argparse.Namespace, write_model: ModelWriter) -> dict[str, Any]:
     platform = _platform(args)
     with eplb_reports_service(directory, config) as service:
         model = write_model(platform, setup.shape, args.state)
-        relay = WindowRelay(service.url)
+        relay = ReportRelay(service.url)
         rig = LiveRig(directory, platform)
         arms: list[dict[str, Any]] = []
         try:

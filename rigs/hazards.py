@@ -16,20 +16,24 @@ returns what it observed (statuses, counters, seconds) for the caller to judge o
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.core.eplb_report import INACTIVE_PATH, REPORT_PATH
 from rigs.processes import eventually, free_port
 
 __all__ = [
+    "ReportRelay",
     "RewritingProxy",
     "aborted_stream",
     "answer_with",
@@ -338,3 +342,50 @@ def decode_killed_mid_request(
         "stream_seconds": round(seconds, 3),
         "statuses_after": later,
     }
+
+
+class ReportRelay:
+    """The EPLB service at ``target`` as the engines reach it: every report passes through and
+    is kept (the statuses of any the service refused too), or, while ``held``, is taken and
+    never answered (a service that hangs). ``close()`` when done."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.held = False
+        self.reports: list[dict[str, Any]] = []
+        self.inactive: list[dict[str, Any]] = []
+        self.refused: list[int] = []
+        self._release = threading.Event()
+        relay, lock = self, threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if relay.held:
+                    relay._release.wait(timeout=600)
+                    return
+                headers = {"Content-Type": "application/json"}
+                if "Authorization" in self.headers:
+                    headers["Authorization"] = self.headers["Authorization"]
+                answer = httpx.post(
+                    relay.target + self.path, content=body, headers=headers, timeout=30
+                )
+                with lock:
+                    if answer.status_code >= 300:
+                        relay.refused.append(answer.status_code)
+                    elif self.path == REPORT_PATH:
+                        relay.reports.append(json.loads(body))
+                    elif self.path == INACTIVE_PATH:
+                        relay.inactive.append(json.loads(body))
+                # an engine stopped meanwhile may have gone before its answer
+                with suppress(BrokenPipeError, ConnectionResetError):
+                    answer_with(self, answer)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server, self.url = serve_on_loopback(Handler)
+
+    def close(self) -> None:
+        self._release.set()
+        self._server.shutdown()

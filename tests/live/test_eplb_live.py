@@ -12,11 +12,9 @@ fail (deploy/vllm/cpu/rig/baton_vllm_cpu_rig/expert_balance.py)."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ import pytest
 from baton.core.experts import Placement
 from baton.core.vllm_eplb import vllm_rebalance
 from eplb.algorithm import rebalance
-from rigs.hazards import answer_with, prompt, serve_on_loopback
+from rigs.hazards import ReportRelay, prompt
 from rigs.processes import EplbReportsService, eplb_reports_service, eventually
 from rigs.vllm_live import LiveEngine, LiveRig, live_spec
 from tests.helpers import SimHandle, scrape
@@ -56,39 +54,6 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EplbReportsSer
 def reported_windows(service: EplbReportsService, policy: str) -> float:
     """The group's windows the service has taken from the engines, by who placed them."""
     return scrape(service.metrics, "baton_eplb_engine_windows_total", group=GROUP, policy=policy)
-
-
-class ReportRelay:
-    """The EPLB service as the engines reach it: reports pass through, or, while ``held``, are
-    taken and never answered (a service that hangs)."""
-
-    def __init__(self, target: str) -> None:
-        self.held = False
-        self.release = threading.Event()
-        relay = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if relay.held:
-                    relay.release.wait(timeout=600)
-                    return
-                answer = httpx.post(
-                    target + self.path,
-                    content=body,
-                    headers={"Content-Type": "application/json"},
-                    timeout=30,
-                )
-                answer_with(self, answer)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server, self.url = serve_on_loopback(Handler)
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
 
 
 @pytest.fixture(scope="module")
