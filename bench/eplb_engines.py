@@ -2,14 +2,16 @@
 policy against Baton's plugin, on the same traffic.
 
 One arm per cadence and policy: a decode group of ``--dp`` ranks started as the controller
-renders it in plugin mode (a pod per DP rank, each with its own API server, expert parallelism,
+renders it in plugin mode (pods of ``--gpus-per-pod`` DP ranks, each pod one engine with one API
+server: a pod per rank by default, or one engine of every rank; expert parallelism,
 vLLM's EPLB with ``--redundant`` redundant experts, Baton's plugin put on the engine's
 ``PYTHONPATH`` by the pod's init container), with ``spec.eplb.policy`` the arm's:
 ``vllm_default`` (vLLM's own policy places; the plugin measures each window and reports it) or
 ``baton``. EP rank 0's reports reach a running ``baton eplb`` through a relay that keeps each one
 (``rigs.hazards.ReportRelay``).
 Every arm gets the same traffic: ``--requests`` streamed completions on ``--concurrency`` lanes,
-to the ranks in turn, each prompt drawn from a few words of one topic, and the topic changing
+to the ranks in turn (a pod's rank named by ``X-data-parallel-rank`` where it holds several),
+each prompt drawn from a few words of one topic, and the topic changing
 every third of the arm, so that the experts' load is skewed and then moves. Each arm records:
 
 - every window rank 0 reported: its balance (mean over max of the ranks' expert load) under the
@@ -63,9 +65,11 @@ __all__ = [
     "SETUPS",
     "Cadence",
     "ModelWriter",
+    "Rank",
     "Setup",
     "compare_arms",
     "eplb",
+    "ranks_of",
     "rearrangements",
 ]
 
@@ -79,6 +83,7 @@ _BEGUN = re.compile(r"Rearranging experts (?:\(async mode\)|sync mode) (\(profil
 _TIMED = re.compile(r"Rearranged experts\s+(\(profile\))?\s*in ([0-9.]+) s\.")
 GREEDY_PROMPTS = ("the first reference", "the second reference")
 GREEDY_TOKENS = 16
+DP_RANK_HEADER = "X-data-parallel-rank"
 TOPICS = 3  # the topic changes every third of an arm's requests
 
 
@@ -138,12 +143,33 @@ def rearrangements(log: str) -> tuple[int, list[float]]:
     return begun, [float(m.group(2)) for m in _TIMED.finditer(log) if m.group(1) is None]
 
 
-def _greedy(engine: LiveEngine) -> list[list[str]]:
-    """The engine's greedy tokens for each reference prompt."""
+@dataclass(frozen=True, slots=True)
+class Rank:
+    """One DP rank as a client reaches it: its pod's API server and, where the pod holds several
+    ranks (one engine of ``--gpus-per-pod`` ranks), the header that names it there."""
+
+    url: str
+    headers: dict[str, str]
+
+    @property
+    def name(self) -> str:
+        return self.url + self.headers.get(DP_RANK_HEADER, "")
+
+
+def ranks_of(pods: Sequence[LiveEngine], per_pod: int) -> list[Rank]:
+    """Every DP rank of the group, pod by pod."""
+    if per_pod == 1:  # a pod per rank: its API server serves that rank alone
+        return [Rank(pod.url, {}) for pod in pods]
+    # under hybrid load balancing a pod's API server names its ranks by their local index
+    return [Rank(pod.url, {DP_RANK_HEADER: str(local)}) for pod in pods for local in range(per_pod)]
+
+
+def _greedy(rank: Rank) -> list[list[str]]:
+    """The rank's greedy tokens for each reference prompt."""
     answers = []
     for prompt in GREEDY_PROMPTS:
         answer = httpx.post(
-            f"{engine.url}/v1/completions",
+            f"{rank.url}/v1/completions",
             json={
                 "model": SERVED,
                 "prompt": prompt,
@@ -152,6 +178,7 @@ def _greedy(engine: LiveEngine) -> list[list[str]]:
                 "logprobs": 1,
                 "ignore_eos": True,
             },
+            headers=rank.headers,
             timeout=600,
         )
         answer.raise_for_status()
@@ -160,7 +187,7 @@ def _greedy(engine: LiveEngine) -> list[list[str]]:
 
 
 async def _traffic(
-    ranks: Sequence[str], setup: Setup, requests: int, concurrency: int, deadline: float
+    ranks: Sequence[Rank], setup: Setup, requests: int, concurrency: int, deadline: float
 ) -> tuple[list[Record], float]:
     """The arm's requests on ``concurrency`` lanes, the ranks in turn; the records and the wall
     seconds from the first request to the last answer. No request starts after ``deadline``."""
@@ -184,11 +211,12 @@ async def _traffic(
                     "stream": True,
                     "stream_options": {"include_usage": True},
                 }
-                url = f"{ranks[index % len(ranks)]}/v1/completions"
+                rank = ranks[index % len(ranks)]
+                url = f"{rank.url}/v1/completions"
                 now = time.perf_counter() - started
                 record = Record(f"topic-{topic}", index, False, now, gaps=[])
                 records.append(record)
-                await stream_into(record, http, url, body, headers, started)
+                await stream_into(record, http, url, body, headers | rank.headers, started)
 
         await asyncio.gather(*(lane() for _ in range(concurrency)))
         return records, time.perf_counter() - started
@@ -217,6 +245,7 @@ def _arm(
         model,
         SERVED,
         decode_dep=args.dp,
+        decode_gpus_per_pod=args.gpus_per_pod,
         eplb={
             "mode": "plugin",
             "policy": policy,
@@ -236,20 +265,21 @@ def _arm(
     group = rig.start_cell(spec, roles=("decode",))
     ready_s = time.monotonic() - launched
     try:
-        ranks = [group["decode"], *(group[f"decode-{r}"] for r in range(1, args.dp))]
-        before = {engine.pod: _greedy(engine) for engine in ranks}
-        begun_before, _ = rearrangements(ranks[0].log())
+        pods = [group["decode"], *(group[f"decode-{p}"] for p in range(1, len(group)))]
+        ranks = ranks_of(pods, args.gpus_per_pod)
+        before = {rank.name: _greedy(rank) for rank in ranks}
+        begun_before, _ = rearrangements(pods[0].log())  # EP rank 0's pod
         records, wall_s = asyncio.run(
             _traffic(
-                [e.url for e in ranks],
+                ranks,
                 setup,
                 args.requests,
                 args.concurrency,
                 deadline,
             )
         )
-        after = {engine.pod: _greedy(engine) for engine in ranks}
-        begun, pauses = rearrangements(ranks[0].log())
+        after = {rank.name: _greedy(rank) for rank in ranks}
+        begun, pauses = rearrangements(pods[0].log())
     finally:
         rig.stop()
     windows = relay.reports[reports:]
@@ -289,6 +319,11 @@ def _arm(
             for w in windows
         ],
         "experts_moved": sum(w["experts_moved"] for w in windows),
+        # per reported window: rank 0's reporter drops the oldest reports when the service is
+        # slower than the rearrangements (its queue holds 4), so totals may miss some
+        "experts_moved_per_window": (
+            statistics.fmean(w["experts_moved"] for w in windows) if windows else None
+        ),
         # the placements' balance on the traffic that followed them (each window after the
         # first is measured under the placement the one before made)
         "balance_measured": statistics.fmean(measured) if measured else None,
@@ -314,7 +349,9 @@ def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
 
 
 def compare_arms(arms: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per cadence, Baton's arms against vLLM's: the issue's three targets, as ratios."""
+    """Per cadence, Baton's arms against vLLM's as the targets read them: the placements'
+    measured balance, experts moved a window, seconds rearranging over the same traffic, and
+    throughput, as ratios."""
     rows = []
     for cadence in dict.fromkeys(a["cadence"] for a in arms):
 
@@ -334,7 +371,7 @@ def compare_arms(arms: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "cadence": cadence,
                 "balance_measured": {p: mean(p, "balance_measured") for p in POLICIES},
-                "experts_moved_ratio": ratio("experts_moved"),
+                "experts_moved_per_window_ratio": ratio("experts_moved_per_window"),
                 "rearrangement_total_s_ratio": ratio("rearrangement_total_s"),
                 "output_tokens_per_s_ratio": ratio("output_tokens_per_s"),
             }
@@ -374,6 +411,11 @@ def eplb(args: argparse.Namespace, write_model: ModelWriter) -> dict[str, Any]:
     if args.dp < 2:
         raise SystemExit(
             "baton bench gpu --step eplb: --dp must be at least 2 (expert parallelism)"
+        )
+    if args.gpus_per_pod < 1 or args.dp % args.gpus_per_pod:
+        raise SystemExit(
+            f"baton bench gpu --step eplb: --gpus-per-pod ({args.gpus_per_pod}) must divide --dp "
+            f"({args.dp}): each pod is one engine of that many ranks"
         )
     setup = SETUPS[args.engines]
     cadences = [Cadence.parse(c) for c in (args.cadences or setup.cadences).split(",") if c]
@@ -421,6 +463,7 @@ def eplb(args: argparse.Namespace, write_model: ModelWriter) -> dict[str, Any]:
         "engines": args.engines,
         "model": setup.shape,
         "dp": args.dp,
+        "gpus_per_pod": args.gpus_per_pod,
         "experts": setup.experts,
         "redundant": args.redundant if args.redundant is not None else setup.redundant,
         "requests": args.requests,

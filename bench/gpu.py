@@ -1690,6 +1690,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--dp", type=int, default=2, help="eplb: the decode group's DP/EP ranks")
     group.add_argument(
+        "--gpus-per-pod",
+        type=int,
+        default=1,
+        help="eplb: DP ranks a pod's engine holds (1: a pod per rank; --dp: one engine)",
+    )
+    group.add_argument(
         "--policies",
         default="vllm_default,baton",
         help="eplb: who places, in each cadence's order (vllm_default, baton)",

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from baton.core.api import ModelDeploymentSpec
-from baton.core.labels import ROLE_LABEL
+from baton.core.labels import GPU_RESOURCE, ROLE_LABEL
 from controller.placement import CellPlacement, PrefillInstance
 from controller.podspec import API_PORT, NIXL_PORT, render_cell
 from rigs.processes import (
@@ -101,12 +101,15 @@ class GpuVllm:
     python: str = "python3"
     kv_cache_bytes: int = 16 * 1024**3
     memory_share: float = 0.2  # of the GPU, each engine: what vLLM checks is free at its start
-    gpus: int = 1  # on the machine: the n-th pod of a role gets GPU n modulo this, as its own
+    gpus: int = 1  # on the machine: pods of a role take them in turn, as their own
 
-    def pod_environment(self, index: int) -> dict[str, str]:
-        """The GPU the ``index``-th pod of its role sees, as a node's device plugin gives a pod
-        its own (on one GPU, every pod sees it)."""
-        return {"CUDA_VISIBLE_DEVICES": str(index % self.gpus)} if self.gpus > 1 else {}
+    def pod_environment(self, index: int, pod_gpus: int) -> dict[str, str]:
+        """The GPUs the ``index``-th pod of its role sees when it asks for ``pod_gpus``, as a
+        node's device plugin gives a pod its own (on one GPU, every pod sees it)."""
+        if self.gpus == 1:
+            return {}
+        devices = ((index * pod_gpus + i) % self.gpus for i in range(pod_gpus))
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
 
     def model(self, name: str) -> Path:
         return self.models / name
@@ -176,11 +179,13 @@ def live_spec(
     *,
     prefill_dep: int = 1,
     decode_dep: int = 1,
+    decode_gpus_per_pod: int = 1,
     api_key: bool = False,
     eplb: Mapping[str, Any] | None = None,
     args: Sequence[str] = (),
 ) -> ModelDeploymentSpec:
-    """A one-host cell's ModelDeployment: a decode group of ``decode_dep`` ranks (one pod each),
+    """A one-host cell's ModelDeployment: a decode group of ``decode_dep`` ranks
+    (``decode_gpus_per_pod`` a pod: one engine of that many DP ranks, one API server),
     one prefill instance of ``prefill_dep`` ranks, EPLB as ``eplb`` says (a ``spec.eplb``; None:
     off), every other field its default."""
     return ModelDeploymentSpec.model_validate(
@@ -188,10 +193,10 @@ def live_spec(
             "model": str(model),
             "servedModelName": served_name,
             "cell": {
-                "decode": {"dep": decode_dep, "gpusPerPod": 1, "spareTrays": 0},
+                "decode": {"dep": decode_dep, "gpusPerPod": decode_gpus_per_pod, "spareTrays": 0},
                 "prefill": {"dep": prefill_dep, "instances": 1},
             },
-            "topology": {"gpusPerTray": 1},
+            "topology": {"gpusPerTray": decode_gpus_per_pod},
             "engine": {
                 "args": list(args),
                 **({"apiKeySecret": {"name": "engine-key", "key": "key"}} if api_key else {}),
@@ -401,7 +406,8 @@ class LiveRig:
                 ports = decode_group if role == "decode" else DpPorts.free()
                 pod_hooks = dict(hooks or {})
                 if isinstance(self.env, GpuVllm):
-                    pod_hooks |= self.env.pod_environment(count)
+                    limits = pod["spec"]["containers"][0]["resources"]["limits"]
+                    pod_hooks |= self.env.pod_environment(count, int(limits[GPU_RESOURCE]))
                 started[name] = self._start(pod, secrets or {}, ports, pod_hooks)
         if wait:
             self.wait_healthy(started.values())

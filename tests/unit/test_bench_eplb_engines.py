@@ -3,12 +3,14 @@ skewed prompts and the comparison of the arms (the step on live engines: tests/l
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.eplb_engines import Cadence, compare_arms, rearrangements
+from bench.eplb_engines import Cadence, compare_arms, ranks_of, rearrangements
 from bench.workload import topic_text
+from rigs.vllm_live import GpuVllm, LiveEngine
 
 
 def test_rank_0s_rearrangements_are_counted_and_timed_from_its_log_but_the_start_up_runs() -> None:
@@ -50,7 +52,7 @@ def _arm(policy: str, moved: int, pause: float, balance: float) -> dict[str, Any
     return {
         "cadence": "16/8",
         "policy": policy,
-        "experts_moved": moved,
+        "experts_moved_per_window": moved,
         "rearrangement_total_s": pause,
         "output_tokens_per_s": 100.0,
         "balance_measured": balance,
@@ -67,7 +69,31 @@ def test_the_comparison_sets_batons_arms_beside_vllms_by_cadence() -> None:
         ]
     )
     assert row["cadence"] == "16/8"
-    assert row["experts_moved_ratio"] == pytest.approx(0.1)
+    assert row["experts_moved_per_window_ratio"] == pytest.approx(0.1)
     assert row["rearrangement_total_s_ratio"] == pytest.approx(0.25)
     assert row["balance_measured"] == pytest.approx({"vllm_default": 0.7, "baton": 0.8})
     assert row["output_tokens_per_s_ratio"] == pytest.approx(1.0)
+
+
+def test_each_pod_on_a_machine_of_several_gpus_sees_its_own_as_a_device_plugin_gives_them() -> None:
+    machine = GpuVllm(site=Path("site"), models=Path("models"), gpus=4)
+    # a pod per rank, then pods of two ranks: each takes the next GPUs
+    assert [machine.pod_environment(i, 1) for i in range(2)] == [
+        {"CUDA_VISIBLE_DEVICES": "0"},
+        {"CUDA_VISIBLE_DEVICES": "1"},
+    ]
+    assert machine.pod_environment(1, 2) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    # one GPU: every pod shares it, as the one-GPU benchmark's four engines do
+    assert GpuVllm(site=Path("site"), models=Path("models")).pod_environment(3, 1) == {}
+
+
+def test_a_pod_of_several_ranks_is_reached_rank_by_rank_by_its_local_index() -> None:
+    pods = [
+        LiveEngine("p0", "decode", "http://a", 0, [], {}, None, Path("a.log")),  # type: ignore[arg-type]
+        LiveEngine("p1", "decode", "http://b", 0, [], {}, None, Path("b.log")),  # type: ignore[arg-type]
+    ]
+    assert [(r.url, r.headers) for r in ranks_of(pods, 1)] == [("http://a", {}), ("http://b", {})]
+    assert [(r.url, r.headers) for r in ranks_of(pods[:1], 2)] == [
+        ("http://a", {"X-data-parallel-rank": "0"}),
+        ("http://a", {"X-data-parallel-rank": "1"}),
+    ]
