@@ -120,9 +120,10 @@ def eventually(check: Callable[[], T], timeout: float = 20.0, interval: float = 
 
 
 def wait_healthy(
-    url: str, process: subprocess.Popen[bytes], log_path: Path | None = None, timeout: float = 30
+    url: str, process: subprocess.Popen[bytes], log_path: Path | None = None, timeout: float = 120
 ) -> None:
-    """Wait for ``url``/health to answer 200; fail at once if the process exits."""
+    """Wait for ``url``/health to answer 200; fail at once if the process exits. The deadline
+    is generous: on a busy host a gateway once took more than 30 s to listen."""
 
     def healthy() -> bool:
         if process.poll() is not None:
