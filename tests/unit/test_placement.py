@@ -635,11 +635,12 @@ def test_replanning_moves_nothing_healthy(data: st.DataObject) -> None:
         ]
         if new is None or new.domain != old.domain:
             # Released only when the domain cannot hold the decode group any more, on trays
-            # no other cell there holds.
+            # no other cell there holds, before or after (a cell kept repairs first: a tray
+            # both lost cells could take goes to one)
             domain = later.domain(old.domain)
             others = {
                 name
-                for cell in before.cells
+                for cell in (*before.cells, *after.cells)
                 if cell.name != old.name
                 for name in (*cell.decode_trays, *cell.spare_trays, *(i.tray for i in cell.prefill))
             }
