@@ -329,7 +329,8 @@ async def _sample_balance(
 # ---- figures
 
 
-def _pct(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile of ``values`` (NaN for none)."""
     if not values:
         return math.nan
     ordered = sorted(values)
@@ -386,9 +387,13 @@ def summarize(
         "duration_s": duration,
         "input_tokens": prompt,
         "output_tokens": output,
-        "ttft_ms": {"p50": _pct(ttft, 50), "p90": _pct(ttft, 90), "p99": _pct(ttft, 99)},
-        "itl_p90_ms": _pct(itl, 90) * 1000,
-        "p90_tokens_per_s_per_user": 1 / _pct(itl, 90),
+        "ttft_ms": {
+            "p50": percentile(ttft, 50),
+            "p90": percentile(ttft, 90),
+            "p99": percentile(ttft, 99),
+        },
+        "itl_p90_ms": percentile(itl, 90) * 1000,
+        "p90_tokens_per_s_per_user": 1 / percentile(itl, 90),
         "tokens_per_s": (prompt + output) / duration,
     }
     if gpus:

@@ -47,7 +47,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ import aiohttp
 import httpx
 
 from baton.core.eplb_report import Policy
-from bench.agentx import Record, stream_into
+from bench.agentx import Record, percentile, stream_into
 from bench.workload import topic_text
 from rigs.hazards import ReportRelay, value
 from rigs.processes import eplb_reports_service
@@ -251,7 +251,7 @@ def _arm(
             "policy": policy,
             "stepInterval": cadence.step_interval,
             "windowSize": cadence.window_size,
-            "redundantExperts": args.redundant if args.redundant is not None else setup.redundant,
+            "redundantExperts": setup.redundant,
             # vLLM's asynchronous EPLB moves weights with gloo or NIXL; gloo needs nothing more
             "communicator": "torch_gloo",
             "reportUrl": relay.url,
@@ -269,15 +269,8 @@ def _arm(
         ranks = ranks_of(pods, args.gpus_per_pod)
         before = {rank.name: _greedy(rank) for rank in ranks}
         begun_before, _ = rearrangements(pods[0].log())  # EP rank 0's pod
-        records, wall_s = asyncio.run(
-            _traffic(
-                ranks,
-                setup,
-                args.requests,
-                args.concurrency,
-                deadline,
-            )
-        )
+        traffic = _traffic(ranks, setup, args.requests, args.concurrency, deadline)
+        records, wall_s = asyncio.run(traffic)
         after = {rank.name: _greedy(rank) for rank in ranks}
         begun, pauses = rearrangements(pods[0].log())
     finally:
@@ -304,7 +297,7 @@ def _arm(
         # the longest the engines kept a stream waiting between two tokens, and the 99th
         # percentile of every gap: where a rearrangement stopped the engine
         "itl_max_ms": max(gaps, default=0.0) * 1000,
-        "itl_p99_ms": _quantile(gaps, 0.99) * 1000 if gaps else None,
+        "itl_p99_ms": percentile(gaps, 99) * 1000 if gaps else None,
         "rearrangements": begun,
         "rearrangement_s": pauses,
         "rearrangement_total_s": sum(pauses),
@@ -337,15 +330,10 @@ def _arm(
     }
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p90": None}
-    return {"p50": _quantile(values, 0.5), "p90": _quantile(values, 0.9)}
+    return {"p50": percentile(values, 50), "p90": percentile(values, 90)}
 
 
 def compare_arms(arms: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -418,6 +406,8 @@ def eplb(args: argparse.Namespace, write_model: ModelWriter) -> dict[str, Any]:
             f"({args.dp}): each pod is one engine of that many ranks"
         )
     setup = SETUPS[args.engines]
+    if args.redundant is not None:
+        setup = replace(setup, redundant=args.redundant)
     cadences = [Cadence.parse(c) for c in (args.cadences or setup.cadences).split(",") if c]
     names = [p for p in args.policies.split(",") if p]
     unknown = sorted(set(names) - set(POLICIES))
@@ -465,7 +455,7 @@ def eplb(args: argparse.Namespace, write_model: ModelWriter) -> dict[str, Any]:
         "dp": args.dp,
         "gpus_per_pod": args.gpus_per_pod,
         "experts": setup.experts,
-        "redundant": args.redundant if args.redundant is not None else setup.redundant,
+        "redundant": setup.redundant,
         "requests": args.requests,
         "concurrency": args.concurrency,
         "output_tokens": setup.output_tokens,

@@ -116,12 +116,13 @@ def configured_policy() -> Policy:
     """Who places, as the pod's ``POLICY_ENV`` says: ``baton`` unless it names vLLM's policy
     (an unknown value is logged and leaves Baton's)."""
     value = os.environ.get(POLICY_ENV, "baton")
-    if value not in ("baton", "vllm_default"):
+    if value == "vllm_default":
+        return "vllm_default"
+    if value != "baton":
         log.warning(
             "%s=%r is neither baton nor vllm_default; Baton's algorithm places", POLICY_ENV, value
         )
-        return "baton"
-    return "vllm_default" if value == "vllm_default" else "baton"
+    return "baton"
 
 
 def rebalance_window(
