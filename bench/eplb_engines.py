@@ -34,17 +34,23 @@ float32 (in bfloat16 a new placement, which changes the tokens each expert's mat
 flipped a greedy token of a random model), with vLLM's synchronous EPLB and the rig's shims
 (deploy/vllm/cpu/rig), as tests/live exercises it. ``--engines gpu`` runs the carried GPU build
 with the one-GPU benchmark's 6-layer model (64 experts, top-6, bfloat16): one GPU a rank where
-the machine has as many, else the ranks share the first.
+the machine has as many. Where it has fewer, the ranks would share a GPU, and their EP group is
+an NCCL communicator, which NCCL refuses on one device ("Duplicate GPU detected", NCCL 2.28 on
+the lent H100): the driver asks the machine's NCCL first and, refused, records its answer and
+starts no engine. (vLLM refuses EPLB without a second rank: DP=1 is no way round.)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
+import os
 import re
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -58,7 +64,7 @@ from baton.core.eplb_report import Policy
 from bench.agentx import Record, percentile, stream_into
 from bench.workload import topic_text
 from rigs.hazards import ReportRelay, value
-from rigs.processes import eplb_reports_service
+from rigs.processes import eplb_reports_service, free_port
 from rigs.vllm_live import CpuVllm, GpuVllm, LiveEngine, LiveRig, cpu_vllm, live_spec
 
 __all__ = [
@@ -69,6 +75,7 @@ __all__ = [
     "Setup",
     "compare_arms",
     "eplb",
+    "nccl_on_one_gpu",
     "ranks_of",
     "rearrangements",
 ]
@@ -367,6 +374,70 @@ def compare_arms(arms: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+# Ranks on one GPU join one NCCL communicator there (vLLM's EP group), which NCCL may refuse
+# ("Duplicate GPU detected"): asked of the machine's torch once, before any engine starts.
+_NCCL_ON_ONE_GPU = """
+import json, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def rank(index, ranks, port, answers):
+    try:
+        torch.cuda.set_device(0)
+        dist.init_process_group(
+            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=ranks
+        )
+        value = torch.ones(1, device="cuda:0")
+        dist.all_reduce(value)
+        torch.cuda.synchronize()
+        answers.put({"rank": index, "sum": value.item()})
+    except Exception as exc:
+        answers.put({"rank": index, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+
+
+ranks, port = int(sys.argv[1]), int(sys.argv[2])
+context = mp.get_context("fork")  # the parent never touches CUDA
+answers = context.Queue()
+processes = [context.Process(target=rank, args=(i, ranks, port, answers)) for i in range(ranks)]
+for process in processes:
+    process.start()
+outcomes = []
+for _ in processes:
+    try:
+        outcomes.append(answers.get(timeout=120))
+    except Exception:
+        break
+for process in processes:
+    process.join(5)
+    if process.is_alive():
+        process.kill()
+print(json.dumps({"nccl": ".".join(map(str, torch.cuda.nccl.version())), "ranks": ranks,
+                  "outcomes": sorted(outcomes, key=lambda o: o["rank"])}))
+"""
+
+
+def nccl_on_one_gpu(python: str, ranks: int, environment: dict[str, str]) -> dict[str, Any]:
+    """Whether ``ranks`` processes on the first GPU can form one NCCL communicator and
+    all-reduce over it: the machine's torch and NCCL, asked directly. ``shares``: every rank
+    summed to ``ranks``."""
+    port = free_port()
+    done = subprocess.run(
+        [python, "-c", _NCCL_ON_ONE_GPU, str(ranks), str(port)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **environment},
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        return {"shares": False, "error": done.stderr[-2000:], "ranks": ranks, "outcomes": []}
+    answer = json.loads(lines[-1])
+    sums = [o.get("sum") for o in answer["outcomes"]]
+    return {"shares": len(sums) == ranks and all(s == ranks for s in sums), **answer}
+
+
 def _gpu_count() -> int:
     listed = subprocess.run(["nvidia-smi", "-L"], check=True, capture_output=True, text=True)
     return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
@@ -422,6 +493,29 @@ def eplb(args: argparse.Namespace, write_model: ModelWriter) -> dict[str, Any]:
     directory.mkdir(parents=True, exist_ok=True)
     config = f"models: [{{name: target, experts: {setup.experts}, topK: {setup.top_k}}}]\n"
     platform = _platform(args)
+    record = {
+        "benchmark": "gpu-eplb",
+        "engines": args.engines,
+        "model": setup.shape,
+        "dp": args.dp,
+        "gpus_per_pod": args.gpus_per_pod,
+        "experts": setup.experts,
+        "redundant": setup.redundant,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "output_tokens": setup.output_tokens,
+    }
+    if isinstance(platform, GpuVllm) and platform.gpus < args.dp:
+        sharing = math.ceil(args.dp / platform.gpus)
+        record["one_gpu_nccl"] = nccl_on_one_gpu(platform.python, sharing, platform.environment())
+        if not record["one_gpu_nccl"]["shares"]:
+            print(
+                f"baton bench gpu --step eplb: {sharing} ranks on one GPU cannot form an NCCL "
+                f"communicator on this machine ({record['one_gpu_nccl']}); --dp {args.dp} needs "
+                f"{args.dp} GPUs, this machine has {platform.gpus}",
+                file=sys.stderr,
+            )
+            return {**record, "arms": [], "left_out": [f"{c} {p}" for c, p in plan]}
     with eplb_reports_service(directory, config) as service:
         model = write_model(platform, setup.shape, args.state)
         relay = ReportRelay(service.url)
@@ -449,16 +543,7 @@ def eplb(args: argparse.Namespace, write_model: ModelWriter) -> dict[str, Any]:
             rig.stop()
             relay.close()
     return {
-        "benchmark": "gpu-eplb",
-        "engines": args.engines,
-        "model": setup.shape,
-        "dp": args.dp,
-        "gpus_per_pod": args.gpus_per_pod,
-        "experts": setup.experts,
-        "redundant": setup.redundant,
-        "requests": args.requests,
-        "concurrency": args.concurrency,
-        "output_tokens": setup.output_tokens,
+        **record,
         "arms": arms,
         "left_out": [f"{c} {p}" for c, p in plan[len(arms) :]],
         "comparison": compare_arms(arms),

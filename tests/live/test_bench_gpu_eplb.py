@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.eplb_engines import nccl_on_one_gpu
+from rigs.vllm_live import cpu_vllm
 from tests.helpers import bench_gpu
 
 
@@ -44,3 +46,12 @@ def test_vllms_policy_and_batons_plugin_each_rebalance_a_live_dp_group_measured_
         assert arm["greedy_identical"]
     [row] = record["comparison"]
     assert row["cadence"] == "16/8" and row["experts_moved_per_window_ratio"] is not None
+
+
+def test_ranks_sharing_a_gpu_are_asked_of_nccl_and_a_machine_without_one_answers_no() -> None:
+    # the question the GPU driver asks before ranks share a GPU, run with the CPU build's torch:
+    # no CUDA here, so each rank's answer is torch's reason, and the group is not formed
+    answer = nccl_on_one_gpu(str(cpu_vllm().python), 2, {"CUDA_VISIBLE_DEVICES": ""})
+    assert answer["shares"] is False
+    assert [o["rank"] for o in answer["outcomes"]] == [0, 1]
+    assert all(o.get("error") for o in answer["outcomes"]), answer
