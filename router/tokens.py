@@ -23,8 +23,11 @@ pre-tokenizer splits the text anyway, so that the chunks' tokens are the whole t
 chunks are encoded in parallel, and each chunk's tokens are kept under a hash of the text up to
 its end, so that the prefix a prompt shares with an earlier one (a conversation's earlier turns,
 an agent's instructions, a document) is not tokenized again (llm-d's KV-cache manager keeps a
-store of tokenized prefixes for the same reason). A tokenizer whose chunks would not give the
-whole text's tokens, as a self-check at load finds, is run on the whole text.
+store of tokenized prefixes for the same reason). A self-check at load keeps the cuts whose
+chunks give the whole text's tokens (the space cuts alone for a tokenizer that does not split
+at newlines); a tokenizer that no cut suits is run on the whole text. Texts are always encoded
+as a batch, which lets go of the GIL (a single ``encode`` holds it throughout, so a prompt
+tokenized on a worker thread stopped the gateway's event loop for as long).
 """
 
 from __future__ import annotations
@@ -67,8 +70,12 @@ CHUNK_CHARS = 4096
 TOKEN_CACHE_BYTES = 64 * 2**20
 # Where a byte-level BPE's pre-tokenizer (GPT-2's, Llama 3's, Qwen's, DeepSeek's expressions)
 # ends a piece whatever follows: before a lone space between two letters (the space opens the
-# next word's piece), and after a lone newline between a non-space and a letter.
-_CUT = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])|(?<=\S\n)(?=[^\W\d_])")
+# next word's piece), and after a lone newline between a non-space and a letter. A tokenizer
+# that splits only at spaces (a word-level one) keeps the first.
+_SPACE_CUT = r"(?<=[^\W\d_]) (?=[^\W\d_])"
+_NEWLINE_CUT = r"(?<=\S\n)(?=[^\W\d_])"
+_CUT = re.compile(f"{_SPACE_CUT}|{_NEWLINE_CUT}")
+_CUTS = (_CUT, re.compile(_SPACE_CUT))  # the first whose chunks give the whole text's tokens
 # Text with both kinds of cut, tokenized whole and in chunks when a tokenizer is loaded.
 _SELF_CHECK = (
     "Route the prefill, then the decode rank.\nHandoff: KV blocks move over NIXL; "
@@ -122,22 +129,22 @@ class SimTokenizer:
         return None
 
 
-def chunk_ends(text: str, every: int = CHUNK_CHARS) -> list[int]:
-    """Where ``text``'s chunks end: at the first cut (``_CUT``) at least ``every`` characters
+def chunk_ends(text: str, every: int = CHUNK_CHARS, cuts: re.Pattern[str] = _CUT) -> list[int]:
+    """Where ``text``'s chunks end: at the first of ``cuts`` at least ``every`` characters
     past the last; the final end is the text's. A cut depends only on the characters around it,
     so two texts sharing a prefix share the ends within it."""
     ends: list[int] = []
     start = 0
-    while (cut := _CUT.search(text, start + every)) is not None:
+    while (cut := cuts.search(text, start + every)) is not None:
         ends.append(cut.start())
         start = cut.start()
     ends.append(len(text))
     return ends
 
 
-def _pieces(text: str, every: int) -> list[str]:
+def _pieces(text: str, every: int, cuts: re.Pattern[str]) -> list[str]:
     """``text`` cut at :func:`chunk_ends`."""
-    ends = chunk_ends(text, every)
+    ends = chunk_ends(text, every, cuts)
     return [text[start:end] for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
 
@@ -154,9 +161,24 @@ class ChunkedEncoder:
         self._lock = threading.Lock()
         # tokens a completion prompt gets around its text (BOS, ...), None: not separable
         self._special = self._special_tokens()
-        # False where chunks' ids would not be the whole text's
-        self.chunked = self._ids(_SELF_CHECK, chunked=True) == self._ids(_SELF_CHECK, chunked=False)
-        self.chunked &= not any(len(chunk_ends(t, 1)) > 1 for t in _added_texts(tokenizer))
+        # where the chunks are cut: the first rule whose chunks' ids are the whole text's, on a
+        # text with both kinds of cut, and that cuts no added token; None: never
+        whole = self._ids([_SELF_CHECK])
+        added = _added_texts(tokenizer)
+        self.cuts = next(
+            (
+                cuts
+                for cuts in _CUTS
+                if self._ids(_pieces(_SELF_CHECK, 1, cuts)) == whole
+                and not any(len(chunk_ends(t, 1, cuts)) > 1 for t in added)
+            ),
+            None,
+        )
+
+    @property
+    def chunked(self) -> bool:
+        """Whether long texts are encoded in chunks (else whole)."""
+        return self.cuts is not None
 
     @property
     def held_bytes(self) -> int:
@@ -167,13 +189,14 @@ class ChunkedEncoder:
         """``text``'s ids, 4 little-endian bytes each; with the tokenizer's special tokens around
         them when ``special``."""
         around = self._special if special else (b"", b"")
-        if not self.chunked or around is None:
-            return _pack(self.tokenizer.encode(text, add_special_tokens=special).ids)
+        if self.cuts is None or around is None:
+            (whole,) = self.tokenizer.encode_batch([text], add_special_tokens=special)
+            return _pack(whole.ids)
         before, after = around
-        return before + self._chunked(text) + after
+        return before + self._chunked(text, self.cuts) + after
 
-    def _chunked(self, text: str) -> bytes:
-        pieces = _pieces(text, CHUNK_CHARS)
+    def _chunked(self, text: str, cuts: re.Pattern[str]) -> bytes:
+        pieces = _pieces(text, CHUNK_CHARS, cuts)
         keys: list[bytes] = []
         key = b""
         for piece in pieces[:-1]:  # the last one is not kept: a longer text cuts it elsewhere
@@ -198,13 +221,12 @@ class ChunkedEncoder:
         return b"".join(parts + encoded)
 
     def _encode(self, pieces: Sequence[str]) -> list[list[int]]:
-        """Each piece's ids, without special tokens; several as one batch, in parallel."""
-        if len(pieces) == 1:
-            return [self.tokenizer.encode(pieces[0], add_special_tokens=False).ids]
+        """Each piece's ids, without special tokens, as one batch: in parallel, and with the GIL
+        let go (``Tokenizer.encode`` holds it throughout, which stops the gateway's event loop
+        for as long as a prompt takes)."""
         return [e.ids for e in self.tokenizer.encode_batch(list(pieces), add_special_tokens=False)]
 
-    def _ids(self, text: str, *, chunked: bool) -> list[int]:
-        pieces = _pieces(text, 1) if chunked else [text]
+    def _ids(self, pieces: Sequence[str]) -> list[int]:
         return [token for ids in self._encode(pieces) for token in ids]
 
     def _special_tokens(self) -> tuple[bytes, bytes] | None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors, trainers
 
 from baton.core.sim_tokenizer import encode_token_ids, render_chat
 from router.settings import GatewaySettings
@@ -241,16 +242,88 @@ def test_the_chunk_cache_keeps_its_bound(model_dir: Path) -> None:
     assert 0 < encoder.held_bytes <= 50_000
 
 
-def test_a_tokenizer_whose_chunks_would_differ_tokenizes_the_whole_text() -> None:
-    # SentencePiece's style: a word marker prepended to every text, so a chunk would gain one
+def test_a_tokenizer_that_splits_only_at_spaces_is_chunked_at_spaces() -> None:
+    # a word-level tokenizer whose words run to the next space, newlines within them (the GPU
+    # benchmark's model has one): cut after a newline, a chunk would split a word
+    words = Tokenizer(models.WordLevel({"[unk]": 0}, unk_token="[unk]"))
+    words.pre_tokenizer = pre_tokenizers.Split(Regex(r" ?[^ ]+| "), behavior="isolated")
+    trainer = trainers.WordLevelTrainer(special_tokens=["[unk]"], show_progress=False)
+    words.train_from_iterator([_prose(2000, seed) for seed in range(3)], trainer=trainer)
+    encoder = ChunkedEncoder(words)
+    assert encoder.cuts is not None
+    for seed in range(5):
+        text = _prose(4000, seed)
+        assert len(chunk_ends(text, cuts=encoder.cuts)) > 1
+        assert encoder.packed(text, special=False) == (
+            np.asarray(words.encode(text).ids, dtype="<u4").tobytes()
+        )
+
+
+def _metaspace(*, split: bool) -> Tokenizer:
+    """SentencePiece's style: a word marker prepended to every text and put for every space;
+    without ``split`` the text is not cut into words first, so a merge may span a space."""
     metaspace = Tokenizer(models.BPE())
-    metaspace.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=split)
     trainer = trainers.BpeTrainer(vocab_size=200, show_progress=False)
     metaspace.train_from_iterator(["which rank routes the prefill now"] * 20, trainer=trainer)
+    return metaspace
+
+
+def test_a_word_marker_tokenizer_is_chunked_at_spaces_not_newlines() -> None:
+    # after a newline a chunk would gain the marker the whole text has not there; a chunk that
+    # begins with a space gets the marker the whole text has for it
+    metaspace = _metaspace(split=True)
     encoder = ChunkedEncoder(metaspace)
+    assert encoder.cuts is not None
+    assert chunk_ends("rank\nroutes the prefill", 1, encoder.cuts) == [11, 15, 23]
+    for seed in range(10):
+        text = _prose(3000, seed)
+        assert encoder.packed(text, special=False) == (
+            np.asarray(metaspace.encode(text).ids, dtype="<u4").tobytes()
+        )
+
+
+def test_a_tokenizer_whose_chunks_would_differ_tokenizes_the_whole_text() -> None:
+    unsplit = _metaspace(split=False)
+    encoder = ChunkedEncoder(unsplit)
     assert not encoder.chunked
     text = _prose(3000, 3)
     assert (
         encoder.packed(text, special=False)
-        == np.asarray(metaspace.encode(text).ids, dtype="<u4").tobytes()
+        == np.asarray(unsplit.encode(text).ids, dtype="<u4").tobytes()
     )
+
+
+@pytest.mark.parametrize(
+    ("kind", "text"),
+    [
+        # one chunk: no place to cut it, so it is encoded as one piece
+        ("chunked", "x=1;(a)" * 60_000),
+        # a tokenizer whose chunks would differ: the whole text at once
+        ("whole", _prose(80_000, 5)),
+    ],
+)
+def test_tokenizing_on_a_worker_thread_leaves_the_event_loop_running(
+    model_dir: Path, kind: str, text: str
+) -> None:
+    """The gateway tokenizes a prompt on a worker thread; the tokenizer must let go of the GIL
+    meanwhile, or the event loop, and every stream it relays, stops until the prompt is done."""
+    if kind == "chunked":
+        encoder = ChunkedEncoder(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+        assert encoder.chunked and len(chunk_ends(text)) == 1
+    else:
+        encoder = ChunkedEncoder(_metaspace(split=False))
+        assert not encoder.chunked
+
+    async def ticks_while_tokenizing() -> int:
+        tokenizing = asyncio.ensure_future(asyncio.to_thread(encoder.packed, text, special=False))
+        ticks = 0
+        while not tokenizing.done():
+            await asyncio.sleep(0)
+            ticks += 1
+        await tokenizing
+        return ticks
+
+    # with the GIL held through the encoding the loop got hundreds of ticks in while these
+    # texts were tokenized (while the ids were packed); with it let go, tens of thousands
+    assert asyncio.run(ticks_while_tokenizing()) >= 5_000
