@@ -97,7 +97,7 @@ from bench.agentx import (
     vllm_router,
 )
 from bench.agentx import Settings as AgentxSettings
-from bench.procstat import pin
+from bench.procstat import core_ticks, keep_off, pin
 from bench.trace import TraceError, TraceRequest, load_trace, replay, reusable_tokens
 from bench.workload import SHAPE, text, theoretical_reuse
 from rigs import hazards as hazard
@@ -686,8 +686,18 @@ def baton_gateway(
         stop_process(process)
 
 
+def _free_router_core(engines: Sequence[Engine]) -> None:
+    """The router's core made its own, as a gateway pod's guaranteed CPU is: the engines (their
+    API servers and engine cores, busy while they step) and this client kept off it. Before
+    2026-12-07 the routers shared it with whatever the host put there. Not on a machine of
+    fewer than 4 cores, whose cores the engines, the client and the router must share."""
+    if (os.cpu_count() or 1) >= 4:
+        keep_off([e.pid for e in engines] + [os.getpid()], ROUTER_CORE)
+
+
 @contextmanager
 def _router(name: str, engines: Sequence[Engine], directory: Path) -> Iterator[str]:
+    _free_router_core(engines)
     if name == "baton":
         with baton_gateway(engines, directory, _tokenizer(directory.parent)) as url:
             yield url
@@ -742,7 +752,9 @@ def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) ->
     phases_before = {e.name: _histograms(e.url, PHASE_HISTOGRAMS) for e in engines}
     steps_before = _sim_steps(engines)
     with _router(name, engines, directory) as url:
+        core_before = core_ticks(ROUTER_CORE)
         records, theoretical, wall_s, unmeasured_s = load(url)
+        core_after = core_ticks(ROUTER_CORE)
         affinity = gateway_affinity(url) if name == "baton" else None
         not_reused = gateway_not_reused(url) if name == "baton" else None
         kv_events = gateway_kv_events(url) if name == "baton" else None
@@ -785,9 +797,13 @@ def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) ->
     }
     total_prefill = sum(prefill_computed.values())
     answered = sum(r.prompt_tokens for r in records if r.error is None and r.end is not None)
+    busy, ticks = (end - begin for end, begin in zip(core_after, core_before, strict=True))
     return {
         "router": name,
         "wall_s": wall_s,
+        # how busy the router's core was over the load: the router's work and anything else
+        # the host ran there
+        "router_core_busy": busy / ticks if ticks else None,
         "affinity": affinity,
         # the gateway's own count, warmup included, of tokens a rank held and prefill computed
         "not_reused_tokens": not_reused,
@@ -996,6 +1012,7 @@ def overhead(state: Path, requests: int) -> dict[str, Any]:
     decode = next(e for e in engines if e.role == "decode")
     directory = state / "routers"
     directory.mkdir(parents=True, exist_ok=True)
+    _free_router_core(engines)
     with baton_gateway([prefill, decode], directory, _tokenizer(state)) as url:
         records = asyncio.run(_overhead_pairs(url, prefill, decode, requests))
         # every gateway request must have been a handoff too, or the comparison is not one
