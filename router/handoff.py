@@ -71,7 +71,7 @@ from router.prefix import PromptBlocks, block_hashes, token_block_keys
 from router.prober import Prober
 from router.relay import DecodeRelay, Timing
 from router.stream import DecodeStream, FirstToken, StreamState
-from router.tokens import PromptTokenizer, prompt_as_ids
+from router.tokens import PromptTokenizer, ShortestFirst, prompt_as_ids
 from router.upstream import UpstreamPool, UpstreamResponse
 
 __all__ = [
@@ -151,6 +151,7 @@ class Handoff:
         blocks the engines cache and report; None keys them by bytes."""
         self.prober = prober
         self.tokenizer = tokenizer
+        self._tokenizing = ShortestFirst(self._tokenize)
         self.pool = prober.pool
         self.upstream = upstream
         self.policy = policy
@@ -174,7 +175,7 @@ class Handoff:
         """Run the P/D sequence for one validated request body (``raw`` is its exact bytes)."""
         timing = Timing(started=time.perf_counter())
         key = affinity_key(headers, body, request_id)
-        blocks, prompt_tokens, prompt = await self._prompt_blocks(body)
+        blocks, prompt_tokens, prompt = await self._prompt_blocks(body, len(raw))
         if prompt:
             self.metrics.prompts_as_ids.inc()
         request = _Request(route, body, raw, request_id, key, timing, prompt)
@@ -201,13 +202,16 @@ class Handoff:
         timing.prefill_done = time.perf_counter()
         return await self._decode(request, choice.view.cell if choice else None, prefilled)
 
-    async def _prompt_blocks(self, body: Mapping[str, object]) -> tuple[PromptBlocks, int, bytes]:
+    async def _prompt_blocks(
+        self, body: Mapping[str, object], size: int
+    ) -> tuple[PromptBlocks, int, bytes]:
         """The prompt's block keys, its tokens, and the ``"prompt": [ids]`` field its legs carry
         (empty: the client's prompt goes): counted by the engines' tokenizer where the gateway
-        has it (off the loop where that takes long), else estimated from its bytes."""
+        has it (off the loop where that takes long, the smallest of the requests waiting first:
+        ``size``, its bytes), else estimated from its bytes."""
         if self.tokenizer is not None:
             if self.tokenizer.blocking:
-                packed, field = await asyncio.to_thread(self._tokenize, body)
+                packed, field = await self._tokenizing.run(body, size)
             else:
                 packed, field = self._tokenize(body)
             if packed is not None:

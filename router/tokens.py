@@ -32,15 +32,20 @@ tokenized on a worker thread stopped the gateway's event loop for as long).
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
+import heapq
+import itertools
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import jinja2
 import jinja2.ext
@@ -55,12 +60,15 @@ __all__ = [
     "ChunkedEncoder",
     "HFTokenizer",
     "PromptTokenizer",
+    "ShortestFirst",
     "SimTokenizer",
     "check_tokenizer",
     "chunk_ends",
     "load_tokenizer",
     "prompt_as_ids",
 ]
+
+T = TypeVar("T")
 
 # Characters a chunk runs to before it is cut at the next place the text allows: about a
 # thousand tokens, so that a prompt continuing a cached one re-tokenizes about that much.
@@ -309,6 +317,53 @@ class HFTokenizer:
 
     def _encode(self, text: str, *, special: bool) -> bytes:
         return self.encoder.packed(text, special=special)
+
+
+class ShortestFirst(Generic[T]):
+    """Prompts waiting for the tokenizer, run on worker threads as many at once as the gateway
+    has cores, the smallest waiting first. Prompts arrive together (a trace's requests stamped
+    to the second, an agent's fan-out), and in arrival order a short prompt waits for every
+    long one before it: replaying the GPU benchmark's trace window at its arrival times on one
+    core, a prompt waited 119 ms on average for its ids in arrival order and 78 ms smallest
+    first (p50 95 -> 43 ms, p90 252 -> 209 ms, the longest 526 -> 653 ms)."""
+
+    def __init__(self, work: Callable[[Mapping[str, object]], T], workers: int = 0) -> None:
+        """``workers``: threads at once; 0, the cores the process may run on, counted at first
+        use (a benchmark pins the gateway after it starts)."""
+        self._work = work
+        self._waiting: list[tuple[int, int, Mapping[str, object], asyncio.Future[T]]] = []
+        self._order = itertools.count()
+        self._running = 0
+        self._workers = workers
+
+    async def run(self, body: Mapping[str, object], size: int) -> T:
+        """``work(body)`` on a worker thread once no smaller waiting prompt is left; ``size``
+        orders it (the request's bytes)."""
+        answer: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (size, next(self._order), body, answer))
+        self._start()
+        return await answer
+
+    def _start(self) -> None:
+        if not self._workers:
+            self._workers = len(os.sched_getaffinity(0))
+        while self._waiting and self._running < self._workers:
+            _, _, body, answer = heapq.heappop(self._waiting)
+            if answer.done():  # its request left while it waited
+                continue
+            self._running += 1
+            task = asyncio.ensure_future(asyncio.to_thread(self._work, body))
+            task.add_done_callback(functools.partial(self._finished, answer))
+
+    def _finished(self, answer: asyncio.Future[T], task: asyncio.Future[T]) -> None:
+        self._running -= 1
+        if not answer.done():
+            error = task.exception()
+            if error is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(task.result())
+        self._start()
 
 
 def prompt_as_ids(body: Mapping[str, object], packed: bytes | None) -> bytes | None:

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import json
 import random
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from router.settings import GatewaySettings
 from router.tokens import (
     ChunkedEncoder,
     HFTokenizer,
+    ShortestFirst,
     SimTokenizer,
     chunk_ends,
     load_tokenizer,
@@ -327,3 +330,74 @@ def test_tokenizing_on_a_worker_thread_leaves_the_event_loop_running(
     # with the GIL held through the encoding the loop got hundreds of ticks in while these
     # texts were tokenized (while the ids were packed); with it let go, tens of thousands
     assert asyncio.run(ticks_while_tokenizing()) >= 5_000
+
+
+def _held_first(
+    work: Callable[[Mapping[str, object]], str],
+) -> tuple[Callable[[Mapping[str, object]], str], threading.Event, threading.Event]:
+    """``work``, whose call for the prompt named "first" holds its worker until released."""
+    started, release = threading.Event(), threading.Event()
+
+    def held(body: Mapping[str, object]) -> str:
+        if body["name"] == "first":
+            started.set()
+            release.wait(60)
+        return work(body)
+
+    return held, started, release
+
+
+def test_prompts_waiting_for_the_tokenizer_go_smallest_first() -> None:
+    # one worker (a gateway pinned to one core), held by the first prompt until the rest wait
+    order: list[str] = []
+
+    def tokenize(body: Mapping[str, object]) -> str:
+        order.append(str(body["name"]))
+        return "ids"
+
+    work, started, release = _held_first(tokenize)
+
+    async def burst() -> None:
+        lane = ShortestFirst(work, workers=1)
+        first = asyncio.ensure_future(lane.run({"name": "first"}, 50_000))
+        await asyncio.to_thread(started.wait, 60)
+        rest = [
+            asyncio.ensure_future(lane.run({"name": name}, size))
+            for name, size in (("long", 30_000), ("short", 1_000), ("middle", 9_000))
+        ]
+        await asyncio.sleep(0)
+        release.set()
+        assert await asyncio.gather(first, *rest) == ["ids"] * 4
+
+    asyncio.run(burst())
+    assert order == ["first", "short", "middle", "long"]
+
+
+def test_a_prompt_whose_request_left_is_not_tokenized_and_errors_reach_their_request() -> None:
+    done: list[str] = []
+
+    def tokenize(body: Mapping[str, object]) -> str:
+        if body["name"] == "bad":
+            raise ValueError("the template raised")
+        done.append(str(body["name"]))
+        return str(body["name"])
+
+    work, started, release = _held_first(tokenize)
+
+    async def run() -> None:
+        lane = ShortestFirst(work, workers=1)
+        first = asyncio.ensure_future(lane.run({"name": "first"}, 10))
+        await asyncio.to_thread(started.wait, 60)
+        gone = asyncio.ensure_future(lane.run({"name": "gone"}, 1))
+        bad = asyncio.ensure_future(lane.run({"name": "bad"}, 2))
+        await asyncio.sleep(0)
+        gone.cancel()  # the client disconnected while its prompt waited
+        release.set()
+        assert await first == "first"
+        with pytest.raises(ValueError, match="template"):
+            await bad
+        # the lane goes on after both
+        assert await lane.run({"name": "after"}, 5) == "after"
+
+    asyncio.run(run())
+    assert done == ["first", "after"]
