@@ -357,12 +357,13 @@ class ShortestFirst(Generic[T]):
 
     def _finished(self, answer: asyncio.Future[T], task: asyncio.Future[T]) -> None:
         self._running -= 1
-        if not answer.done():
-            error = task.exception()
-            if error is not None:
+        if task.cancelled():  # the loop is closing
+            answer.cancel()
+        elif (error := task.exception()) is not None:  # retrieved even where no one waits
+            if not answer.done():
                 answer.set_exception(error)
-            else:
-                answer.set_result(task.result())
+        elif not answer.done():
+            answer.set_result(task.result())
         self._start()
 
 
