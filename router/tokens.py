@@ -184,11 +184,6 @@ class ChunkedEncoder:
         )
 
     @property
-    def chunked(self) -> bool:
-        """Whether long texts are encoded in chunks (else whole)."""
-        return self.cuts is not None
-
-    @property
     def held_bytes(self) -> int:
         """Bytes of token ids the cache holds."""
         return self._held
@@ -323,9 +318,7 @@ class ShortestFirst(Generic[T]):
     """Prompts waiting for the tokenizer, run on worker threads as many at once as the gateway
     has cores, the smallest waiting first. Prompts arrive together (a trace's requests stamped
     to the second, an agent's fan-out), and in arrival order a short prompt waits for every
-    long one before it: replaying the GPU benchmark's trace window at its arrival times on one
-    core, a prompt waited 119 ms on average for its ids in arrival order and 78 ms smallest
-    first (p50 95 -> 43 ms, p90 252 -> 209 ms, the longest 526 -> 653 ms)."""
+    long one before it (docs/benchmarks.md, "The gateway's time before its first leg")."""
 
     def __init__(self, work: Callable[[Mapping[str, object]], T], workers: int = 0) -> None:
         """``workers``: threads at once; 0, the cores the process may run on, counted at first

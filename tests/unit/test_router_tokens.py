@@ -210,7 +210,7 @@ def _prose(words: int, seed: int) -> str:
 
 def test_a_long_prompts_chunks_give_the_whole_texts_tokens(model_dir: Path) -> None:
     tokens = HFTokenizer(model_dir)
-    assert tokens.encoder.chunked
+    assert tokens.encoder.cuts is not None
     whole = tokens.tokenizer
     for seed in range(20):
         text = _prose(3000 + 500 * seed, seed)
@@ -289,7 +289,7 @@ def test_a_word_marker_tokenizer_is_chunked_at_spaces_not_newlines() -> None:
 def test_a_tokenizer_whose_chunks_would_differ_tokenizes_the_whole_text() -> None:
     unsplit = _metaspace(split=False)
     encoder = ChunkedEncoder(unsplit)
-    assert not encoder.chunked
+    assert encoder.cuts is None
     text = _prose(3000, 3)
     assert (
         encoder.packed(text, special=False)
@@ -313,10 +313,10 @@ def test_tokenizing_on_a_worker_thread_leaves_the_event_loop_running(
     meanwhile, or the event loop, and every stream it relays, stops until the prompt is done."""
     if kind == "chunked":
         encoder = ChunkedEncoder(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
-        assert encoder.chunked and len(chunk_ends(text)) == 1
+        assert encoder.cuts is not None and len(chunk_ends(text)) == 1
     else:
         encoder = ChunkedEncoder(_metaspace(split=False))
-        assert not encoder.chunked
+        assert encoder.cuts is None
 
     async def ticks_while_tokenizing() -> int:
         tokenizing = asyncio.ensure_future(asyncio.to_thread(encoder.packed, text, special=False))
