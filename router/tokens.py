@@ -38,6 +38,7 @@ import hashlib
 import heapq
 import itertools
 import json
+import math
 import os
 import re
 import threading
@@ -66,6 +67,7 @@ __all__ = [
     "chunk_ends",
     "load_tokenizer",
     "prompt_as_ids",
+    "usable_cores",
 ]
 
 T = TypeVar("T")
@@ -316,13 +318,14 @@ class HFTokenizer:
 
 class ShortestFirst(Generic[T]):
     """Prompts waiting for the tokenizer, run on worker threads as many at once as the gateway
-    has cores, the smallest waiting first. Prompts arrive together (a trace's requests stamped
-    to the second, an agent's fan-out), and in arrival order a short prompt waits for every
-    long one before it (docs/benchmarks.md, "The gateway's time before its first leg")."""
+    has cores (:func:`usable_cores`), the smallest waiting first. Prompts arrive together (a
+    trace's requests stamped to the second, an agent's fan-out), and in arrival order a short
+    prompt waits for every long one before it (docs/benchmarks.md, "The gateway's time before
+    its first leg")."""
 
     def __init__(self, work: Callable[[Mapping[str, object]], T], workers: int = 0) -> None:
-        """``workers``: threads at once; 0, the cores the process may run on, counted at first
-        use (a benchmark pins the gateway after it starts)."""
+        """``workers``: threads at once; 0, :func:`usable_cores` counted at first use (a
+        benchmark pins the gateway after it starts)."""
         self._work = work
         self._waiting: list[tuple[int, int, Mapping[str, object], asyncio.Future[T]]] = []
         self._order = itertools.count()
@@ -339,7 +342,7 @@ class ShortestFirst(Generic[T]):
 
     def _start(self) -> None:
         if not self._workers:
-            self._workers = len(os.sched_getaffinity(0))
+            self._workers = usable_cores()
         while self._waiting and self._running < self._workers:
             _, _, body, answer = heapq.heappop(self._waiting)
             if answer.done():  # its request left while it waited
@@ -358,6 +361,59 @@ class ShortestFirst(Generic[T]):
         elif not answer.done():
             answer.set_result(task.result())
         self._start()
+
+
+def usable_cores(
+    cgroups: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> int:
+    """The cores this process can keep busy at once: those it may run on, fewer where a CPU
+    quota of its cgroup or one above it allows fewer (a container's CPU limit: past it the
+    kernel throttles every thread of the pod, the event loop's too, until the next period).
+    cgroup v2's ``cpu.max`` and v1's ``cpu.cfs_quota_us``; a file that is missing or unreadable
+    sets no bound."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return cores
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":  # v2: one hierarchy
+            mounts, read = [cgroups], _quota_v2
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
+            mounts, read = [cgroups / controllers, cgroups / "cpu"], _quota_v1
+        else:
+            continue
+        for mount in mounts:
+            # from the process's own cgroup up to the hierarchy's root, which is all a
+            # container with its own cgroup namespace sees
+            directory = mount / path.lstrip("/")
+            for level in [directory, *directory.parents]:
+                if level == mount.parent:
+                    break
+                if (quota := read(level)) is not None:
+                    cores = min(cores, max(1, math.ceil(quota)))
+    return cores
+
+
+def _quota_v2(directory: Path) -> float | None:
+    try:
+        quota, period = (directory / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _quota_v1(directory: Path) -> float | None:
+    try:
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota < 0 else quota / period
 
 
 def prompt_as_ids(body: Mapping[str, object], packed: bytes | None) -> bytes | None:

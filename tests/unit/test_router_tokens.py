@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import threading
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ from router.tokens import (
     chunk_ends,
     load_tokenizer,
     prompt_as_ids,
+    usable_cores,
 )
 
 MESSAGES: list[dict[str, object]] = [
@@ -401,3 +403,36 @@ def test_a_prompt_whose_request_left_is_not_tokenized_and_errors_reach_their_req
 
     asyncio.run(run())
     assert done == ["first", "after"]
+
+
+def _cgroup_file(directory: Path, name: str, text: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_text(text)
+
+
+def test_usable_cores_are_bounded_by_the_cgroups_cpu_quota_v2(tmp_path: Path) -> None:
+    affinity = len(os.sched_getaffinity(0))
+    membership = tmp_path / "cgroup"
+    membership.write_text("0::/kubepods/pod1/gateway\n")
+    root = tmp_path / "fs"
+    _cgroup_file(root / "kubepods/pod1/gateway", "cpu.max", "max 100000\n")
+    assert usable_cores(root, membership) == affinity  # no limit
+    _cgroup_file(root / "kubepods/pod1", "cpu.max", "50000 100000\n")  # the pod's limit: 500m
+    assert usable_cores(root, membership) == 1
+    _cgroup_file(root / "kubepods/pod1", "cpu.max", f"{(affinity + 3) * 100000} 100000\n")
+    assert usable_cores(root, membership) == affinity  # a quota past the cores it may run on
+
+
+def test_usable_cores_read_cgroup_v1_and_a_containers_own_namespace(tmp_path: Path) -> None:
+    affinity = len(os.sched_getaffinity(0))
+    membership = tmp_path / "cgroup"
+    # a container with its own cgroup namespace: its path is not under the mount, its root is
+    membership.write_text("4:memory:/x\n2:cpu,cpuacct:/kubepods/pod1/gateway\n1:name=systemd:/\n")
+    root = tmp_path / "fs"
+    _cgroup_file(root / "cpu,cpuacct", "cpu.cfs_quota_us", "-1\n")
+    _cgroup_file(root / "cpu,cpuacct", "cpu.cfs_period_us", "100000\n")
+    assert usable_cores(root, membership) == affinity
+    _cgroup_file(root / "cpu,cpuacct", "cpu.cfs_quota_us", "100000\n")
+    assert usable_cores(root, membership) == 1
+    # no cgroup files at all: the affinity alone
+    assert usable_cores(tmp_path / "missing", tmp_path / "missing-membership") == affinity
