@@ -30,6 +30,7 @@ BENCHMARKS = {
     "gateway-workers": "bench.gateway_workers",
     "gateway-prompts": "bench.gateway_prompts",
     "prefix-index": "bench.prefix_index",
+    "load-sync": "bench.load_sync",
     "placement": "bench.placement",
     "eplb": "bench.eplb",
     "controller": "bench.controller",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from router.policy import AffinityKey, RoutingPolicy, affinity_key, choose_prefill, prompt_bytes
 from router.pool import Breaker, Pool
 from router.prefix import BLOCK_BYTES, BLOCK_TOKENS, PromptBlocks, block_hashes
@@ -289,6 +291,42 @@ def engine_metrics(requests: dict[str, tuple[int, int]]) -> str:
             for engine, counts in requests.items()
         ]
     return "\n".join(lines) + "\n"
+
+
+def test_the_load_is_read_from_a_whole_page_among_histograms_and_look_alike_families() -> None:
+    buckets = "".join(
+        f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="{le}"}} 3.0\n'
+        for le in ("0.001", "0.5", "+Inf")
+    )
+    page = (
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        + engine_metrics({"0": (2, 5), "1": (1, 0)})
+        + "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        + buckets
+        # counters as prometheus_client's text format writes them, vLLM's pages included
+        + "# TYPE vllm:prompt_tokens_total counter\n"
+        + 'vllm:prompt_tokens_total{engine="0"} 700.0\n'
+        + "# TYPE vllm:prompt_tokens_created gauge\n"
+        + 'vllm:prompt_tokens_created{engine="0"} 1.7e9\n'
+        + "# TYPE vllm:prompt_tokens_cached_total counter\n"  # a family the load is not
+        + 'vllm:prompt_tokens_cached_total{engine="0"} 500.0\n'
+        + "# TYPE vllm:generation_tokens_total counter\n"
+        + 'vllm:generation_tokens_total{engine="1"} 40.0\n'
+        + '\nvllm:cache_config_info{block_size="16",engine="0"} 1.0\n'
+    )
+    load = engine_load(page)
+    assert load.requests == {"0": 7, "1": 1}
+    assert load.running == 3
+    assert load.tokens == 740.0
+    assert load.block_size == 16
+
+
+def test_a_page_that_is_not_prometheus_text_is_refused_wherever_its_odd_line_is() -> None:
+    good = engine_metrics({"0": (0, 0)})
+    for odd in ("<html><body>metrics live elsewhere</body></html>", '{"requests": 3}', "Not Found"):
+        for page in (odd, good + odd + "\n", odd + "\n" + good):
+            with pytest.raises(ValueError, match="no sample"):
+                engine_load(page)
 
 
 def test_other_replicas_prefills_are_counted_and_priced_at_this_gateways_mean_uncached_tokens() -> (
