@@ -410,11 +410,16 @@ def _cgroup_file(directory: Path, name: str, text: str) -> None:
     (directory / name).write_text(text)
 
 
+def _member_of(tmp_path: Path, cgroups: str) -> tuple[Path, Path]:
+    """A process's ``/proc/self/cgroup`` holding ``cgroups``, and an empty cgroup mount."""
+    membership = tmp_path / "cgroup"
+    membership.write_text(cgroups)
+    return membership, tmp_path / "fs"
+
+
 def test_usable_cores_are_bounded_by_the_cgroups_cpu_quota_v2(tmp_path: Path) -> None:
     affinity = len(os.sched_getaffinity(0))
-    membership = tmp_path / "cgroup"
-    membership.write_text("0::/kubepods/pod1/gateway\n")
-    root = tmp_path / "fs"
+    membership, root = _member_of(tmp_path, "0::/kubepods/pod1/gateway\n")
     _cgroup_file(root / "kubepods/pod1/gateway", "cpu.max", "max 100000\n")
     assert usable_cores(root, membership) == affinity  # no limit
     _cgroup_file(root / "kubepods/pod1", "cpu.max", "50000 100000\n")  # the pod's limit: 500m
@@ -425,10 +430,10 @@ def test_usable_cores_are_bounded_by_the_cgroups_cpu_quota_v2(tmp_path: Path) ->
 
 def test_usable_cores_read_cgroup_v1_and_a_containers_own_namespace(tmp_path: Path) -> None:
     affinity = len(os.sched_getaffinity(0))
-    membership = tmp_path / "cgroup"
     # a container with its own cgroup namespace: its path is not under the mount, its root is
-    membership.write_text("4:memory:/x\n2:cpu,cpuacct:/kubepods/pod1/gateway\n1:name=systemd:/\n")
-    root = tmp_path / "fs"
+    membership, root = _member_of(
+        tmp_path, "4:memory:/x\n2:cpu,cpuacct:/kubepods/pod1/gateway\n1:name=systemd:/\n"
+    )
     _cgroup_file(root / "cpu,cpuacct", "cpu.cfs_quota_us", "-1\n")
     _cgroup_file(root / "cpu,cpuacct", "cpu.cfs_period_us", "100000\n")
     assert usable_cores(root, membership) == affinity
