@@ -579,18 +579,28 @@ def vllm_router(
 
 
 def engine_counters(rack: _Stack) -> dict[str, float]:
-    """Prompt tokens the engines computed (every rank of every engine) and the simulator's
-    timeline counters of every DP group (each prefill instance is one; the decode group's
-    servers each show the whole group's, so one of them is read)."""
-    totals = {"computed": 0.0, "steps": 0.0, "late_steps": 0.0, "lag_s": 0.0}
+    """Prompt tokens the engines computed (every rank of every engine; ``decode_computed``, the
+    decode engines' share), the decode engines' inter-token latency (``decode_itl_s`` over
+    ``decode_itl_count``: their steps as the engines timed them, whatever relayed them), and
+    the simulator's timeline counters of every DP group (each prefill instance is one; the
+    decode group's servers each show the whole group's, so one of them is read)."""
+    totals = dict.fromkeys(
+        ("computed", "decode_computed", "decode_itl_s", "decode_itl_count", "steps"), 0.0
+    ) | {"late_steps": 0.0, "lag_s": 0.0}
     timelines = {*rack.prefill, rack.decode[0]}
     for url in rack.engines:
+        decode = url in rack.decode
         text = httpx.get(f"{url}/metrics", timeout=10).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "vllm:prompt_tokens_by_source_total":
                     if sample.labels.get("source") == "local_compute":
                         totals["computed"] += sample.value
+                        totals["decode_computed"] += sample.value if decode else 0.0
+                elif decode and sample.name == "vllm:inter_token_latency_seconds_sum":
+                    totals["decode_itl_s"] += sample.value
+                elif decode and sample.name == "vllm:inter_token_latency_seconds_count":
+                    totals["decode_itl_count"] += sample.value
                 elif url in timelines and sample.name == "baton:sim_steps_total":
                     totals["steps"] += sample.value
                 elif url in timelines and sample.name == "baton:sim_late_steps_total":

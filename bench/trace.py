@@ -481,6 +481,11 @@ def _point(
         "busy_processes_per_core": settings.busy_per_core,
         "wall_s": wall_s,
         "late_steps": late,
+        # the decode engines' own inter-token latency (simulated ms), apart from the relay's
+        "decode_itl_ms": counters["decode_itl_s"] / counters["decode_itl_count"] * 1000
+        if counters["decode_itl_count"]
+        else None,
+        "decode_computed_prompt_tokens": counters["decode_computed"],
         "affinity": affinity,
         "reuse_lost": reuse_lost(requests, log_lines),
         "prefill_spread": prefill_spread(log_lines),
