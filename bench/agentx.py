@@ -584,9 +584,8 @@ def engine_counters(rack: _Stack) -> dict[str, float]:
     ``decode_itl_count``: their steps as the engines timed them, whatever relayed them), and
     the simulator's timeline counters of every DP group (each prefill instance is one; the
     decode group's servers each show the whole group's, so one of them is read)."""
-    totals = dict.fromkeys(
-        ("computed", "decode_computed", "decode_itl_s", "decode_itl_count", "steps"), 0.0
-    ) | {"late_steps": 0.0, "lag_s": 0.0}
+    counted = ("computed", "decode_computed", "decode_itl_s", "decode_itl_count")
+    totals = dict.fromkeys((*counted, "steps", "late_steps", "lag_s"), 0.0)
     timelines = {*rack.prefill, rack.decode[0]}
     for url in rack.engines:
         decode = url in rack.decode
@@ -596,7 +595,8 @@ def engine_counters(rack: _Stack) -> dict[str, float]:
                 if sample.name == "vllm:prompt_tokens_by_source_total":
                     if sample.labels.get("source") == "local_compute":
                         totals["computed"] += sample.value
-                        totals["decode_computed"] += sample.value if decode else 0.0
+                        if decode:
+                            totals["decode_computed"] += sample.value
                 elif decode and sample.name == "vllm:inter_token_latency_seconds_sum":
                     totals["decode_itl_s"] += sample.value
                 elif decode and sample.name == "vllm:inter_token_latency_seconds_count":

@@ -40,7 +40,7 @@ _PROGRESS_METRICS = ("vllm:prompt_tokens", "vllm:generation_tokens")
 _READ_LINES = re.compile(
     r"^(?:# TYPE )?(?:vllm:cache_config_info|"
     + "|".join(re.escape(name) for name in (*ENGINE_LOAD_METRICS, *_PROGRESS_METRICS))
-    + r")(?:_total|_created)?[ {].*\n?",
+    + r")(?:_total)?[ {].*\n?",
     re.MULTILINE,
 )
 # A line that is neither blank, a comment nor a sample: a page that is not Prometheus text.
