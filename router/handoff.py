@@ -120,7 +120,7 @@ class _Prefilled:
     cached_tokens: int | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Request:
     """One validated request as the handoff runs it."""
 
@@ -131,6 +131,7 @@ class _Request:
     key: AffinityKey
     timing: Timing
     prompt: bytes = b""  # a ``"prompt": [ids]`` field both legs carry over the text's
+    admitted: bool = False  # holds a place under the decode bound until its decode begins
 
     @property
     def stream(self) -> bool:
@@ -180,6 +181,23 @@ class Handoff:
             self.metrics.prompts_as_ids.inc()
         request = _Request(route, body, raw, request_id, key, timing, prompt)
         await self._admit()
+        request.admitted = self.pool.max_requests_per_rank > 0
+        try:
+            return await self._route(request, blocks, prompt_tokens)
+        finally:
+            if request.admitted:  # ended before a decode rank took it: the place goes back
+                self.pool.release_admission(placed=False)
+
+    def _placed(self, request: _Request) -> None:
+        """The request's decode began: its rank's count now holds the place it was admitted to."""
+        if request.admitted:
+            request.admitted = False
+            self.pool.release_admission(placed=True)
+
+    async def _route(
+        self, request: _Request, blocks: PromptBlocks, prompt_tokens: int
+    ) -> JsonReply | DecodeRelay:
+        timing, key = request.timing, request.key
         choice = None
         if needs_prefill(prompt_tokens, self.policy):
             snapshot = self.pool.snapshot(blocks)
@@ -397,6 +415,7 @@ class Handoff:
         self, rank: DecodeRankView, request: _Request, payload: bytes, cached: int | None
     ) -> JsonReply:
         self.pool.begin_decode(rank.name)
+        self._placed(request)
         try:
             data, status = await self._call(
                 rank.url,
@@ -428,6 +447,7 @@ class Handoff:
     ) -> DecodeRelay:
         """Open the decode stream and read up to its first token; raise if it fails first."""
         self.pool.begin_decode(rank.name)
+        self._placed(request)
         response: UpstreamResponse | None = None
         deadline = self._clock() + self.timeouts.first_token_s
         try:

@@ -184,6 +184,10 @@ class Pool:
         self._ejected: list[tuple[Server, str]] = []  # in this health check round
         self.max_requests_per_rank = max_requests_per_rank
         self.waiting_for_place = 0  # requests waiting for a decode rank below the bound now
+        # requests let in under the bound that have not reached their decode rank yet (in the
+        # prefill leg): each holds a place, or every request admitted while the ranks had room
+        # would find them free once its prefill ended
+        self.admitted = 0
         # told when a decode rank's load may have fallen (a request ended, a load sync found
         # other replicas' requests gone, a rank came back): whoever waits for a place
         self.on_place_freed: Callable[[], None] = lambda: None
@@ -417,14 +421,27 @@ class Pool:
             self.on_place_freed()
 
     def has_place(self) -> bool:
-        """A decode rank to route to holds fewer requests than ``max_requests_per_rank`` (or
-        there is no bound, or none to route to: that is for the routing to answer, not a
-        wait)."""
+        """The decode ranks to route to have a place below ``max_requests_per_rank`` that no
+        admitted request holds yet (or there is no bound, or no rank to route to: that is for
+        the routing to answer, not a wait). The places are counted over every rank, since each
+        request's decode goes to the least loaded one."""
         if not self.max_requests_per_rank:
             return True
         routable = self._routable(self.decode, self.clock())
         loads = [t.in_flight + t.others for name, t in self.decode.items() if routable[name]]
-        return not loads or min(loads) < self.max_requests_per_rank
+        free = sum(max(0, self.max_requests_per_rank - load) for load in loads)
+        return not loads or free > self.admitted
+
+    def admit(self) -> None:
+        """A request takes a place under the bound, until its decode begins or it ends."""
+        self.admitted += 1
+
+    def release_admission(self, placed: bool) -> None:
+        """An admitted request's place: taken by its decode rank (``placed``), or given back
+        by a request that ended before one, for whoever waits."""
+        self.admitted = max(0, self.admitted - 1)
+        if not placed:
+            self.on_place_freed()
 
     def succeeded(self, name: str) -> None:
         target = self.prefill.get(name) or self.decode.get(name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
 import aiohttp
@@ -99,7 +100,8 @@ class Prober:
         self._tasks: list[asyncio.Task[None]] = []
         self._generation = 0  # of target sets handed to apply(), newest wins
         self._odd: set[str] = set()  # servers whose odd /metrics was told (until it is not)
-        self._place_freed: asyncio.Future[None] | None = None
+        # requests waiting for a place under the decode bound, first come first placed
+        self._waiting: deque[asyncio.Future[None]] = deque()
         pool.on_place_freed = self._wake_waiting
 
     async def start(self, session: aiohttp.ClientSession) -> None:
@@ -245,33 +247,40 @@ class Prober:
     # ---- admission
 
     def _wake_waiting(self) -> None:
-        freed, self._place_freed = self._place_freed, None
-        if freed is not None and not freed.done():
-            freed.set_result(None)
+        # One waiting request per place, each admitted here, so a freed place wakes one
+        # request and not the whole queue; a request that gave up is skipped.
+        pool = self.pool
+        while self._waiting and pool.has_place():
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                pool.admit()
+                waiter.set_result(None)
 
     async def decode_place(self, within_s: float) -> str:
-        """Whether a decode rank below the pool's ``max_requests_per_rank`` is there: ``free``
-        now (always, with no bound), ``waited`` when one freed up within ``within_s`` (a request
-        ended here, a load sync found other replicas' requests gone, a rank came back), else
-        ``saturated``. Called before a request's prefill, so a request that cannot be placed
-        holds no KV."""
+        """Admission under the pool's ``max_requests_per_rank``: ``free`` when a place is there
+        now and nobody waits for one (always, with no bound), ``waited`` when one was given to
+        this request within ``within_s`` (a request ended or gave its place back, a load sync
+        found other replicas' requests gone, a rank came back), else ``saturated``. Called
+        before a request's prefill, so a request that cannot be placed holds no KV; a placed
+        request holds its place (``Pool.admit``) until its decode begins or it ends."""
         pool = self.pool
-        if pool.has_place():
+        if not pool.max_requests_per_rank:
             return "free"
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within_s
+        if not self._waiting and pool.has_place():
+            pool.admit()
+            return "free"
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
         pool.waiting_for_place += 1
         try:
-            while not pool.has_place():
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    return "saturated"
-                if self._place_freed is None:
-                    self._place_freed = loop.create_future()
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._place_freed), remaining)
-                except TimeoutError:
-                    return "waited" if pool.has_place() else "saturated"
-            return "waited"
+            await asyncio.wait_for(asyncio.shield(waiter), within_s)
+        except TimeoutError:
+            pass
+        except BaseException:  # the client left while waiting
+            if not waiter.cancel():  # placed as it left: the place goes on to the next
+                pool.release_admission(placed=False)
+            raise
         finally:
             pool.waiting_for_place -= 1
+        # cancel() marks a request still waiting as gone; it fails where one was placed
+        return "saturated" if waiter.cancel() else "waited"

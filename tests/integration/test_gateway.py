@@ -387,6 +387,69 @@ def test_past_the_bound_of_requests_a_rank_holds_a_request_waits_then_gets_429(
     assert waits == {"waited": 1, "saturated": 1}
 
 
+def test_requests_admitted_together_hold_their_places_through_prefill_and_queue_in_turn(
+    start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
+) -> None:
+    # Admission is judged before the prefill leg and the decode rank taken after it: requests
+    # admitted while the rank had room must not all find it free once their prefills end, and
+    # a freed place goes to one waiting request, not to every one of them.
+    prefill = start_engine(start_sim, "--time-scale", "100")  # a prefill leg of about a second
+    decode = start_engine(start_sim, "--time-scale", "100")  # a held request lasts minutes
+    gateway = start_gateway(
+        "--api-key",
+        "k",
+        f"--prefill={prefill.url}",
+        f"--decode={decode.url}",
+        "--max-requests-per-rank",
+        "1",
+        "--queue-timeout",
+        "300",
+    )
+    stack = Stack(gateway, [prefill], decode)
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 5000, "ignore_eos": True}
+    released = [threading.Event() for _ in range(3)]
+    most_on_the_rank = 0.0
+
+    def decode_in_flight() -> float:
+        nonlocal most_on_the_rank
+        held = stack.gateway_metric("baton_gateway_in_flight_requests", role="decode")
+        most_on_the_rank = max(most_on_the_rank, held)
+        return held
+
+    def hold(release: threading.Event) -> bool:
+        with (
+            httpx.Client(base_url=gateway.url, headers={"Authorization": "Bearer k"}) as client,
+            client.stream(
+                "POST", "/v1/completions", json={**body, "stream": True}, timeout=300
+            ) as response,
+        ):
+            assert response.status_code == 200
+            assert next(response.iter_lines()).startswith("data: ")  # on the rank
+            return release.wait(timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as threads:
+        held = [threads.submit(hold, release) for release in released]
+        try:
+            # one on the rank, two waiting, the rank's first request long in decode
+            eventually(
+                lambda: (
+                    stack.gateway_metric("baton_gateway_waiting_requests") == 2
+                    and decode_in_flight() == 1
+                    and scrape(decode.url, "vllm:num_requests_running") == 1
+                ),
+                timeout=120,
+            )
+        finally:
+            for release in released:  # each place freed goes to the next waiting request
+                release.set()
+        eventually(lambda: decode_in_flight() <= 1 and all(h.done() for h in held), timeout=120)
+        assert all(h.result() for h in held)
+    assert most_on_the_rank == 1
+    waits = scrape_by(gateway.url, "baton_gateway_admission_waits_total", "result")
+    assert waits.get("waited") == 2 and not waits.get("saturated")
+    stack.assert_nothing_leaked()
+
+
 def test_engines_that_answer_health_late_but_keep_serving_stay_in_the_pool(
     start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimHandle]
 ) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from router.policy import AffinityKey, RoutingPolicy, affinity_key, choose_prefill, prompt_bytes
 from router.pool import Breaker, Pool
 from router.prefix import BLOCK_BYTES, BLOCK_TOKENS, PromptBlocks, block_hashes
-from router.prober import engine_load
+from router.prober import Prober, engine_load
 from router.targets import DecodeServerSpec, PoolCell
 
 P0, P1, P2 = "http://p0:1", "http://p1:1", "http://p2:1"
@@ -392,3 +394,58 @@ def test_an_engine_s_kv_block_size_is_read_from_its_cache_config_info() -> None:
         P0, engine_load(engine_metrics({"0": (0, 0)}))
     )  # a page without it keeps it
     assert p.block_size(P0) == 128
+
+
+# ---- Admission under the decode bound
+
+
+def bounded_pool(bound: int) -> Pool:
+    """One decode rank that may hold ``bound`` requests."""
+    return Pool(
+        spec(("c0", (P0,), (DecodeServerSpec(url=D0),))), clock=CLOCK, max_requests_per_rank=bound
+    )
+
+
+def test_admitted_requests_hold_their_places_until_their_decode_begins() -> None:
+    pool = bounded_pool(2)
+    (rank,) = pool.decode
+    pool.admit()
+    pool.admit()  # both in their prefill legs: the rank holds nothing yet, and is full
+    assert not pool.has_place()
+    pool.begin_decode(rank)
+    pool.release_admission(placed=True)
+    assert not pool.has_place()  # the place moved to the rank's count
+    pool.release_admission(placed=False)  # the other ended before its decode
+    assert pool.has_place()
+    pool.end_decode(rank)
+    assert pool.has_place() and pool.admitted == 0
+
+
+def test_a_freed_place_admits_one_waiting_request_in_arrival_order() -> None:
+    async def scenario() -> None:
+        pool = bounded_pool(1)
+        (rank,) = pool.decode
+        prober = Prober(pool, probe_interval_s=1.0)
+        assert await prober.decode_place(30.0) == "free"  # the one place, held
+        waiting = [asyncio.create_task(prober.decode_place(30.0)) for _ in range(3)]
+        for _ in range(100):  # the loop's turns until each task waits, bounded
+            if pool.waiting_for_place == 3:
+                break
+            await asyncio.sleep(0)
+        assert pool.waiting_for_place == 3
+        pool.begin_decode(rank)
+        pool.release_admission(placed=True)
+        pool.end_decode(rank)  # the first request ends: one place, for the first in line
+        assert await asyncio.wait_for(waiting[0], 10) == "waited"
+        assert not waiting[1].done() and not waiting[2].done() and pool.admitted == 1
+        pool.release_admission(placed=False)  # it ends before its decode: the next one's turn
+        assert await asyncio.wait_for(waiting[1], 10) == "waited"
+        assert not waiting[2].done()
+        waiting[2].cancel()  # the client leaves while waiting: it holds nothing
+        with pytest.raises(asyncio.CancelledError):
+            await waiting[2]
+        assert pool.waiting_for_place == 0 and pool.admitted == 1
+        assert await prober.decode_place(0.01) == "saturated"  # nobody frees the place
+        assert pool.admitted == 1
+
+    asyncio.run(scenario())
