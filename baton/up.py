@@ -392,7 +392,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="every simulated engine appends one JSON line per finished request to this file "
         "(`baton sim --request-log`): where it ran and what its prefix cache held",
     )
+    parser.add_argument(
+        "--max-requests-per-rank",
+        type=int,
+        default=0,
+        help="the gateway's bound on the requests a decode DP rank holds; beyond it a request "
+        "waits for a place, then gets 429 (default 0: no bound)",
+    )
+    parser.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=None,
+        help="seconds a request waits for a decode rank below --max-requests-per-rank before "
+        "429 (default: the gateway's)",
+    )
     args = parser.parse_args(argv)
+    if args.max_requests_per_rank < 0 or (
+        args.queue_timeout is not None and args.queue_timeout <= 0
+    ):
+        print(
+            "baton up: error: --max-requests-per-rank must be 0 (no bound) or more and "
+            "--queue-timeout more than 0",
+            file=sys.stderr,
+        )
+        return 2
     reserve_ports(args.port, args.eplb_metrics_port)
     if args.engine == "vllm":
         problem = _live_problem(args)
@@ -416,6 +439,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(_rack_map(plan, args.racks))
     return _run(plan, args, shape.name)
+
+
+def _admission_flags(args: argparse.Namespace) -> list[str]:
+    """The gateway's decode admission flags, as ``baton up`` was given them."""
+    flags = ["--max-requests-per-rank", str(args.max_requests_per_rank)]
+    if args.queue_timeout is not None:
+        flags += ["--queue-timeout", str(args.queue_timeout)]
+    return flags
 
 
 def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
@@ -498,6 +529,7 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
                     str(pool_file),
                     "--tokenizer",
                     "sim",
+                    *_admission_flags(args),
                     "--log-level",
                     "warning",
                 ]
@@ -584,6 +616,7 @@ def _run_live(args: argparse.Namespace) -> int:
                     cell["prefill"].url,
                     "--decode",
                     cell["decode"].url,
+                    *_admission_flags(args),
                     "--log-level",
                     "warning",
                 )

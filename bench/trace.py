@@ -427,6 +427,24 @@ class Settings:
     time_scale: float
     usd_per_gpu_hour: float
     busy_per_core: int = 0  # CPU-bound processes run beside the rack, per core
+    max_requests_per_rank: int = 0  # Baton's bound on a decode rank's requests (0: none)
+
+
+# A request waiting for a decode rank under Baton's bound waits this long (wall seconds) before
+# 429: the replay's client, unlike the OpenAI client, retries nothing, so a point must not turn
+# a wait into an error.
+BOUNDED_QUEUE_TIMEOUT_S = 600.0
+
+
+def _gateway_flags(settings: Settings, name: str) -> tuple[str, ...]:
+    if name != "baton" or not settings.max_requests_per_rank:
+        return ()
+    return (
+        "--max-requests-per-rank",
+        str(settings.max_requests_per_rank),
+        "--queue-timeout",
+        str(BOUNDED_QUEUE_TIMEOUT_S),
+    )
 
 
 def _point(
@@ -444,7 +462,10 @@ def _point(
     with (
         busy_host(settings.busy_per_core),
         stack(
-            directory, settings.time_scale, "agent", extra=("--request-log", str(log_path))
+            directory,
+            settings.time_scale,
+            "agent",
+            extra=("--request-log", str(log_path), *_gateway_flags(settings, name)),
         ) as rack,
         router(name, rack, directory) as url,
     ):
@@ -479,6 +500,7 @@ def _point(
         "session_header": session_header,
         "offered_requests_per_s": len(requests) / (settings.window_s / speedup),
         "busy_processes_per_core": settings.busy_per_core,
+        "max_requests_per_rank": settings.max_requests_per_rank if name == "baton" else None,
         "wall_s": wall_s,
         "late_steps": late,
         # the decode engines' own inter-token latency (simulated ms), apart from the relay's
@@ -700,6 +722,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="GPU price for $/M tokens (default 3.00, an assumption, not a quote)",
     )
+    group.add_argument(
+        "--max-requests-per-rank",
+        type=int,
+        default=0,
+        help="Baton's gateway holds a request until a decode DP rank has fewer than this many "
+        "(its --max-requests-per-rank; default 0: no bound)",
+    )
 
 
 def _settings(args: argparse.Namespace, quick: bool) -> Settings:
@@ -738,6 +767,11 @@ def _settings(args: argparse.Namespace, quick: bool) -> Settings:
             f"baton bench trace: --trace-routers: unknown {unknown}; choose from {list(ROUTERS)}"
         )
     header = pick("session_header", "both", "both")
+    bound = int(given.get("max_requests_per_rank") or 0)
+    if bound < 0:
+        raise SystemExit(
+            f"baton bench trace: --max-requests-per-rank {bound}: give 0 (no bound) or more"
+        )
     return Settings(
         trace=str(given["trace"]),
         window_start_s=start,
@@ -749,6 +783,7 @@ def _settings(args: argparse.Namespace, quick: bool) -> Settings:
         time_scale=float(pick("time_scale", 4.0, 2.0)),
         usd_per_gpu_hour=float(pick("usd_per_gpu_hour", 3.0, 3.0)),
         busy_per_core=int(given.get("busy") or 0),
+        max_requests_per_rank=bound,
     )
 
 

@@ -15,12 +15,21 @@ import httpx
 import openai
 import psutil
 import pytest
+from openai.types import Completion
 from openai.types.chat import ChatCompletionMessageParam
 
 from baton.core.model import SERVED_MODEL_NAME
 from baton.core.sim_tokenizer import render_chat
 from rigs.processes import ProcessExited
-from tests.helpers import ROOT, baton_command, eventually, free_port, scrape_by, stop_process
+from tests.helpers import (
+    ROOT,
+    baton_command,
+    eventually,
+    free_port,
+    scrape,
+    scrape_by,
+    stop_process,
+)
 
 
 @contextlib.contextmanager
@@ -176,3 +185,47 @@ def test_the_comparison_modes_serve_without_an_eplb_service(
         # the simulator's own balance series, whichever EPLB runs: decode steps were routed
         steps = scrape_by(f"http://{decode}", "baton:sim_expert_balance_count", "moe_model")
         assert steps["target"] > 0
+
+
+def test_max_requests_per_rank_holds_the_rack_to_its_bound_and_answers_429_past_it(
+    tmp_path: Path,
+) -> None:
+    flags = ("--eplb-mode", "off", "--max-requests-per-rank", "1", "--queue-timeout", "1")
+    with baton_up(tmp_path, *flags) as (_, url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+        def open_stream() -> openai.Stream[Completion]:
+            # long enough to hold its decode rank for the whole test
+            return client.completions.create(
+                model=SERVED_MODEL_NAME,
+                prompt="hold the rank",
+                max_tokens=20_000,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+
+        held: list[openai.Stream[Completion]] = []
+        try:
+            with pytest.raises(openai.RateLimitError) as refused:
+                while len(held) < 200:  # more than the rack's decode ranks
+                    held.append(open_stream())
+            assert held, "the first request found no decode rank free"
+            assert refused.value.response.headers["retry-after"] == "1"
+            assert refused.value.code == "rate_limit_exceeded"
+            waits = scrape_by(url, "baton_gateway_admission_waits_total", "result")
+            assert waits.get("saturated") == 1.0
+            # one stream closed frees its rank, once the gateway and the engine's load (its
+            # next load sync) both say so: the next request is placed
+            held.pop().close()
+            eventually(
+                lambda: (
+                    scrape(url, "baton_gateway_in_flight_requests", role="decode") <= len(held)
+                    and scrape(url, "baton_gateway_peer_in_flight_requests") == 0
+                ),
+                timeout=60,
+            )
+            held.append(open_stream())
+            assert next(iter(held[-1])).choices[0].text
+        finally:
+            for stream in held:
+                stream.close()
