@@ -248,13 +248,11 @@ class Prober:
 
     def _wake_waiting(self) -> None:
         # One waiting request per place, each admitted here, so a freed place wakes one
-        # request and not the whole queue; a request that gave up is skipped.
+        # request and not the whole queue (a request that gave up has left the queue).
         pool = self.pool
         while self._waiting and pool.has_place():
-            waiter = self._waiting.popleft()
-            if not waiter.done():
-                pool.admit()
-                waiter.set_result(None)
+            pool.admit()
+            self._waiting.popleft().set_result(None)
 
     async def decode_place(self, within_s: float) -> str:
         """Admission under the pool's ``max_requests_per_rank``: ``free`` when a place is there
@@ -272,15 +270,16 @@ class Prober:
         waiter = asyncio.get_running_loop().create_future()
         self._waiting.append(waiter)
         pool.waiting_for_place += 1
+        placed = False
         try:
             await asyncio.wait_for(asyncio.shield(waiter), within_s)
+            placed = True
         except TimeoutError:
-            pass
-        except BaseException:  # the client left while waiting
-            if not waiter.cancel():  # placed as it left: the place goes on to the next
-                pool.release_admission(placed=False)
-            raise
+            placed = waiter.done()  # placed as its time ran out
         finally:
             pool.waiting_for_place -= 1
-        # cancel() marks a request still waiting as gone; it fails where one was placed
-        return "saturated" if waiter.cancel() else "waited"
+            if not waiter.done():  # still in the queue: it leaves it, holding nothing
+                self._waiting.remove(waiter)
+            elif not placed:  # placed as the client left: the place goes on to the next
+                pool.release_admission(placed=False)
+        return "waited" if placed else "saturated"
