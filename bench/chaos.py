@@ -23,7 +23,8 @@ talking to was killed under it (a reset connection: nothing can answer for a dea
 request past its deadline, with wrong, duplicated or missing tokens, or with a malformed error
 is a violation. After the schedule: the time until every component serves again (the gateways
 ready with every target healthy, the EPLB service following the group, a request through each
-gateway answered); then nothing left in flight at the gateways or engines, no prefill KV held,
+gateway answered), and the time until the EPLB service commits a rebalance again, the load
+going on until it does; then nothing left in flight at the gateways or engines, no prefill KV held,
 and every agent of the group on one placement with nothing pending; and no component logged
 a traceback (a fault is expected, not a crash). Throughout: no rank
 switched to a placement alone (an agent on a newer version while another is on the older one
@@ -53,6 +54,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -691,6 +693,41 @@ def _eplb_switches(stack: ChaosStack) -> dict[str, int]:
     return {name: text.count(needle) for name, needle in EPLB_LOG_LINES.items()}
 
 
+def _rebalances_committed_since(stack: ChaosStack, wall_s: float) -> int:
+    """Rebalances the EPLB service's log says it committed at or after ``wall_s`` (epoch
+    seconds; the log stamps local time to the millisecond)."""
+    needle = EPLB_LOG_LINES["committed_rebalances"]
+    count = 0
+    for line in stack.eplb.log_path.read_text(errors="replace").splitlines():
+        if needle not in line:
+            continue
+        try:
+            stamped = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        except ValueError:
+            continue
+        count += stamped >= wall_s
+    return count
+
+
+async def _rebalanced(load: _Load, since: float) -> float | None:
+    """Seconds from ``since`` (monotonic) until the EPLB service commits a rebalance, the load
+    kept on until then so that the engines step (None: not within the recovery bound and a
+    minute more). A rack has recovered when its experts are balanced again, not only when it
+    answers; how many steps that takes after a restart depends on the engines' pace, which a
+    busy host slows."""
+    deadline = since + RECOVERY_BOUND_S + 60
+    since_wall = time.time() - (time.monotonic() - since)
+    planned, load.stop_at = load.stop_at, deadline
+    try:
+        while time.monotonic() < deadline:
+            if await asyncio.to_thread(_rebalances_committed_since, load.stack, since_wall):
+                return max(0.0, time.monotonic() - since)
+            await asyncio.sleep(1)
+        return None
+    finally:
+        load.stop_at = max(planned, time.monotonic())
+
+
 def _rss_mib(components: Sequence[Component]) -> dict[str, Any]:
     """Each live component's RSS in MiB, and under ``pids`` the process it was measured in (a
     restarted component is a new process, whose memory starts again)."""
@@ -765,6 +802,8 @@ class ChaosReport:
     # splits left by the service killed during Commit, healed within SPLIT_HEAL_S
     healed_splits: list[str]
     recovery_s: float | None
+    # from the last fault's end to the EPLB service's next committed rebalance
+    rebalanced_s: float | None
     leaks: dict[str, float]
     placements: dict[str, Any]
     eplb_switches: dict[str, int]
@@ -841,6 +880,7 @@ async def run_chaos(
         # measured under the load still running, as a rack recovers under its users
         last_end = max((a.ended_s or 0.0 for a in applied), default=0.0)
         recovery = await _recovery(stack, model, healthy, started + last_end)
+        rebalanced = await _rebalanced(load, started + last_end)
         await asyncio.wait_for(
             lanes_done, max(0.0, load.stop_at - time.monotonic()) + REQUEST_DEADLINE_S + 60
         )
@@ -875,6 +915,7 @@ async def run_chaos(
         ranks_switched_alone=[str(s) for s in splits if not excused_by_commit_kill(s, applied)],
         healed_splits=[str(s) for s in splits if excused_by_commit_kill(s, applied)],
         recovery_s=recovery,
+        rebalanced_s=rebalanced,
         leaks={name: value for name, value in leaks.items() if value},
         placements=await _final_placements(stack),
         eplb_switches=switches,
@@ -900,6 +941,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"
+
+
 def _print(report: ChaosReport) -> None:
     applied = sum(1 for f in report.faults if "not applied" not in f["note"])
     print(
@@ -907,7 +952,8 @@ def _print(report: ChaosReport) -> None:
         f"{sum(report.outcomes.values())} requests {report.outcomes}; "
         f"violations {len(report.violations)}, ranks switched alone "
         f"{len(report.ranks_switched_alone)} (healed splits {len(report.healed_splits)}), recovery "
-        f"{report.recovery_s if report.recovery_s is None else round(report.recovery_s, 1)} s, "
+        f"{_seconds(report.recovery_s)}, "
+        f"rebalanced after {_seconds(report.rebalanced_s)}, "
         f"leaks {report.leaks or 'none'}, placements agreed {report.placements.get('agreed')}; "
         f"EPLB {report.eplb_switches}; held: {report.held}"
     )
