@@ -25,7 +25,13 @@ from typing import TypeVar
 
 import numpy as np
 
-from baton.core.perf import PrefillChunk, RankBatch, step_seconds
+from baton.core.perf import (
+    PrefillChunk,
+    RankBatch,
+    lone_prefill_chunks,
+    lone_prefill_seconds,
+    step_seconds,
+)
 from baton.core.profile import DecodeProfile, NVLinkProfile, PrefillProfile, Profile
 
 __all__ = [
@@ -87,16 +93,12 @@ S = TypeVar("S", PrefillSample, DecodeSample, HandoffSample)
 def prefill_chunks(sample: PrefillSample, chunk_tokens: int) -> list[PrefillChunk]:
     """The chunks vLLM's scheduler splits a lone prompt into: ``chunk_tokens`` (its
     ``max_num_batched_tokens``) a step, each on the context the earlier ones left."""
-    return [
-        PrefillChunk(min(chunk_tokens, sample.new_tokens - done), sample.context_tokens + done)
-        for done in range(0, sample.new_tokens, chunk_tokens)
-    ]
+    return lone_prefill_chunks(sample.new_tokens, sample.context_tokens, chunk_tokens)
 
 
 def prefill_seconds(profile: Profile, sample: PrefillSample) -> float:
     """The simulator's prefill time for ``sample`` alone on a rank: one step a chunk."""
-    chunks = prefill_chunks(sample, profile.prefill.max_num_batched_tokens)
-    return sum(step_seconds(profile, [RankBatch(prefill_chunks=(c,))]).total_s for c in chunks)
+    return lone_prefill_seconds(profile, sample.new_tokens, sample.context_tokens)
 
 
 def decode_seconds(profile: Profile, sample: DecodeSample) -> float:

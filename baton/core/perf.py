@@ -42,6 +42,8 @@ __all__ = [
     "api_server_ready",
     "expected_tokens_per_step",
     "expert_copy_seconds",
+    "lone_prefill_chunks",
+    "lone_prefill_seconds",
     "prefill_chunk_seconds",
     "step_seconds",
     "switch_copy_seconds",
@@ -87,6 +89,24 @@ def prefill_chunk_seconds(profile: Profile, chunk: PrefillChunk) -> float:
         n * (p.per_token_s + p.per_token_context_s * (chunk.context_tokens + n / 2))
         + p.context_read_per_token_s * chunk.context_tokens
     )
+
+
+def lone_prefill_chunks(
+    new_tokens: int, context_tokens: int, chunk_tokens: int
+) -> list[PrefillChunk]:
+    """The chunks vLLM's scheduler splits a prompt alone on its rank into: ``chunk_tokens`` (its
+    ``max_num_batched_tokens``) a step, each on the context the earlier ones left."""
+    return [
+        PrefillChunk(min(chunk_tokens, new_tokens - done), context_tokens + done)
+        for done in range(0, new_tokens, chunk_tokens)
+    ]
+
+
+def lone_prefill_seconds(profile: Profile, new_tokens: int, context_tokens: int) -> float:
+    """A prompt's prefill alone on an idle rank: ``new_tokens`` computed on ``context_tokens``
+    served from its prefix cache, one step a chunk."""
+    chunks = lone_prefill_chunks(new_tokens, context_tokens, profile.prefill.max_num_batched_tokens)
+    return sum(step_seconds(profile, [RankBatch(prefill_chunks=(c,))]).total_s for c in chunks)
 
 
 def _rank_seconds(profile: Profile, batch: RankBatch, decoding: bool) -> tuple[float, float]:

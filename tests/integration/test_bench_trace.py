@@ -78,4 +78,9 @@ def test_a_trace_is_replayed_through_each_router_and_reuse_is_accounted_for(
     assert points[("baton", True)]["affinity"]["hit"] > 0
     [row] = result["comparison"]
     assert row["against"] == "vllm-router" and row["ttft_p90_ratio"] > 0
+    # the floor: no request's TTFT beats its prefill alone with its reusable prefix cached
+    floor = window["ttft_floor_ms"]
+    assert floor["requests"] > 0
+    assert all(point["ttft_ms"]["p90"] >= floor["p50"] for point in points.values())
+    assert row["floor_p90_ratio"] > 0 and row["prefill_bound_throughput_ratio_max"] > 0
     assert "| baton +session | x4 |" in done.stdout

@@ -1,5 +1,6 @@
 """``baton bench trace``'s pure parts: reading a Mooncake trace, the prompts it builds, the reuse
-the trace allows, the sessions a client would name, and where reuse was lost."""
+the trace allows, the sessions a client would name, where reuse was lost, and the TTFT no router
+could beat."""
 
 from __future__ import annotations
 
@@ -9,17 +10,21 @@ from typing import Any
 import orjson
 import pytest
 
+from baton.core.perf import lone_prefill_seconds
+from baton.core.profile import load_profile
 from baton.core.sim_tokenizer import count_tokens
 from bench.trace import (
     BLOCK_TOKENS,
     TraceError,
     TraceRequest,
+    compare,
     load_trace,
     prompt_digest,
     prompt_text,
     reusable_tokens,
     reuse_lost,
     sessions,
+    ttft_floor_ms,
 )
 
 
@@ -171,3 +176,43 @@ def test_a_prefix_held_only_by_another_dp_rank_is_lost_elsewhere() -> None:
 
 def test_no_request_of_the_trace_in_the_log_gives_no_causes() -> None:
     assert reuse_lost([_request(1, 600, 1, 2)], []) is None
+
+
+def test_the_ttft_floor_is_each_measured_requests_prefill_alone_on_what_it_cannot_reuse() -> None:
+    profile = load_profile()
+    requests = [
+        _request(1, 20_000, *range(1, 41), at=0),  # in the warm-up: not measured
+        _request(2, 20_000, *range(1, 40), 99, at=5_000),  # 39 blocks cached, 32 tokens new
+        _request(3, 20_000, *range(100, 140), at=6_000),  # nothing cached: a cold prefill
+    ]
+    floor = ttft_floor_ms(requests, reusable_tokens(requests), profile, warmup_s=5.0)
+    warm = lone_prefill_seconds(profile, 20_000 - 39 * 512, 39 * 512) * 1000
+    cold = lone_prefill_seconds(profile, 20_000, 0) * 1000
+    assert warm < cold  # one chunk against three
+    # nearest-rank percentiles, as the measured TTFT's
+    assert floor == {
+        "requests": 2,
+        "p50": pytest.approx(warm),
+        "p90": pytest.approx(cold),
+        "p99": pytest.approx(cold),
+    }
+
+
+def test_reuse_bounds_the_ttft_and_throughput_ratios_any_router_could_reach() -> None:
+    def point(router: str, p90: float) -> dict[str, Any]:
+        return {
+            "router": router,
+            "speedup": 8.0,
+            "session_header": False,
+            "ttft_ms": {"p90": p90},
+            "tokens_per_s_per_gpu": 100.0,
+            "p90_tokens_per_s_per_user": 10.0,
+            "prefix_reuse_achieved": 0.2,
+            "prefix_reuse_theoretical": 0.25,
+        }
+
+    (row,) = compare([point("baton", 300.0), point("vllm-router", 400.0)], {"p90": 260.0})
+    assert row["ttft_p90_ratio"] == pytest.approx(0.75)
+    assert row["floor_p90_ratio"] == pytest.approx(0.65)
+    # vllm-router computed 80% of the prompt; with all of the reusable 25% reused, 75%
+    assert row["prefill_bound_throughput_ratio_max"] == pytest.approx(0.8 / 0.75)
