@@ -26,7 +26,6 @@ from typing import TypeVar
 import numpy as np
 
 from baton.core.perf import (
-    PrefillChunk,
     RankBatch,
     lone_prefill_chunks,
     lone_prefill_seconds,
@@ -41,8 +40,6 @@ __all__ = [
     "Residual",
     "decode_seconds",
     "fit_profile",
-    "prefill_chunks",
-    "prefill_seconds",
     "residuals",
 ]
 
@@ -88,17 +85,6 @@ class Residual:
 
 
 S = TypeVar("S", PrefillSample, DecodeSample, HandoffSample)
-
-
-def prefill_chunks(sample: PrefillSample, chunk_tokens: int) -> list[PrefillChunk]:
-    """The chunks vLLM's scheduler splits a lone prompt into: ``chunk_tokens`` (its
-    ``max_num_batched_tokens``) a step, each on the context the earlier ones left."""
-    return lone_prefill_chunks(sample.new_tokens, sample.context_tokens, chunk_tokens)
-
-
-def prefill_seconds(profile: Profile, sample: PrefillSample) -> float:
-    """The simulator's prefill time for ``sample`` alone on a rank: one step a chunk."""
-    return lone_prefill_seconds(profile, sample.new_tokens, sample.context_tokens)
 
 
 def decode_seconds(profile: Profile, sample: DecodeSample) -> float:
@@ -175,7 +161,7 @@ def fit_profile(
     _need(handoff, 2, "handoff")
     rows = []
     for sample in prefill:
-        chunks = prefill_chunks(sample, chunk_tokens)
+        chunks = lone_prefill_chunks(sample.new_tokens, sample.context_tokens, chunk_tokens)
         rows.append(
             [
                 len(chunks),
@@ -251,7 +237,7 @@ def residuals(
                 "prefill",
                 f"{s.new_tokens} on {s.context_tokens}",
                 s.seconds,
-                prefill_seconds(profile, s),
+                lone_prefill_seconds(profile, s.new_tokens, s.context_tokens),
             )
             for s in prefill
         ),

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from baton.core.perf import lone_prefill_chunks, lone_prefill_seconds
 from baton.core.profile import Profile, load_profile
 from sim.fit import (
     DecodeSample,
@@ -14,8 +15,6 @@ from sim.fit import (
     PrefillSample,
     decode_seconds,
     fit_profile,
-    prefill_chunks,
-    prefill_seconds,
     residuals,
 )
 
@@ -51,10 +50,7 @@ def _samples(
         (2048, 65536),
         (8192, 98304),
     ]
-    prefill = [
-        PrefillSample(n, c, jitter(prefill_seconds(profile, PrefillSample(n, c, 0.0))))
-        for n, c in shapes
-    ]
+    prefill = [PrefillSample(n, c, jitter(lone_prefill_seconds(profile, n, c))) for n, c in shapes]
     decode = [
         DecodeSample(b, c, jitter(decode_seconds(profile, DecodeSample(b, c, 0.0))))
         for b, c in [(1, 1024), (16, 1024), (128, 1024), (16, 32768), (64, 8192)]
@@ -88,7 +84,7 @@ def _fit(
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_of_the_batch_budget_on_the_growing_context() -> None:
-    chunks = prefill_chunks(PrefillSample(20000, 1000, 0.0), CHUNK)
+    chunks = lone_prefill_chunks(20000, 1000, CHUNK)
     assert [(c.new_tokens, c.context_tokens) for c in chunks] == [
         (8192, 1000),
         (8192, 9192),
