@@ -635,6 +635,13 @@ def gateway_kv_events(gateway: str) -> dict[str, float]:
     )
 
 
+def gateway_first_tokens(gateway: str) -> float:
+    """Streams whose first token Baton's gateway sent from their prefill leg."""
+    name = "baton_gateway_first_tokens_from_prefill_total"
+    families = text_string_to_metric_families(httpx.get(f"{gateway}/metrics", timeout=10).text)
+    return sum(s.value for f in families for s in f.samples if s.name == name)
+
+
 def gateway_not_reused(gateway: str) -> dict[str, float]:
     """Prompt tokens Baton's gateway had sent a prefill rank before and saw computed again, by
     cause (``routed_away``, ``absent``): its own record of where reuse went."""

@@ -89,6 +89,7 @@ from bench.agentx import (
     drive_sessions,
     fmt,
     gateway_affinity,
+    gateway_first_tokens,
     gateway_kv_events,
     gateway_not_reused,
     served_model,
@@ -757,6 +758,7 @@ def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) ->
         core_after = core_ticks(ROUTER_CORE)
         affinity = gateway_affinity(url) if name == "baton" else None
         not_reused = gateway_not_reused(url) if name == "baton" else None
+        first_tokens = gateway_first_tokens(url) if name == "baton" else None
         kv_events = gateway_kv_events(url) if name == "baton" else None
         # a fresh gateway a point: its phases are this point's; its TTFT less its legs is
         # its own time before the prefill leg and after the first decode byte
@@ -807,6 +809,8 @@ def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) ->
         "affinity": affinity,
         # the gateway's own count, warmup included, of tokens a rank held and prefill computed
         "not_reused_tokens": not_reused,
+        # streams whose first token the gateway sent from their prefill leg, warmup included
+        "first_tokens_from_prefill": first_tokens,
         "kv_event_batches": kv_events,
         "prompt_tokens_by_source": dict(by_role),
         "per_engine": delta,

@@ -63,6 +63,7 @@ from bench.agentx import (
     engine_counters,
     fmt,
     gateway_affinity,
+    gateway_first_tokens,
     gateway_not_reused,
     option_picker,
     percentile,
@@ -510,6 +511,7 @@ def _point(
         counters = engine_counters(rack)
         affinity = gateway_affinity(rack.gateway) if name == "baton" else None
         not_reused = gateway_not_reused(rack.gateway) if name == "baton" else None
+        first_tokens = gateway_first_tokens(rack.gateway) if name == "baton" else None
         gpus = rack.gpus
     log_lines = [orjson.loads(line) for line in log_path.read_text().splitlines() if line]
     figures = summarize(
@@ -540,6 +542,8 @@ def _point(
         # the gateway's own record of prompt tokens its index knew a rank held and that were
         # computed again, by cause: beside reuse_lost, whether the index knew
         "not_reused_tokens": not_reused,
+        # streams whose first token the gateway sent from their prefill leg, warmup included
+        "first_tokens_from_prefill": first_tokens,
         "reuse_lost": reuse_lost(requests, log_lines),
         "prefill_spread": prefill_spread(log_lines),
         **figures,

@@ -396,7 +396,13 @@ class _Api:
             policy = settings.routing_policy()
             for route in self.routes:
                 route.handoff = Handoff(
-                    route.prober, upstream, policy, route.metrics, timeouts, self.tokenizer
+                    route.prober,
+                    upstream,
+                    policy,
+                    route.metrics,
+                    timeouts,
+                    self.tokenizer,
+                    first_from_prefill=settings.first_token_from_prefill,
                 )
             await asyncio.gather(*(route.prober.start(session) for route in self.routes))
             loop = asyncio.get_running_loop()

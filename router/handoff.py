@@ -29,6 +29,14 @@
      (a decode aborted before its pull tells the prefill engine to free too).
 4. ``usage.prompt_tokens_details.cached_tokens`` comes from the prefill response.
 
+A streamed completion whose prompt goes as ids may have its first token from the prefill leg
+(``router.first_token`` decides): the prefill leg then asks for the token's id
+(``return_token_ids``), the client gets the token as soon as the prefill answers, and every
+decode leg of step 3 (retries too) continues after it: the prompt's ids and the token, one
+token fewer; its usage counts the token as output again. Step 3's failures before the decode
+leg's first token are retried as before; when every attempt fails, the stream ends with an SSE
+error event.
+
 Every in-flight count taken in the pool is returned in a ``finally``.
 """
 
@@ -44,6 +52,7 @@ from dataclasses import dataclass
 import orjson
 
 from router.errors import (
+    GatewayError,
     NoHealthyTarget,
     Saturated,
     UpstreamError,
@@ -52,6 +61,13 @@ from router.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
     engine_error_body,
+)
+from router.first_token import (
+    FirstToken,
+    continuation_fields,
+    continued_prompt,
+    first_token,
+    sends_first_token,
 )
 from router.metrics import GatewayMetrics
 from router.policy import (
@@ -70,11 +86,12 @@ from router.policy import (
 from router.prefix import PromptBlocks, block_hashes, token_block_keys
 from router.prober import Prober
 from router.relay import DecodeRelay, Timing
-from router.stream import DecodeStream, FirstToken, StreamState
+from router.stream import DONE, DecodeStream, StreamHead, StreamState, error_event
 from router.tokens import PromptTokenizer, ShortestFirst, prompt_as_ids
-from router.upstream import UpstreamPool, UpstreamResponse
+from router.upstream import Sink, UpstreamPool, UpstreamResponse
 
 __all__ = [
+    "FirstTokenRelay",
     "Handoff",
     "JsonReply",
     "Timeouts",
@@ -118,6 +135,7 @@ class JsonReply:
 class _Prefilled:
     kv_transfer_params: Mapping[str, object]  # forwarded verbatim
     cached_tokens: int | None
+    first: FirstToken | None = None  # the prefill's token, for the client at once
 
 
 @dataclass(slots=True)
@@ -132,6 +150,8 @@ class _Request:
     timing: Timing
     prompt: bytes = b""  # a ``"prompt": [ids]`` field both legs carry over the text's
     admitted: bool = False  # holds a place under the decode bound until its decode begins
+    wants_first: bool = False  # the prefill leg returns its token's id (router.first_token)
+    first_sent: bool = False  # the client has the prefill's token; decode continues after it
 
     @property
     def stream(self) -> bool:
@@ -147,10 +167,15 @@ class Handoff:
         metrics: GatewayMetrics,
         timeouts: Timeouts,
         tokenizer: PromptTokenizer | None = None,
+        *,
+        first_from_prefill: bool = True,
     ) -> None:
         """``tokenizer``: the engines' (``router/tokens.py``), to key prompts by the token
-        blocks the engines cache and report; None keys them by bytes."""
+        blocks the engines cache and report; None keys them by bytes. ``first_from_prefill``:
+        send a streamed completion's first token from its prefill leg where
+        ``router.first_token`` allows."""
         self.prober = prober
+        self.first_from_prefill = first_from_prefill
         self.tokenizer = tokenizer
         self._tokenizing = ShortestFirst(self._tokenize)
         self.pool = prober.pool
@@ -172,7 +197,7 @@ class Handoff:
         raw: bytes,
         headers: Mapping[str, str],
         request_id: str,
-    ) -> JsonReply | DecodeRelay:
+    ) -> JsonReply | DecodeRelay | FirstTokenRelay:
         """Run the P/D sequence for one validated request body (``raw`` is its exact bytes)."""
         timing = Timing(started=time.perf_counter())
         key = affinity_key(headers, body, request_id)
@@ -180,13 +205,25 @@ class Handoff:
         if prompt:
             self.metrics.prompts_as_ids.inc()
         request = _Request(route, body, raw, request_id, key, timing, prompt)
+        request.wants_first = self.first_from_prefill and sends_first_token(
+            route, body, bool(prompt)
+        )
         await self._admit()
         request.admitted = self.pool.max_requests_per_rank > 0
         try:
-            return await self._route(request, blocks, prompt_tokens)
-        finally:
-            if request.admitted:  # ended before a decode rank took it: the place goes back
-                self.pool.release_admission(placed=False)
+            reply = await self._route(request, blocks, prompt_tokens)
+        except BaseException:
+            self._unadmit(request)
+            raise
+        if not isinstance(reply, FirstTokenRelay):  # that one takes its decode leg along
+            self._unadmit(request)
+        return reply
+
+    def _unadmit(self, request: _Request) -> None:
+        """The request ended before a decode rank took it: its place goes back."""
+        if request.admitted:
+            request.admitted = False
+            self.pool.release_admission(placed=False)
 
     def _placed(self, request: _Request) -> None:
         """The request's decode began: its rank's count now holds the place it was admitted to."""
@@ -196,7 +233,7 @@ class Handoff:
 
     async def _route(
         self, request: _Request, blocks: PromptBlocks, prompt_tokens: int
-    ) -> JsonReply | DecodeRelay:
+    ) -> JsonReply | DecodeRelay | FirstTokenRelay:
         timing, key = request.timing, request.key
         choice = None
         if needs_prefill(prompt_tokens, self.policy):
@@ -218,7 +255,24 @@ class Handoff:
             prefilled = outcome
         (self.metrics.pd_routes if prefilled else self.metrics.decode_only_routes).inc()
         timing.prefill_done = time.perf_counter()
-        return await self._decode(request, choice.view.cell if choice else None, prefilled)
+        cell = choice.view.cell if choice else None
+        if prefilled is not None and prefilled.first is not None:
+            return self._send_first(request, cell, prefilled, prefilled.first)
+        return await self._decode(request, cell, prefilled)
+
+    def _send_first(
+        self, request: _Request, cell: str | None, prefilled: _Prefilled, first: FirstToken
+    ) -> FirstTokenRelay:
+        """The client gets the prefill's token now; every decode leg from here on, retries
+        included, continues after it (``router.first_token``)."""
+        request.raw = _with_fields(request.raw, continuation_fields(request.body))
+        request.prompt = continued_prompt(request.prompt, first.token_id)
+        request.first_sent = True
+        timing = request.timing
+        timing.first_token = timing.prefill_done
+        self.metrics.ttft.observe(timing.first_token - timing.started)
+        self.metrics.first_tokens_from_prefill.inc()
+        return FirstTokenRelay(self, request, cell, prefilled, first.event)
 
     async def _prompt_blocks(
         self, body: Mapping[str, object], size: int
@@ -274,7 +328,7 @@ class Handoff:
             data, status = await self._call(
                 target.name,
                 request.route,
-                prefill_body(request.raw, request.body, request.prompt),
+                prefill_body(request.raw, request.body, request.prompt, request.wants_first),
                 engine_headers(request.request_id, target.dp_rank),
                 self.timeouts.prefill_s,
             )
@@ -321,7 +375,8 @@ class Handoff:
             )
             self.metrics.child(self.metrics.fallbacks, "no_kv_transfer_params").inc()
             return None
-        missing = missing_blocks(params, self.pool.block_size(target.name))
+        block_size = self.pool.block_size(target.name)
+        missing = missing_blocks(params, block_size)
         if missing:
             self._fall_back(
                 target,
@@ -329,7 +384,12 @@ class Handoff:
                 ValueError(f"its kv_transfer_params lack {missing} of the prompt's KV blocks"),
             )
             return None
-        return _Prefilled(params, cached if isinstance(cached, int) else None)
+        first = None
+        if request.wants_first:
+            options = request.body.get("stream_options")
+            continuous = isinstance(options, dict) and bool(options.get("continuous_usage_stats"))
+            first = first_token(reply, params, block_size, continuous)
+        return _Prefilled(params, cached if isinstance(cached, int) else None, first)
 
     async def _call(
         self, url: str, route: str, payload: bytes, headers: dict[str, str], within_s: float
@@ -461,7 +521,7 @@ class Handoff:
             )
             if response.status != 200:
                 raise UpstreamStatus("decode", response.status, await response.read_all(deadline))
-            head = FirstToken()
+            head = StreamHead()
             while head.state is StreamState.PENDING:
                 chunk = await response.read_some(deadline)
                 if not chunk:
@@ -482,9 +542,11 @@ class Handoff:
             self.pool.end_decode(rank.name)
             raise
         timing = request.timing
-        timing.first_token = time.perf_counter()
-        self.metrics.ttft.observe(timing.first_token - timing.started)
-        self.metrics.handoff_seconds.observe(timing.first_token - timing.prefill_done)
+        now = time.perf_counter()
+        if not request.first_sent:
+            timing.first_token = now
+            self.metrics.ttft.observe(now - timing.started)
+        self.metrics.handoff_seconds.observe(now - timing.prefill_done)
         self.pool.succeeded(rank.name)
         return DecodeRelay(
             request.route,
@@ -493,17 +555,84 @@ class Handoff:
             rank,
             response,
             head.buffered,
-            DecodeStream(cached),
+            DecodeStream(cached, answered=int(request.first_sent)),
             self.pool,
             self.metrics,
         )
 
 
-def prefill_body(raw: bytes, body: Mapping[str, object], prompt: bytes = b"") -> bytes:
+class FirstTokenRelay:
+    """A streamed completion whose first token came with its prefill (``router.first_token``):
+    that token goes to the client at once, then the decode leg is opened, with the retries it
+    has before its own first token, and relayed behind it. A decode leg that fails every
+    attempt ends the stream with an SSE error event: the client already has a token."""
+
+    __slots__ = ("_cell", "_event", "_handoff", "_prefilled", "_request")
+
+    def __init__(
+        self,
+        handoff: Handoff,
+        request: _Request,
+        cell: str | None,
+        prefilled: _Prefilled,
+        event: bytes,
+    ) -> None:
+        self._handoff = handoff
+        self._request = request
+        self._cell = cell
+        self._prefilled = prefilled
+        self._event = event
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
+
+    async def pump(self, client: Sink) -> None:
+        request, handoff = self._request, self._handoff
+        ended = ""
+        try:
+            client.write(self._event)
+            await client.drain()
+            try:
+                reply = await handoff._decode(request, self._cell, self._prefilled)
+            except GatewayError as exc:
+                ended = "upstream"
+                client.write(error_event(str(exc)))
+                await client.drain()
+                return
+            if isinstance(reply, JsonReply):  # the decode engine refused the request
+                ended = "upstream"
+                client.write(b"data: " + reply.body + b"\n\n" + DONE)
+                await client.drain()
+                return
+            await reply.pump(client)  # counts the request when its stream ends
+        except asyncio.CancelledError:
+            ended = ended or "client_disconnect"
+            raise
+        finally:
+            handoff._unadmit(request)
+            if ended:
+                timing = request.timing
+                handoff.metrics.stream_ended(
+                    request.route,
+                    None,
+                    ended,
+                    started=timing.started,
+                    first_token=timing.first_token,
+                    now=time.perf_counter(),
+                )
+
+
+def prefill_body(
+    raw: bytes, body: Mapping[str, object], prompt: bytes = b"", token_ids: bool = False
+) -> bytes:
     """The prefill leg's body (step 2 of the module docstring): the client's bytes with fields
-    that override its own, for one token, not streamed, the KV kept for a remote decode; and
-    ``prompt``, a serialized ``"prompt"`` field, over the client's (its ids)."""
+    that override its own, for one token, not streamed, the KV kept for a remote decode;
+    ``prompt``, a serialized ``"prompt"`` field, over the client's (its ids); and with
+    ``token_ids``, the sampled token's id asked for (``return_token_ids``)."""
     fields: dict[str, object] = {"max_tokens": 1, "stream": False}
+    if token_ids:
+        fields["return_token_ids"] = True
     if "max_completion_tokens" in body:
         fields["max_completion_tokens"] = 1
     if "stream_options" in body:

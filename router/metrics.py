@@ -234,6 +234,13 @@ class GatewayMetrics:
         self.output_tokens_counter = Counter(
             "baton_gateway_output_tokens", "Generated tokens returned.", [_DEPLOYMENT], registry=r
         )
+        self.first_tokens_from_prefill_counter = Counter(
+            "baton_gateway_first_tokens_from_prefill",
+            "Streamed completions whose first token the client had from the prefill leg, before "
+            "the KV handoff; the decode leg continued after it.",
+            [_DEPLOYMENT],
+            registry=r,
+        )
         self.prompts_as_ids_counter = Counter(
             "baton_gateway_prompts_as_token_ids",
             "Completion prompts sent to the engines as the token ids the gateway computed with "
@@ -368,6 +375,7 @@ class GatewayMetrics:
         self.e2e = self.child(self.e2e_histogram)
         self.output_tokens = self.child(self.output_tokens_counter)
         self.prompts_as_ids = self.child(self.prompts_as_ids_counter)
+        self.first_tokens_from_prefill = self.child(self.first_tokens_from_prefill_counter)
         self.cached_tokens = self.child(self.prompt_tokens, "cached")
         self.indexed_tokens = self.child(self.indexed_tokens_counter)
         self.uncached_tokens = self.child(self.prompt_tokens, "uncached")

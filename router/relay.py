@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -33,7 +33,7 @@ from router.pool import Pool
 from router.stream import DecodeStream, error_event
 from router.upstream import Sink, UpstreamResponse
 
-__all__ = ["SERVER_SEND", "DecodeRelay", "RelayResponse", "Timing"]
+__all__ = ["SERVER_SEND", "DecodeRelay", "Relay", "RelayResponse", "Timing"]
 
 log = logging.getLogger("baton.gateway.relay")
 
@@ -49,6 +49,15 @@ class Timing:
     started: float
     prefill_done: float = 0.0
     first_token: float = 0.0
+
+
+class Relay(Protocol):
+    """What :class:`RelayResponse` streams: a request's SSE bytes, written to a sink."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    async def pump(self, client: Sink) -> None: ...
 
 
 class DecodeRelay:
@@ -219,7 +228,7 @@ class RelayResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, relay: DecodeRelay) -> None:
+    def __init__(self, relay: Relay) -> None:
         # no Content-Length: the body is streamed (chunked)
         self.status_code = 200
         self.background = None

@@ -108,6 +108,12 @@ class GatewaySettings(BaseModel):
         description="prompt blocks the prefix index remembers over every prefill rank, least "
         "recently used forgotten first (with KV events about 180 bytes and 16 tokens each)",
     )
+    first_token_from_prefill: bool = Field(
+        True,
+        description="send a streamed completion's first token as its prefill leg samples it and "
+        "have the decode leg continue after it, where that is the stream one engine would give "
+        "(its prompt sent as the engines' ids, nothing that depends on where output begins)",
+    )
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest request body")
     body_timeout_s: float = Field(
         60.0, gt=0, description="seconds a client may take to send its request body"
@@ -153,6 +159,14 @@ class GatewaySettings(BaseModel):
                     default=default.value,
                     choices=[p.value for p in PrefillPolicy],
                     help=info.description,
+                )
+            elif isinstance(default, bool):
+                parser.add_argument(
+                    flag,
+                    dest=name,
+                    action=argparse.BooleanOptionalAction,
+                    default=default,
+                    help=f"{info.description} (default: {'on' if default else 'off'})",
                 )
             else:
                 unit = name.rsplit("_", 1)[-1]

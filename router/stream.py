@@ -1,10 +1,12 @@
 """What the gateway reads in the decode engine's SSE bytes: I/O-free, decoder-shaped objects.
 
-The hot path forwards upstream bytes verbatim. :class:`FirstToken` looks at the stream only until
+The hot path forwards upstream bytes verbatim. :class:`StreamHead` looks at the stream only until
 the first generated token (to decide whether a failure is still retryable and to time TTFT);
 :class:`DecodeStream` then looks only for the usage frame, which it captures for metrics and, on
 the P/D path, corrects: vLLM's decode engine reports every prompt token as cached because it
-computed none, so ``prompt_tokens_details.cached_tokens`` is replaced by the prefill engine's.
+computed none, so ``prompt_tokens_details.cached_tokens`` is replaced by the prefill engine's;
+and where the client had the first token from the prefill leg, the decode engine counted that
+token as prompt, so it moves back to the completion's count.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from enum import StrEnum
 
 import orjson
 
-__all__ = ["DONE", "DecodeStream", "FirstToken", "StreamState", "error_event"]
+__all__ = ["DONE", "DecodeStream", "StreamHead", "StreamState", "error_event"]
 
 DONE = b"data: [DONE]\n\n"
 _EVENT_END = b"\n\n"
@@ -34,7 +36,7 @@ class StreamState(StrEnum):
 
 
 @dataclass(slots=True)
-class FirstToken:
+class StreamHead:
     """Buffers the stream's head until it holds a generated token, an error event or the end.
 
     vLLM's chat stream opens with a role-only chunk before any token is generated; it is held
@@ -70,10 +72,13 @@ class FirstToken:
 class DecodeStream:
     """Passes SSE bytes through; captures (and on P/D corrects) the usage frame; notes [DONE]."""
 
-    __slots__ = ("_pending", "cached_tokens", "done", "usage")
+    __slots__ = ("_pending", "answered", "cached_tokens", "done", "usage")
 
-    def __init__(self, cached_tokens: int | None) -> None:
+    def __init__(self, cached_tokens: int | None, answered: int = 0) -> None:
+        """``answered``: tokens the client had before this stream (the prefill leg's), which
+        the decode engine counts as prompt."""
         self.cached_tokens = cached_tokens
+        self.answered = answered
         self.usage: dict[str, object] | None = None
         self.done = False
         self._pending = b""
@@ -112,6 +117,11 @@ class DecodeStream:
                     **(usage.get("prompt_tokens_details") or {}),
                     "cached_tokens": self.cached_tokens,
                 }
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if self.answered and isinstance(prompt, int) and isinstance(completion, int):
+                usage["prompt_tokens"] = prompt - self.answered
+                usage["completion_tokens"] = completion + self.answered
+            if self.cached_tokens is not None or self.answered:
                 parts[index] = b"data: " + orjson.dumps(frame)
             self.usage = usage
         return _EVENT_END.join(parts)

@@ -88,6 +88,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     echo: bool = False
+    return_token_ids: bool | None = False  # each choice's generated ids beside its text
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -26,7 +26,12 @@ from pydantic import ValidationError
 
 from baton.core.perf import api_server_ready
 from baton.core.secrets import read_token
-from baton.core.sim_tokenizer import count_tokens, encode_token_ids, render_chat
+from baton.core.sim_tokenizer import (
+    count_tokens,
+    decode_token_ids,
+    encode_token_ids,
+    render_chat,
+)
 from sim.config import EngineConfig
 from sim.engine import DPGroup
 from sim.faults import FaultInjector
@@ -241,7 +246,7 @@ class ApiServer:
         try:
             if body.stream:
                 return await self._stream(http, request, body, model, chat)
-            return await self._complete(request, model, chat)
+            return await self._complete(request, body, model, chat)
         except ConnectionResetError:
             # The client left while a chunk was being written: its request is aborted below,
             # as when aiohttp cancels the handler, and aiohttp drops this unsendable answer.
@@ -417,7 +422,13 @@ class ApiServer:
     def _kv_params(self, request: SimRequest) -> dict[str, object] | None:
         return self.nixl.transfer_params(request) if request.kv_block_ids else None
 
-    async def _complete(self, request: SimRequest, model: str, chat: bool) -> web.Response:
+    async def _complete(
+        self,
+        request: SimRequest,
+        body: CompletionRequest | ChatCompletionRequest,
+        model: str,
+        chat: bool,
+    ) -> web.Response:
         while not request.finished:
             await request.wait_output()
         if request.failure is not None:
@@ -446,6 +457,8 @@ class ApiServer:
                 "stop_reason": request.stop_reason,
                 "prompt_logprobs": None,
             }
+            if isinstance(body, CompletionRequest) and body.return_token_ids:
+                choice["token_ids"] = _generated_ids(request.text)
         response = {
             "id": f"{prefix}-{request.external_id}",
             "object": "chat.completion" if chat else "text_completion",
@@ -511,6 +524,8 @@ class ApiServer:
                 piece = b'"delta":{"content":' + orjson.dumps(text) + b"}"
             else:
                 piece = b'"text":' + orjson.dumps(text)
+                if isinstance(body, CompletionRequest) and body.return_token_ids:
+                    piece += b',"token_ids":' + orjson.dumps(_generated_ids(text))
             frame = (
                 b"data: " + head + b',"choices":[{"index":0,' + piece + b',"logprobs":null,'
                 b'"finish_reason":' + finish + b',"stop_reason":' + stop_reason + b"}]"
@@ -531,3 +546,8 @@ class ApiServer:
             )
         await response.write(b"data: [DONE]\n\n")
         return response
+
+
+def _generated_ids(text: str) -> list[int]:
+    """The ids of generated text: each generated word is one 4-byte token."""
+    return decode_token_ids(text.encode())

@@ -28,6 +28,7 @@ from tests.live.conftest import (
 
 MODEL = "tiny-qwen3-moe"
 BLOCK = 128  # vLLM's block size on CPU: prefix caching works in whole blocks of 128 tokens
+FIRST = "baton_gateway_first_tokens_from_prefill_total"
 
 
 def completion(client: openai.OpenAI, text: str, stream: bool) -> tuple[str, CompletionUsage]:
@@ -120,17 +121,29 @@ def test_the_engines_refuse_a_call_without_their_key(cell: dict[str, LiveEngine]
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_every_prompt_token_reaches_decode_over_nixl_and_none_is_computed_there(
-    cell: dict[str, LiveEngine], client: openai.OpenAI, route: str, stream: bool
+    cell: dict[str, LiveEngine],
+    gateway: SimHandle,
+    client: openai.OpenAI,
+    route: str,
+    stream: bool,
 ) -> None:
     text = prompt(f"pd {route} {stream}")
     before = sources(cell["decode"])
     prefill_before = sources(cell["prefill"])
+    first_before = scrape(gateway.url, FIRST)
     generated, usage = (completion if route == "completions" else chat)(client, text, stream)
     assert usage.completion_tokens == 12 and generated
+    # a streamed completion's first token may come from prefill: the decode engine's prompt is
+    # then the prompt and that token
+    continued = scrape(gateway.url, FIRST) - first_before
+    assert continued == 0 or (route, stream) == ("completions", True)
     pulled = moved(before, sources(cell["decode"]))
     # the decode engine computed no prompt token: all came over NIXL (or its own prefix cache)
     assert pulled["local_compute"] == 0
-    assert pulled["external_kv_transfer"] + pulled["local_cache_hit"] == usage.prompt_tokens
+    assert (
+        pulled["external_kv_transfer"] + pulled["local_cache_hit"]
+        == usage.prompt_tokens + continued
+    )
     assert pulled["external_kv_transfer"] > 0
     computed = moved(prefill_before, sources(cell["prefill"]))
     assert computed["local_compute"] + computed["local_cache_hit"] == usage.prompt_tokens
@@ -161,6 +174,52 @@ def test_pd_greedy_output_equals_a_direct_run_token_for_token(
         through.choices[0].logprobs.token_logprobs
         == (direct["choices"][0]["logprobs"]["token_logprobs"])
     )
+
+
+def test_a_streamed_completions_first_token_from_prefill_leaves_the_greedy_output_unchanged(
+    cell: dict[str, LiveEngine], gateway: SimHandle, client: openai.OpenAI
+) -> None:
+    text = prompt("first token", 500)
+    # room for the first token in the prompt's last KV block (router/first_token.py)
+    while len(tokens_of(cell["prefill"], text)) % BLOCK in (0, BLOCK - 1):
+        text += " more"
+    before = scrape(gateway.url, FIRST)
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=text,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert scrape(gateway.url, FIRST) == before + 1
+    direct = httpx.post(
+        f"{cell['prefill'].url}/v1/completions",
+        json={"model": "tiny", "prompt": text, "max_tokens": 24, "temperature": 0},
+        headers={"Authorization": f"Bearer {ENGINE_KEY}"},
+        timeout=300,
+    ).json()
+    streamed = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(streamed) == direct["choices"][0]["text"]
+    usage = usage_of(chunks[-1])
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        direct["usage"]["prompt_tokens"],
+        24,
+    )
+
+
+def tokens_of(engine: LiveEngine, text: str) -> list[int]:
+    answer = httpx.post(
+        f"{engine.url}/tokenize",
+        json={"model": "tiny", "prompt": text},
+        headers={"Authorization": f"Bearer {ENGINE_KEY}"},
+        timeout=60,
+    )
+    answer.raise_for_status()
+    tokens: list[int] = answer.json()["tokens"]
+    return tokens
 
 
 def test_a_shared_prefix_hits_the_prefix_cache_on_both_sides_and_usage_says_so(

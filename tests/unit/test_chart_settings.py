@@ -24,6 +24,8 @@ def wanted_schema() -> dict[str, dict[str, Any]]:
         entry: dict[str, Any]
         if isinstance(default, PrefillPolicy):
             entry = {"type": "string", "enum": [policy.value for policy in PrefillPolicy]}
+        elif isinstance(default, bool):
+            entry = {"type": "boolean"}
         elif isinstance(default, str):
             entry = {"type": "string"}
         elif isinstance(default, int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from router.stream import DONE, DecodeStream, FirstToken, StreamState, error_event
+from router.stream import DONE, DecodeStream, StreamHead, StreamState, error_event
 
 
 def event(payload: dict[str, object]) -> bytes:
@@ -37,7 +37,7 @@ USAGE = event({"id": "chatcmpl-1", "choices": [], "usage": DECODE_USAGE})
 ERROR = b'data: {"error":{"message":"boom","type":"server_error","param":null,"code":500}}\n\n'
 
 
-def feed_all(head: FirstToken, chunks: list[bytes]) -> list[StreamState]:
+def feed_all(head: StreamHead, chunks: list[bytes]) -> list[StreamState]:
     return [head.feed(chunk) for chunk in chunks]
 
 
@@ -54,23 +54,23 @@ def usage_in(output: bytes) -> dict[str, object]:
     return next(frame["usage"] for frame in frames if frame.get("usage"))
 
 
-# ---- FirstToken
+# ---- StreamHead
 
 
 def test_role_only_chat_chunk_is_held_until_a_token_arrives() -> None:
-    head = FirstToken()
+    head = StreamHead()
     assert head.feed(ROLE_ONLY) is StreamState.PENDING
     assert head.feed(TOKEN) is StreamState.TOKEN
     assert head.buffered == ROLE_ONLY + TOKEN
 
 
 def test_first_completion_chunk_is_a_token() -> None:
-    assert FirstToken().feed(COMPLETION_TOKEN) is StreamState.TOKEN
+    assert StreamHead().feed(COMPLETION_TOKEN) is StreamState.TOKEN
 
 
 @pytest.mark.parametrize("size", [1, 7, 64], ids=["byte", "7-bytes", "64-bytes"])
 def test_first_token_is_detected_across_chunk_boundaries(size: int) -> None:
-    head = FirstToken()
+    head = StreamHead()
     states = feed_all(head, split_every(ROLE_ONLY + TOKEN, size))
     assert states[-1] is StreamState.TOKEN
     assert set(states[:-1]) == {StreamState.PENDING}  # not before the token event is complete
@@ -78,18 +78,18 @@ def test_first_token_is_detected_across_chunk_boundaries(size: int) -> None:
 
 
 def test_error_event_before_a_token_is_detected_with_its_payload() -> None:
-    head = FirstToken()
+    head = StreamHead()
     assert feed_all(head, [ROLE_ONLY, ERROR[:20], ERROR[20:]])[-1] is StreamState.ERROR
     assert head.error == ERROR[6:-2]
 
 
 def test_done_before_a_token_is_the_end() -> None:
-    head = FirstToken()
+    head = StreamHead()
     assert feed_all(head, [ROLE_ONLY, DONE])[-1] is StreamState.END
 
 
 def test_comment_lines_are_not_tokens() -> None:
-    head = FirstToken()
+    head = StreamHead()
     assert head.feed(b": keep-alive\n\n") is StreamState.PENDING
     assert head.feed(TOKEN) is StreamState.TOKEN
 
@@ -175,3 +175,18 @@ def test_error_event_ends_the_stream_with_an_openai_error_and_done() -> None:
             "code": "upstream_failed",
         }
     }
+
+
+def test_a_token_the_client_had_from_prefill_counts_as_output_not_prompt() -> None:
+    # the decode engine's prompt was the prompt and the prefill's token
+    shifted = {**DECODE_USAGE, "prompt_tokens": 101, "completion_tokens": 4}
+    frame = event({"id": "cmpl-1", "choices": [], "usage": shifted})
+    stream = DecodeStream(cached_tokens=40, answered=1)
+    usage = usage_in(relay(stream, split_every(COMPLETION_TOKEN + frame + DONE, 7)))
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        100,
+        5,
+        105,
+    )
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 40}
+    assert stream.usage == usage
