@@ -589,31 +589,33 @@ class FirstTokenRelay:
 
     async def pump(self, client: Sink) -> None:
         request, handoff = self._request, self._handoff
-        ended = ""
+        metrics = handoff.metrics
+        ended = ""  # how the stream ended before a decode relay took it over
         try:
             client.write(self._event)
             await client.drain()
             try:
                 reply = await handoff._decode(request, self._cell, self._prefilled)
-            except GatewayError as exc:
-                ended = "upstream"
+            except GatewayError as exc:  # every attempt failed (_decode counted the abort)
+                metrics.child(metrics.requests, request.route, "stream_error").inc()
                 client.write(error_event(str(exc)))
                 await client.drain()
                 return
             if isinstance(reply, JsonReply):  # the decode engine refused the request
-                ended = "upstream"
+                ended = "engine_error"
                 client.write(b"data: " + reply.body + b"\n\n" + DONE)
                 await client.drain()
                 return
-            await reply.pump(client)  # counts the request when its stream ends
+            ended = "relayed"
+            await reply.pump(client)  # it counts the request when its stream ends
         except asyncio.CancelledError:
             ended = ended or "client_disconnect"
             raise
         finally:
             handoff._unadmit(request)
-            if ended:
+            if ended not in ("", "relayed"):
                 timing = request.timing
-                handoff.metrics.stream_ended(
+                metrics.stream_ended(
                     request.route,
                     None,
                     ended,

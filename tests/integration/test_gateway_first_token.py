@@ -146,3 +146,30 @@ def test_when_every_decode_attempt_fails_the_stream_ends_with_an_error_event(
     assert error["type"] == "server_error"
     assert stack.gateway_metric("baton_gateway_requests_total", outcome="stream_error") == 1
     eventually(lambda: stack.gateway_metric("baton_gateway_in_flight_requests") == 0)
+
+
+def test_a_client_gone_after_the_first_token_aborts_the_decode_leg(stack: Stack) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 100_000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST",
+        f"{stack.gateway.url}/v1/completions",
+        json=body,
+        timeout=30,
+        headers={"Authorization": "Bearer k"},
+    ) as response:
+        lines = (line for line in response.iter_lines() if line.startswith("data: "))
+        assert len(json.loads(next(lines)[6:])["choices"][0]["text"]) == 4
+        next(lines)  # the decode leg's first token: it is streaming
+    assert stack.gateway_metric(FIRST) == 1
+    eventually(
+        lambda: (
+            stack.gateway_metric("baton_gateway_requests_total", outcome="client_disconnect") == 1
+        )
+    )
+    stack.assert_nothing_leaked()
