@@ -95,6 +95,7 @@ __all__ = [
     "Handoff",
     "JsonReply",
     "Timeouts",
+    "continuation_body",
     "decode_body",
     "engine_headers",
     "missing_blocks",
@@ -265,7 +266,7 @@ class Handoff:
     ) -> FirstTokenRelay:
         """The client gets the prefill's token now; every decode leg from here on, retries
         included, continues after it (``router.first_token``)."""
-        request.raw = _with_fields(request.raw, continuation_fields(request.body))
+        request.raw = continuation_body(request.raw, request.body)
         request.prompt = continued_prompt(request.prompt, first.token_id)
         request.first_sent = True
         timing = request.timing
@@ -654,6 +655,13 @@ def decode_body(
         return raw
     fields = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
     return _with_fields(raw, fields, prompt)
+
+
+def continuation_body(raw: bytes, body: Mapping[str, object]) -> bytes:
+    """The client's bytes as the decode leg continues them after the prefill's first token
+    (``router.first_token.continuation_fields``); the prompt field goes as in
+    :func:`decode_body`."""
+    return _with_fields(raw, continuation_fields(body))
 
 
 def missing_blocks(params: Mapping[str, object], block_size: int) -> int:

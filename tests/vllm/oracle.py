@@ -165,6 +165,8 @@ def request(route: str, body: dict[str, Any]) -> dict[str, Any]:
         "stream": bool(parsed.stream),
         "stream_options": _plain(parsed.stream_options),
         "kv_transfer_params": _plain(parsed.kv_transfer_params),
+        "return_token_ids": getattr(parsed, "return_token_ids", None),
+        "prompt": _plain(getattr(parsed, "prompt", None)),
         "sampling": {
             "max_tokens": sampling.max_tokens,
             "min_tokens": sampling.min_tokens,

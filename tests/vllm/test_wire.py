@@ -9,7 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router.handoff import decode_body, engine_headers, prefill_body
+from router.first_token import continued_prompt
+from router.handoff import continuation_body, decode_body, engine_headers, prefill_body
 from tests.vllm.conftest import Vllm
 
 COMPLETIONS = "/v1/completions"
@@ -93,6 +94,24 @@ def test_the_decode_leg_is_the_clients_request_with_prefills_kv_verbatim(
         client["stream_options"],
     )
     assert decode_body(raw, None) == raw  # decode alone: the client's bytes, untouched
+
+
+def test_with_the_first_token_from_prefill_vllm_returns_its_id_and_continues_after_it(
+    vllm: Vllm,
+) -> None:
+    body = {"model": "dsv4", "prompt": "hello " * 20, "max_tokens": 32, "min_tokens": 4}
+    body |= {"stream": True, "ignore_eos": True}
+    raw = json.dumps(body).encode()
+    ids = b'"prompt":[11,12,13]'
+    prefill = verdict(vllm, COMPLETIONS, json.loads(prefill_body(raw, body, ids, True)))
+    assert prefill["return_token_ids"] is True and prefill["prompt"] == [11, 12, 13]
+    continued = continuation_body(raw, body)
+    decode = verdict(
+        vllm, COMPLETIONS, json.loads(decode_body(continued, PREFILL_KV, continued_prompt(ids, 7)))
+    )
+    assert decode["prompt"] == [11, 12, 13, 7]
+    assert (decode["sampling"]["max_tokens"], decode["sampling"]["min_tokens"]) == (31, 3)
+    assert decode["return_token_ids"] in (None, False) and decode["stream"] is True
 
 
 def test_both_legs_carry_the_one_request_id_and_only_decode_a_rank() -> None:
