@@ -406,6 +406,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="seconds a request waits for a decode rank below --max-requests-per-rank before "
         "429 (default: the gateway's)",
     )
+    parser.add_argument(
+        "--first-token-from-prefill",
+        action="store_true",
+        help="the gateway sends a streamed completion's first token from its prefill leg "
+        "(baton gateway --first-token-from-prefill)",
+    )
     args = parser.parse_args(argv)
     if args.max_requests_per_rank < 0 or (
         args.queue_timeout is not None and args.queue_timeout <= 0
@@ -441,11 +447,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run(plan, args, shape.name)
 
 
-def _admission_flags(args: argparse.Namespace) -> list[str]:
-    """The gateway's decode admission flags, as ``baton up`` was given them."""
+def _gateway_flags(args: argparse.Namespace) -> list[str]:
+    """The gateway's flags ``baton up`` takes (decode admission, the first token from
+    prefill), as it was given them."""
     flags = ["--max-requests-per-rank", str(args.max_requests_per_rank)]
     if args.queue_timeout is not None:
         flags += ["--queue-timeout", str(args.queue_timeout)]
+    if args.first_token_from_prefill:
+        flags.append("--first-token-from-prefill")
     return flags
 
 
@@ -529,7 +538,7 @@ def _run(plan: Plan, args: argparse.Namespace, deployment: str) -> int:
                     str(pool_file),
                     "--tokenizer",
                     "sim",
-                    *_admission_flags(args),
+                    *_gateway_flags(args),
                     "--log-level",
                     "warning",
                 ]
@@ -616,7 +625,7 @@ def _run_live(args: argparse.Namespace) -> int:
                     cell["prefill"].url,
                     "--decode",
                     cell["decode"].url,
-                    *_admission_flags(args),
+                    *_gateway_flags(args),
                     "--log-level",
                     "warning",
                 )

@@ -129,7 +129,9 @@ CARRY = ROOT / ".gpu"
 # One carried folder a device call: the tool carries 64 MiB a call, the working tree included.
 FOLDER_BYTES = 56 * 2**20
 STATE = Path(tempfile.gettempdir()) / "baton-gpu"  # the engines' record, models and logs
-ROUTERS = ("baton", "vllm-router", "round-robin")
+ROUTERS = ("baton", "baton-first", "vllm-router", "round-robin")
+# Baton's gateway as it ships, and with the first token from prefill (--first-token-from-prefill)
+BATONS = ("baton", "baton-first")
 ROUTER_CORE = 0  # every router on the same one core
 ENGINE_START_S = 900.0
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -649,7 +651,10 @@ def _tokenizer(state: Path) -> str | None:
 
 @contextmanager
 def baton_gateway(
-    engines: Sequence[Engine], directory: Path, tokenizer: str | None = None
+    engines: Sequence[Engine],
+    directory: Path,
+    tokenizer: str | None = None,
+    first_token_from_prefill: bool = False,
 ) -> Iterator[str]:
     """Baton's gateway in front of ``engines``, reading the prefill engines' KV events with
     ``tokenizer`` where it is given (else keying prompts by their bytes)."""
@@ -667,6 +672,7 @@ def baton_gateway(
         "gateway",
         *("--host", "127.0.0.1", "--port", str(port), "--pool", str(pool)),
         *(("--tokenizer", tokenizer) if tokenizer else ()),
+        *(("--first-token-from-prefill",) if first_token_from_prefill else ()),
         *("--log-level", "warning"),
     )
     log_path = directory / "gateway.log"
@@ -699,8 +705,9 @@ def _free_router_core(engines: Sequence[Engine]) -> None:
 @contextmanager
 def _router(name: str, engines: Sequence[Engine], directory: Path) -> Iterator[str]:
     _free_router_core(engines)
-    if name == "baton":
-        with baton_gateway(engines, directory, _tokenizer(directory.parent)) as url:
+    if name in BATONS:
+        tokenizer = _tokenizer(directory.parent)
+        with baton_gateway(engines, directory, tokenizer, name == "baton-first") as url:
             yield url
         return
     prefill = [e.url for e in engines if e.role == "prefill"]
@@ -756,10 +763,10 @@ def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) ->
         core_before = core_ticks(ROUTER_CORE)
         records, theoretical, wall_s, unmeasured_s = load(url)
         core_after = core_ticks(ROUTER_CORE)
-        affinity = gateway_affinity(url) if name == "baton" else None
-        not_reused = gateway_not_reused(url) if name == "baton" else None
-        first_tokens = gateway_first_tokens(url) if name == "baton" else None
-        kv_events = gateway_kv_events(url) if name == "baton" else None
+        affinity = gateway_affinity(url) if name in BATONS else None
+        not_reused = gateway_not_reused(url) if name in BATONS else None
+        first_tokens = gateway_first_tokens(url) if name in BATONS else None
+        kv_events = gateway_kv_events(url) if name in BATONS else None
         # a fresh gateway a point: its phases are this point's; its TTFT less its legs is
         # its own time before the prefill leg and after the first decode byte
         legs = (
@@ -767,7 +774,7 @@ def _point(engines: Sequence[Engine], load: Load, name: str, directory: Path) ->
                 **_histograms(url, ("baton_gateway_phase_seconds",), "phase"),
                 **_histograms(url, ("baton_gateway_time_to_first_token_seconds",)),
             }
-            if name == "baton"
+            if name in BATONS
             else {}
         )
     after = {e.name: _sources(e.url) for e in engines}

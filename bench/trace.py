@@ -456,6 +456,7 @@ class Settings:
     usd_per_gpu_hour: float
     busy_per_core: int = 0  # CPU-bound processes run beside the rack, per core
     max_requests_per_rank: int = 0  # Baton's bound on a decode rank's requests (0: none)
+    first_token_from_prefill: bool = False  # Baton's gateway sends the prefill's token at once
 
 
 # A request waiting for a decode rank under Baton's bound waits this long (wall seconds) before
@@ -465,13 +466,17 @@ BOUNDED_QUEUE_TIMEOUT_S = 600.0
 
 
 def _gateway_flags(settings: Settings, name: str) -> tuple[str, ...]:
-    if name != "baton" or not settings.max_requests_per_rank:
+    if name != "baton":
         return ()
+    first = ("--first-token-from-prefill",) if settings.first_token_from_prefill else ()
+    if not settings.max_requests_per_rank:
+        return first
     return (
         "--max-requests-per-rank",
         str(settings.max_requests_per_rank),
         "--queue-timeout",
         str(BOUNDED_QUEUE_TIMEOUT_S),
+        *first,
     )
 
 
@@ -531,6 +536,7 @@ def _point(
         "offered_requests_per_s": len(requests) / (settings.window_s / speedup),
         "busy_processes_per_core": settings.busy_per_core,
         "max_requests_per_rank": settings.max_requests_per_rank if name == "baton" else None,
+        "first_token_from_prefill": settings.first_token_from_prefill if name == "baton" else None,
         "wall_s": wall_s,
         "late_steps": late,
         # the decode engines' own inter-token latency (simulated ms), apart from the relay's
@@ -774,6 +780,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Baton's gateway holds a request until a decode DP rank has fewer than this many "
         "(its --max-requests-per-rank; default 0: no bound)",
     )
+    group.add_argument(
+        "--first-token-from-prefill",
+        action="store_true",
+        help="Baton's gateway sends each streamed completion's first token from its prefill leg "
+        "(its --first-token-from-prefill)",
+    )
 
 
 def _settings(args: argparse.Namespace, quick: bool) -> Settings:
@@ -829,6 +841,7 @@ def _settings(args: argparse.Namespace, quick: bool) -> Settings:
         usd_per_gpu_hour=float(pick("usd_per_gpu_hour", 3.0, 3.0)),
         busy_per_core=int(given.get("busy") or 0),
         max_requests_per_rank=bound,
+        first_token_from_prefill=bool(given.get("first_token_from_prefill")),
     )
 
 

@@ -169,7 +169,7 @@ class Handoff:
         timeouts: Timeouts,
         tokenizer: PromptTokenizer | None = None,
         *,
-        first_from_prefill: bool = True,
+        first_from_prefill: bool = False,
     ) -> None:
         """``tokenizer``: the engines' (``router/tokens.py``), to key prompts by the token
         blocks the engines cache and report; None keys them by bytes. ``first_from_prefill``:

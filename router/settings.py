@@ -109,10 +109,11 @@ class GatewaySettings(BaseModel):
         "recently used forgotten first (with KV events about 180 bytes and 16 tokens each)",
     )
     first_token_from_prefill: bool = Field(
-        True,
+        False,
         description="send a streamed completion's first token as its prefill leg samples it and "
         "have the decode leg continue after it, where that is the stream one engine would give "
-        "(its prompt sent as the engines' ids, nothing that depends on where output begins)",
+        "(its prompt sent as the engines' ids, nothing that depends on where output begins): "
+        "TTFT less the handoff, which then comes between the first token and the second",
     )
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest request body")
     body_timeout_s: float = Field(

@@ -36,6 +36,7 @@ def stack(start_sim: Callable[..., SimHandle], start_gateway: Callable[..., SimH
         "0",
         "--first-token-timeout",
         "5",
+        "--first-token-from-prefill",
     )
     return Stack(gateway, [prefill], decode)
 
