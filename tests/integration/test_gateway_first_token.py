@@ -5,7 +5,8 @@ the prompt's ids and that token."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -53,6 +54,17 @@ def stream(stack: Stack, prompt: str = PROMPT, **fields: Any) -> tuple[list[str]
         )
     )
     return [c.choices[0].text for c in chunks if c.choices], usage_of(chunks[-1])
+
+
+@contextmanager
+def raw_stream(stack: Stack, **fields: Any) -> Iterator[Iterator[str]]:
+    """A streamed completion of PROMPT read by hand: its data payloads, as they come."""
+    body = {"model": MODEL, "prompt": PROMPT, "stream": True, **fields}
+    headers = {"Authorization": "Bearer k"}
+    url = f"{stack.gateway.url}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=30, headers=headers) as response:
+        assert response.status_code == 200
+        yield (line[6:] for line in response.iter_lines() if line.startswith("data: "))
 
 
 def engine_tokens(engine: SimHandle) -> tuple[float, float]:
@@ -131,16 +143,8 @@ def test_when_every_decode_attempt_fails_the_stream_ends_with_an_error_event(
     stack: Stack,
 ) -> None:
     stack.fault(stack.decode, action="fail_requests", count=10, status=500)
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True}
-    with httpx.stream(
-        "POST",
-        f"{stack.gateway.url}/v1/completions",
-        json=body,
-        timeout=30,
-        headers={"Authorization": "Bearer k"},
-    ) as response:
-        assert response.status_code == 200
-        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    with raw_stream(stack, max_tokens=6) as payloads:
+        events = list(payloads)
     assert events[-1] == "[DONE]"
     assert len(json.loads(events[0])["choices"][0]["text"]) == 4  # the prefill's token
     error = json.loads(events[-2])["error"]
@@ -150,23 +154,9 @@ def test_when_every_decode_attempt_fails_the_stream_ends_with_an_error_event(
 
 
 def test_a_client_gone_after_the_first_token_aborts_the_decode_leg(stack: Stack) -> None:
-    body = {
-        "model": MODEL,
-        "prompt": PROMPT,
-        "max_tokens": 100_000,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    with httpx.stream(
-        "POST",
-        f"{stack.gateway.url}/v1/completions",
-        json=body,
-        timeout=30,
-        headers={"Authorization": "Bearer k"},
-    ) as response:
-        lines = (line for line in response.iter_lines() if line.startswith("data: "))
-        assert len(json.loads(next(lines)[6:])["choices"][0]["text"]) == 4
-        next(lines)  # the decode leg's first token: it is streaming
+    with raw_stream(stack, max_tokens=100_000, ignore_eos=True) as payloads:
+        assert len(json.loads(next(payloads))["choices"][0]["text"]) == 4
+        next(payloads)  # the decode leg's first token: it is streaming
     assert stack.gateway_metric(FIRST) == 1
     eventually(
         lambda: (
