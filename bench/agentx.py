@@ -56,6 +56,7 @@ import httpx
 import orjson
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from tqdm import tqdm
 
 from bench.procstat import pin
@@ -615,11 +616,15 @@ def _gateway_counter(
 ) -> dict[str, float]:
     """A counter of Baton's gateway summed by one label, each of ``values`` present."""
     totals = dict.fromkeys(values, 0.0)
-    for family in text_string_to_metric_families(httpx.get(f"{gateway}/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == sample_name:
-                totals[sample.labels[label]] += sample.value
+    for sample in _gateway_samples(gateway, sample_name):
+        totals[sample.labels[label]] += sample.value
     return totals
+
+
+def _gateway_samples(gateway: str, sample_name: str) -> Iterator[Sample]:
+    """The samples of one name Baton's gateway exports now."""
+    for family in text_string_to_metric_families(httpx.get(f"{gateway}/metrics", timeout=10).text):
+        yield from (sample for sample in family.samples if sample.name == sample_name)
 
 
 def gateway_affinity(gateway: str) -> dict[str, float]:
@@ -637,9 +642,8 @@ def gateway_kv_events(gateway: str) -> dict[str, float]:
 
 def gateway_first_tokens(gateway: str) -> float:
     """Streams whose first token Baton's gateway sent from their prefill leg."""
-    name = "baton_gateway_first_tokens_from_prefill_total"
-    families = text_string_to_metric_families(httpx.get(f"{gateway}/metrics", timeout=10).text)
-    return sum(s.value for f in families for s in f.samples if s.name == name)
+    samples = _gateway_samples(gateway, "baton_gateway_first_tokens_from_prefill_total")
+    return sum(sample.value for sample in samples)
 
 
 def gateway_not_reused(gateway: str) -> dict[str, float]:

@@ -468,16 +468,13 @@ BOUNDED_QUEUE_TIMEOUT_S = 600.0
 def _gateway_flags(settings: Settings, name: str) -> tuple[str, ...]:
     if name != "baton":
         return ()
-    first = ("--first-token-from-prefill",) if settings.first_token_from_prefill else ()
-    if not settings.max_requests_per_rank:
-        return first
-    return (
-        "--max-requests-per-rank",
-        str(settings.max_requests_per_rank),
-        "--queue-timeout",
-        str(BOUNDED_QUEUE_TIMEOUT_S),
-        *first,
-    )
+    flags: tuple[str, ...] = ()
+    if settings.max_requests_per_rank:
+        bound = str(settings.max_requests_per_rank)
+        flags += ("--max-requests-per-rank", bound, "--queue-timeout", str(BOUNDED_QUEUE_TIMEOUT_S))
+    if settings.first_token_from_prefill:
+        flags += ("--first-token-from-prefill",)
+    return flags
 
 
 def _point(

@@ -94,7 +94,7 @@ def first_token(
     reply: Mapping[str, object],
     kv_transfer_params: Mapping[str, object],
     block_size: int,
-    continuous_usage: bool = False,
+    body: Mapping[str, object],
 ) -> FirstToken | None:
     """The token the prefill ``reply`` sampled, where the decode engine can continue after it,
     else None (the decode engine then makes the first token itself, as without this).
@@ -110,7 +110,8 @@ def first_token(
       (``_apply_prefix_caching`` in vLLM's NIXL connector), and a block the token would fill
       would be cached there before the decode engine recomputes the token's KV in it.
 
-    ``continuous_usage``: the client asked for usage in every chunk (``stream_options``)."""
+    ``body``: the client's request; the event carries usage where it asked for usage in every
+    chunk (``stream_options.continuous_usage_stats``)."""
     choices = reply.get("choices")
     usage = reply.get("usage")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(usage, dict):
@@ -142,7 +143,8 @@ def first_token(
             {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
         ],
     }
-    if continuous_usage:
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
         event["usage"] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": 1,

@@ -385,11 +385,9 @@ class Handoff:
                 ValueError(f"its kv_transfer_params lack {missing} of the prompt's KV blocks"),
             )
             return None
-        first = None
-        if request.wants_first:
-            options = request.body.get("stream_options")
-            continuous = isinstance(options, dict) and bool(options.get("continuous_usage_stats"))
-            first = first_token(reply, params, block_size, continuous)
+        first = (
+            first_token(reply, params, block_size, request.body) if request.wants_first else None
+        )
         return _Prefilled(params, cached if isinstance(cached, int) else None, first)
 
     async def _call(

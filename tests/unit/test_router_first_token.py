@@ -75,7 +75,7 @@ def test_empty_stops_and_null_logprobs_read_the_same_anywhere() -> None:
 
 
 def test_the_prefills_token_becomes_the_streams_first_event() -> None:
-    first = first_token(reply(), PARAMS, block_size=16)
+    first = first_token(reply(), PARAMS, 16, BODY)
     assert first is not None and (first.token_id, first.text) == (279, " the")
     assert first.event.startswith(b"data: ") and first.event.endswith(b"\n\n")
     event = orjson.loads(first.event[6:])
@@ -84,7 +84,8 @@ def test_the_prefills_token_becomes_the_streams_first_event() -> None:
         {"index": 0, "text": " the", "logprobs": None, "finish_reason": None, "stop_reason": None}
     ]
     assert "usage" not in event
-    continuous = first_token(reply(), PARAMS, block_size=16, continuous_usage=True)
+    every_chunk = {**BODY, "stream_options": {"continuous_usage_stats": True}}
+    continuous = first_token(reply(), PARAMS, 16, every_chunk)
     assert continuous is not None
     assert orjson.loads(continuous.event[6:])["usage"]["completion_tokens"] == 1
 
@@ -105,7 +106,7 @@ def test_the_prefills_token_becomes_the_streams_first_event() -> None:
 def test_no_first_token_where_decode_cannot_continue_after_it_exactly(
     choice: dict[str, Any], params: dict[str, Any], block_size: int
 ) -> None:
-    assert first_token(reply(**choice), params, block_size) is None
+    assert first_token(reply(**choice), params, block_size, BODY) is None
 
 
 def test_the_decode_leg_continues_after_the_token_with_one_fewer_to_make() -> None:
